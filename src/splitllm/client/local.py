@@ -1,0 +1,60 @@
+"""The client's own layers: embedding, head stage, tail stage, final norm and LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitllm.kv import KVCache
+from splitllm.model.blocks import rms_norm
+from splitllm.model.stage import Stage
+from splitllm.model.weights import ModelFiles
+from splitllm.visibility import Visibility
+
+
+@dataclass
+class LocalCaches:
+    head: KVCache
+    tail: KVCache | None
+
+
+class LocalModel:
+    """Everything that never leaves the trusted device; reads none of the server's layers."""
+
+    def __init__(self, files: ModelFiles, head: int, tail: int, dtype: torch.dtype = torch.float32) -> None:
+        cfg = files.config
+        cfg.check_split(head, tail)
+        self.files, self.cfg, self.dtype = files, cfg, dtype
+        self.head_layers, self.tail_layers = head, tail
+        self.middle_range = (head, cfg.num_layers - tail)
+        embed_name = "model.embed_tokens.weight"
+        head_name = embed_name if cfg.tie_word_embeddings or not files.has("lm_head.weight") else "lm_head.weight"
+        w = files.read({embed_name, head_name, "model.norm.weight"}, dtype)
+        self.embed_weight = w[embed_name]
+        self.lm_head = w[head_name]
+        self.norm = w["model.norm.weight"]
+        self.head = Stage.load(files, 0, head, dtype)
+        self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, dtype) if tail else None
+
+    def new_caches(self, max_context: int) -> LocalCaches:
+        return LocalCaches(self.head.new_cache(max_context), self.tail.new_cache(max_context) if self.tail else None)
+
+    @torch.inference_mode()
+    def run_head(
+        self, caches: LocalCaches, tokens: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
+    ) -> torch.Tensor:
+        return self.head(caches.head, self.embed_weight[tokens], positions, vis, keep)
+
+    @torch.inference_mode()
+    def run_tail(
+        self, caches: LocalCaches, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
+    ) -> torch.Tensor:
+        hidden = hidden.to(self.dtype)
+        return self.tail(caches.tail, hidden, positions, vis, keep) if self.tail else hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over the given rows only: callers pass just the nodes the verifier needs."""
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps) @ self.lm_head.T

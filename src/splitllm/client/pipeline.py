@@ -1,0 +1,84 @@
+"""Score a step's nodes through the whole split model: head -> middle (wire) -> tail -> LM head.
+
+Decoders see only `SplitPipeline.score`, so the same proposers and verifier run over the network
+(RemoteMiddle) or in-process (LocalMiddle, for tests and offline benchmarks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from splitllm.client.local import LocalModel
+from splitllm.kv import KVCache
+from splitllm.model.stage import Stage
+from splitllm.stats import StepStats
+from splitllm.visibility import Visibility
+
+
+class Middle(Protocol):
+    def step(
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+    ) -> torch.Tensor: ...
+
+
+class LocalMiddle:
+    """The middle stage run in this process, with the same contract as a server session."""
+
+    def __init__(self, stage: Stage, max_context: int) -> None:
+        self.stage = stage
+        self.cache: KVCache = stage.new_cache(max_context)
+
+    def step(
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+    ) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.stage(self.cache, hidden, positions, vis, keep)
+        stats.server_ms += (time.perf_counter() - t0) * 1000
+        return out
+
+
+class SplitPipeline:
+    """One generation's state on the client: its local caches and its middle session."""
+
+    def __init__(self, local: LocalModel, middle: Middle, max_context: int) -> None:
+        self.local = local
+        self.middle = middle
+        self.caches = local.new_caches(max_context)
+
+    @property
+    def committed(self) -> int:
+        """Positions committed in the caches (the previous step's kept entries count once kept)."""
+        return self.caches.head.length
+
+    @property
+    def pending(self) -> int:
+        return self.caches.head.pending
+
+    def score(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        vis: Visibility,
+        keep: Sequence[int],
+        rows: torch.Tensor | None = None,
+        stats: StepStats | None = None,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Logits for the chosen rows (all by default) after one round trip; `keep` as in Stage.forward."""
+        stats = stats or StepStats()
+        stats.nodes = tokens.numel()
+        t0 = time.perf_counter()
+        hidden = self.local.run_head(self.caches, tokens, positions, vis, keep)
+        t1 = time.perf_counter()
+        hidden = self.middle.step(hidden, positions, vis, keep, stats)
+        t2 = time.perf_counter()
+        hidden = self.local.run_tail(self.caches, hidden, positions, vis, keep)
+        logits = self.local.logits(hidden if rows is None else hidden[rows])
+        t3 = time.perf_counter()
+        stats.head_ms = (t1 - t0) * 1000
+        stats.tail_ms = (t3 - t2) * 1000
+        stats.context = self.committed
+        return logits, stats

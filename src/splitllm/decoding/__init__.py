@@ -1,0 +1,1 @@
+"""Decoders: turn a prompt into committed tokens, one round trip per step."""

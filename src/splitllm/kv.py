@@ -1,0 +1,78 @@
+"""Preallocated key/value cache of one stage, with the three edits speculation needs.
+
+Layout: `committed` entries at slots [0, length) are final; the previous step's entries sit at
+[length, length + pending) until the next step says which of them to keep. Keeping compacts the
+chosen entries into place, so accepting speculative tokens costs no recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, max_context: int, dtype: torch.dtype
+    ) -> None:
+        shape = (num_layers, 1, num_kv_heads, max_context, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.positions = torch.zeros(max_context, dtype=torch.long)
+        self.max_context = max_context
+        self.length = 0
+        self.pending = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def check_keep(self, keep: Sequence[int]) -> None:
+        """Raise ValueError unless `keep` is a strictly increasing list of pending entries."""
+        prev = -1
+        for i in keep:
+            if not isinstance(i, int) or isinstance(i, bool) or i <= prev or i >= self.pending:
+                raise ValueError(
+                    f"keep must be strictly increasing indices into the previous step's {self.pending} entries"
+                )
+            prev = i
+
+    def keep(self, keep: Sequence[int]) -> None:
+        """Commit the chosen entries of the previous step, in order, and drop the rest."""
+        self.check_keep(keep)
+        n = len(keep)
+        if n and list(keep) != list(range(n)):
+            src = torch.tensor(keep, dtype=torch.long) + self.length
+            dst = slice(self.length, self.length + n)
+            for buf in (self.k, self.v):
+                buf[:, :, :, dst] = buf.index_select(3, src)
+            self.positions[dst] = self.positions[src]
+        self.length += n
+        self.pending = 0
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.max_context:
+            raise ValueError(
+                f"step of {n} positions over a committed context of {self.length} exceeds the "
+                f"maximum context of {self.max_context}"
+            )
+
+    def stage_new(self, positions: torch.Tensor) -> None:
+        """Record the positions of the entries this step appends (their K/V are written per layer)."""
+        n = positions.numel()
+        self.check_room(n)
+        self.positions[self.length : self.length + n] = positions
+        self.pending = n
+
+    def crop(self, length: int) -> None:
+        """Forget everything from `length` on (committed or pending)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} committed entries to {length}")
+        self.length = length
+        self.pending = 0
+
+    def layer(self, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Views of layer i's cache covering the committed entries plus this step's n, and the write offset."""
+        end = self.length + n
+        return self.k[i, :, :, :end], self.v[i, :, :, :end], self.length

@@ -1,0 +1,1 @@
+"""Decoder model pieces shared by client and server: config, weights, blocks, stages."""

@@ -1,0 +1,92 @@
+"""Decoder math of the Llama family in plain PyTorch: RMSNorm, rotary, attention over a KV cache, MLP.
+
+Projections are fused (q|k|v and gate|up) so a one-token step is a handful of matrix-vector
+products that stream the weights once; masks are explicit, so trees and windows need no special kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitllm.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as the reference implementation does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin for arbitrary absolute positions (tree nodes share positions, so no running offset)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32)
+        self.scaling = cfg.rope_scaling
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer; parameters are created empty and filled by the weight loader."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.q_size, self.kv_size = q, kv
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = empty(d)
+        self.qkv = empty(q + 2 * kv, d)
+        self.qkv_bias = empty(q + 2 * kv) if cfg.qkv_bias else None
+        self.o_proj = empty(d, q)
+        self.post_norm = empty(d)
+        self.gate_up = empty(2 * cfg.intermediate_size, d)
+        self.down = empty(d, cfg.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        offset: int,
+    ) -> torch.Tensor:
+        """x: (1, n, d). k_cache/v_cache: (1, kv_heads, offset + n, head_dim) views; new K/V land at offset."""
+        cfg = self.cfg
+        n = x.shape[1]
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        k_cache[:, :, offset:] = k
+        v_cache[:, :, offset:] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+        )
+        x = x + F.linear(attn.transpose(1, 2).reshape(1, n, self.q_size), self.o_proj)
+        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)

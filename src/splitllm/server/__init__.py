@@ -1,0 +1,1 @@
+"""The untrusted side: the middle layers behind a WebSocket endpoint."""

@@ -1,0 +1,90 @@
+"""Which new positions of a step see which: trees as parent indices, anything else as a bit matrix.
+
+Every new position always sees the committed cache (subject to sliding windows); among the new
+positions, a tree node sees its ancestors and itself, and a general pattern (lookahead's Jacobi
+window) gives each row explicitly. The wire carries parents or packed bits, never a float mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """n x n boolean matrix, row i = the new positions that position i attends to."""
+
+    matrix: torch.Tensor
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def n(self) -> int:
+        return self.matrix.shape[0]
+
+    @classmethod
+    def chain(cls, n: int) -> Visibility:
+        return cls.from_parents(range(-1, n - 1))
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int]) -> Visibility:
+        """A forest: parent -1 hangs a node directly off the committed cache."""
+        parents = tuple(parents)
+        n = len(parents)
+        m = np.zeros((n, n), dtype=bool)
+        for i, p in enumerate(parents):
+            if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or not -1 <= p < i:
+                raise ValueError(f"parent of node {i} must be an earlier node or -1, got {p!r}")
+            if p >= 0:
+                m[i] = m[p]
+            m[i, i] = True
+        return cls(torch.from_numpy(m), parents)
+
+    @classmethod
+    def from_matrix(cls, matrix: np.ndarray | torch.Tensor) -> Visibility:
+        m = torch.as_tensor(np.asarray(matrix, dtype=bool))
+        if m.ndim != 2 or m.shape[0] != m.shape[1]:
+            raise ValueError("visibility matrix must be square")
+        if not bool(m.diagonal().all()):
+            raise ValueError("every position must see itself")
+        return cls(m)
+
+    def to_wire(self) -> dict:
+        if self.parents is not None:
+            return {"parents": list(self.parents)}
+        return {"bits": np.packbits(self.matrix.numpy(), axis=None).tobytes()}
+
+    @classmethod
+    def from_wire(cls, fields: dict, n: int) -> Visibility:
+        if "parents" in fields:
+            parents = fields["parents"]
+            if not isinstance(parents, list) or len(parents) != n:
+                raise ValueError(f"parents must be a list of {n} indices")
+            return cls.from_parents(parents)
+        bits = fields.get("bits")
+        if bits is None:
+            return cls.chain(n)
+        if not isinstance(bits, bytes) or len(bits) != (n * n + 7) // 8:
+            raise ValueError(f"visibility bits must be {(n * n + 7) // 8} bytes for {n} positions")
+        flat = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=n * n)
+        return cls.from_matrix(flat.reshape(n, n))
+
+    def additive_mask(
+        self, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """(1, 1, n, L + n) additive mask, or None when every pair is visible (the fast path)."""
+        n = self.n
+        see_cache = torch.ones(n, cache_positions.numel(), dtype=torch.bool)
+        see_new = self.matrix
+        if window is not None:
+            see_cache = see_cache & (positions[:, None] - cache_positions[None, :] < window)
+            see_new = see_new & (positions[:, None] - positions[None, :] < window)
+        visible = torch.cat([see_cache, see_new], dim=1)
+        if bool(visible.all()):
+            return None
+        mask = torch.zeros(visible.shape, dtype=dtype)
+        mask.masked_fill_(~visible, float("-inf"))
+        return mask[None, None]
