@@ -1,0 +1,96 @@
+"""Start servers for demos, tests and benchmarks: in a thread (shares this process) or a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from types import TracebackType
+
+import uvicorn
+
+from splitllm.server.app import MiddleServer, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, timeout: float, proc: subprocess.Popen | None = None) -> dict:
+    """Poll /health until it answers; fail early if the server process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                return json.loads(r.read())
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"server on port {port} not healthy after {timeout:.0f} s")
+
+
+class ServerThread:
+    """A uvicorn server for a MiddleServer, run on a background thread of this process."""
+
+    def __init__(self, server: MiddleServer, port: int | None = None) -> None:
+        self.server = server
+        self.port = port or free_port()
+        config = uvicorn.Config(
+            create_app(server), host="127.0.0.1", port=self.port, log_level="warning", ws_per_message_deflate=False
+        )
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        wait_healthy(self.port, 30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout=10)
+
+
+class ServerProcess:
+    """`splitllm serve` in a child process, as a real deployment runs it."""
+
+    def __init__(self, *args: str, port: int | None = None, log_path: str | None = None, timeout: float = 300) -> None:
+        self.port = port or free_port()
+        self.args = [sys.executable, "-m", "splitllm.cli", "serve", "--port", str(self.port), *args]
+        self.log_path, self.timeout = log_path, timeout
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerProcess:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        try:
+            wait_healthy(self.port, self.timeout, self.proc)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
