@@ -6,6 +6,9 @@ products that stream the weights once; masks are explicit, so trees and windows 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +45,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a step: its rows, rotary tables, mask and where its new K/V go."""
+
+    rows: slice
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    offset: int
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer; parameters are created empty and filled by the weight loader."""
 
@@ -63,30 +77,32 @@ class DecoderLayer(nn.Module):
         self.gate_up = empty(2 * cfg.intermediate_size, d)
         self.down = empty(d, cfg.intermediate_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        offset: int,
-    ) -> torch.Tensor:
-        """x: (1, n, d). k_cache/v_cache: (1, kv_heads, offset + n, head_dim) views; new K/V land at offset."""
+    def forward(self, x: torch.Tensor, segments: Sequence[Segment], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x: (1, rows, d), the new positions of one or more sequences stacked along rows.
+
+        Projections and the MLP run once over all rows (they stream the weights once); attention runs per
+        segment against that segment's own cache (`kv[i]`: (1, kv_heads, offset + n, head_dim) views, the
+        new K/V written at the segment's offset), so sequences never see each other.
+        """
         cfg = self.cfg
-        n = x.shape[1]
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = F.linear(h, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-        k_cache[:, :, offset:] = k
-        v_cache[:, :, offset:] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(
-            q, k_cache, v_cache, attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
-        )
-        x = x + F.linear(attn.transpose(1, 2).reshape(1, n, self.q_size), self.o_proj)
+        outs = [self._attend(qkv[:, seg.rows], seg, k_cache, v_cache) for seg, (k_cache, v_cache) in zip(segments, kv)]
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        x = x + F.linear(attn, self.o_proj)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down)
+
+    def _attend(self, qkv: torch.Tensor, seg: Segment, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        n = qkv.shape[1]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
+        k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
+        k_cache[:, :, seg.offset :] = k
+        v_cache[:, :, seg.offset :] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=seg.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+        )
+        return attn.transpose(1, 2).reshape(1, n, self.q_size)

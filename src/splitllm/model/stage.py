@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from splitllm.kv import KVCache
-from splitllm.model.blocks import DecoderLayer, Rotary
+from splitllm.model.blocks import DecoderLayer, Rotary, Segment
 from splitllm.model.config import ModelConfig
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -22,6 +23,17 @@ _LAYER_TENSORS = {
     "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "down": ["mlp.down_proj.weight"],
 }
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's step: its cache, hidden states, positions, visibility and what to keep."""
+
+    cache: KVCache
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    vis: Visibility
+    keep: Sequence[int]
 
 
 class Stage(nn.Module):
@@ -75,7 +87,6 @@ class Stage(nn.Module):
         if n and (int(positions.min()) < 0 or int(positions.max()) >= self.cfg.max_position):
             raise ValueError(f"positions must lie in [0, {self.cfg.max_position})")
 
-    @torch.inference_mode()
     def forward(
         self,
         cache: KVCache,
@@ -89,15 +100,33 @@ class Stage(nn.Module):
         `keep` first commits the chosen entries of the previous step, then the n new positions are
         appended as this step's pending entries.
         """
-        self.check_step(cache, hidden, positions, vis, keep)
-        cache.keep(keep)
-        n = hidden.shape[0]
-        cache.stage_new(positions)
-        cos, sin = self.rotary(positions, self.dtype)
-        cache_pos = cache.positions[: cache.length]
-        masks = {w: vis.additive_mask(cache_pos, positions, w, self.dtype) for w in set(self.windows)}
-        x = hidden.to(self.dtype)[None]
+        return self.forward_many([StepInput(cache, hidden, positions, vis, keep)])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
+        """One step for each of several independent sequences (distinct caches) in one pass.
+
+        The rows of all steps share every weight read; each attends only to its own cache and
+        visibility. Every step is validated before any cache is touched.
+        """
+        if len({id(s.cache) for s in steps}) != len(steps):
+            raise ValueError("a batch holds at most one step per cache")
+        for s in steps:
+            self.check_step(s.cache, s.hidden, s.positions, s.vis, s.keep)
+        segments: dict[int | None, list[Segment]] = {w: [] for w in set(self.windows)}
+        row = 0
+        for s in steps:
+            n = s.hidden.shape[0]
+            s.cache.keep(s.keep)
+            s.cache.stage_new(s.positions)
+            cos, sin = self.rotary(s.positions, self.dtype)
+            cache_pos = s.cache.positions[: s.cache.length]
+            for w, segs in segments.items():
+                mask = s.vis.additive_mask(cache_pos, s.positions, w, self.dtype)
+                segs.append(Segment(slice(row, row + n), cos, sin, mask, s.cache.length))
+            row += n
+        x = torch.cat([s.hidden.to(self.dtype) for s in steps])[None]
         for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
-            k, v, offset = cache.layer(i, n)
-            x = layer(x, cos, sin, masks[window], k, v, offset)
-        return x[0]
+            kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
+            x = layer(x, segments[window], kv)
+        return list(x[0].split([s.hidden.shape[0] for s in steps]))

@@ -1,0 +1,85 @@
+"""Cross-session batching: steps of concurrent sessions share a forward pass and give the same results.
+
+Hidden states agree to float32 rounding (a multi-row product may sum in another order than a one-row
+product), and greedy tokens are identical."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from splitllm.model.stage import Stage, StepInput
+from splitllm.model.weights import ModelFiles
+from splitllm.visibility import Visibility
+from tests.protocol_client import RawClient
+
+HEAD, TAIL = 1, 1
+
+
+def _session_steps(hidden_size: int, seed: int) -> list[tuple[torch.Tensor, list[int], Visibility, list[int]]]:
+    """A prefill of a seed-dependent length, then a tree step and a chain step keeping part of it."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = 3 + seed % 5
+    tree = Visibility.from_parents([-1, 0, 0, 1, -1][: 2 + seed % 4])
+    steps = [(torch.randn(prompt, hidden_size, generator=g), list(range(prompt)), Visibility.chain(prompt), [])]
+    steps.append((torch.randn(tree.n, hidden_size, generator=g), [prompt + d for d in _depths(tree)], tree, list(range(prompt))))
+    kept = [0, 1] if tree.parents[1] == 0 else [0]
+    start = prompt + len(kept)
+    steps.append((torch.randn(2, hidden_size, generator=g), [start, start + 1], Visibility.chain(2), kept))
+    return steps
+
+
+def _depths(vis: Visibility) -> list[int]:
+    return [int(vis.matrix[i].sum()) - 1 for i in range(vis.n)]
+
+
+def test_forward_many_matches_one_by_one(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny_models["mistral"])  # sliding window: per-layer masks per segment
+    stage = Stage.load(files, HEAD, files.config.num_layers - TAIL, torch.float32)
+    sessions = [_session_steps(files.config.hidden_size, seed) for seed in range(8)]
+    solo = [stage.new_cache(32) for _ in sessions]
+    batched = [stage.new_cache(32) for _ in sessions]
+    for k in range(3):
+        inputs = [(h, torch.tensor(pos), vis, keep) for h, pos, vis, keep in (steps[k] for steps in sessions)]
+        want = [stage(c, *step) for c, step in zip(solo, inputs)]
+        got = stage.forward_many([StepInput(c, *step) for c, step in zip(batched, inputs)])
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for a, b in zip(solo, batched):
+        assert (a.length, a.pending) == (b.length, b.pending)
+        torch.testing.assert_close(b.k[:, :, :, : b.length + b.pending], a.k[:, :, :, : a.length + a.pending])
+
+
+def test_eight_concurrent_sessions_are_batched_and_match_solo_runs(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny_models["qwen2"])
+    layers = (HEAD, files.config.num_layers - TAIL)
+    sessions = [_session_steps(files.config.hidden_size, seed) for seed in range(8)]
+
+    def run(url: str, steps: list) -> list[torch.Tensor]:  # type: ignore[type-arg]
+        with RawClient(url) as client:
+            sid = client.open(files, layers).header["session"]
+            return [client.step(sid, h, pos, keep, **vis.to_wire()).tensor for h, pos, vis, keep in steps]
+
+    solo_url = server(tiny_models["qwen2"], HEAD, TAIL, batch_window_ms=0).url
+    want = [run(solo_url, steps) for steps in sessions]
+    batching = server(tiny_models["qwen2"], HEAD, TAIL, batch_window_ms=200)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda steps: run(batching.url, steps), sessions))
+    for a_steps, b_steps in zip(want, got):
+        for a, b in zip(a_steps, b_steps):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    histogram = batching.server.metrics.batch_size.collect()[0].samples
+    total = next(s.value for s in histogram if s.name.endswith("_sum"))
+    count = next(s.value for s in histogram if s.name.endswith("_count"))
+    assert count < total, "concurrent steps should have shared forward passes"
+
+
+def test_batched_greedy_decoding_equals_solo_on_the_default_model(default_files, local_model, server, split_greedy) -> None:  # type: ignore[no-untyped-def]
+    local = local_model(None, 2, 2)
+    prompts = [[1, 504, 3458, 282, 4649, 314] + [28 + i] * (i + 1) for i in range(8)]
+    url = server(None, 2, 2, batch_window_ms=20).url
+    solo = [split_greedy(local, url, p, 16) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: split_greedy(local, url, p, 16), prompts))
+    assert together == solo
