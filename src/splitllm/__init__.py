@@ -1,0 +1,23 @@
+"""Private LLM inference split between a trusted client and an untrusted server.
+
+The public classes load lazily, so `import splitllm` (and the server, which needs none of them)
+stays free of the tokenizer and model imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SplitClient": "splitllm.client.session",
+    "SamplingParams": "splitllm.decoding.sampling",
+    "SplitModelForCausalLM": "splitllm.api.hf",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'splitllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

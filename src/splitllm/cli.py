@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
-import logging
 import sys
-from typing import Annotated, Optional
+from collections.abc import Callable
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -28,6 +30,75 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _client(
+    server: Annotated[Optional[str], typer.Option(help="ws(s)://host:port of a splitllm server; omit to run in-process")] = None,
+    model: str = "default",
+    head: int = 2,
+    tail: int = 2,
+    wire_dtype: str = "float16",
+    dtype: str = "float32",
+    threads: int = 1,
+    token_file: Annotated[Optional[str], typer.Option(help="file holding the bearer token (default: $SPLITLLM_TOKEN)")] = None,
+    ca: Annotated[Optional[str], typer.Option(help="PEM CA bundle to verify a wss:// server (self-signed setups)")] = None,
+    insecure: Annotated[bool, typer.Option(help="skip wss:// certificate checks (tests only)")] = False,
+    client_cert: Annotated[Optional[str], typer.Option(help="PEM client certificate for mutual TLS")] = None,
+    client_key: Annotated[Optional[str], typer.Option(help="PEM key of --client-cert")] = None,
+    fallback: Annotated[Optional[list[str]], typer.Option(help="another server to fail over to (repeatable)")] = None,
+    reconnect_deadline: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
+) -> Any:
+    """The SplitClient that the model and connection options of every client command describe."""
+    from splitllm.client.connection import ConnectionOptions, read_token
+    from splitllm.client.session import SplitClient
+
+    _threads(threads)
+    options = ConnectionOptions(
+        read_token(token_file), ca, insecure, client_cert, client_key, tuple(fallback or ()),
+        deadline_s=reconnect_deadline,
+    )
+    return SplitClient(model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype), connection=options)
+
+
+def _sampling(
+    sample: Annotated[bool, typer.Option("--sample/--greedy", help="sample instead of taking the argmax")] = False,
+    temperature: float = 1.0,
+    top_k: Annotated[int, typer.Option(help="keep the k likeliest tokens (0: all)")] = 0,
+    top_p: Annotated[float, typer.Option(help="keep the likeliest tokens covering this probability")] = 1.0,
+    repetition_penalty: float = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="fixes the samples")] = None,
+) -> Any:
+    """The SamplingParams of the sampling options."""
+    from splitllm.decoding.sampling import SamplingParams
+
+    return SamplingParams(
+        do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed
+    )
+
+
+def _with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command every option of each group (a function like `_client`) and call it with what
+    the group builds from them, under the group's name, so commands share options without copies."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        shared = {name: inspect.signature(build, eval_str=True).parameters for name, build in groups.items()}
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name not in groups]
+        params = own + [p for group in shared.values() for p in group.values()]
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> Any:
+            try:
+                built = {name: build(**{k: kwargs.pop(k) for k in shared[name]}) for name, build in groups.items()}
+            except (ValueError, OSError) as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(2) from None
+            return command(**kwargs, **built)
+
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return decorate
+
+
 @app.command()
 def serve(
     model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
@@ -41,57 +112,79 @@ def serve(
     max_sessions: int = 64,
     session_ttl: Annotated[float, typer.Option(help="idle seconds before a session is dropped")] = 600.0,
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
+    tls_cert: Annotated[Optional[str], typer.Option(help="PEM certificate chain: serve wss://")] = None,
+    tls_key: Annotated[Optional[str], typer.Option(help="PEM private key of --tls-cert")] = None,
+    client_ca: Annotated[Optional[str], typer.Option(help="PEM CA: require client certificates it signed (mutual TLS)")] = None,
+    auth_token_file: Annotated[Optional[str], typer.Option(help="file of 'principal:token' lines; clients must present one")] = None,
+    max_sessions_per_principal: Annotated[Optional[int], typer.Option(help="default: --max-sessions")] = None,
+    max_kv_gib: Annotated[float, typer.Option(help="bound on the KV cache memory of all sessions, GiB")] = 8.0,
+    max_nodes_per_step: int = 4096,
+    max_frame_mib: Annotated[float, typer.Option(help="largest WebSocket message accepted, MiB")] = 64.0,
+    idle_timeout: Annotated[float, typer.Option(help="seconds before a silent connection is closed")] = 600.0,
+    send_timeout: Annotated[float, typer.Option(help="seconds a peer may take to read a reply")] = 30.0,
+    max_connections: int = 256,
+    batch_window_ms: Annotated[
+        float, typer.Option(help="steps of different sessions this close together share one forward; 0 disables")
+    ] = 2.0,
+    log_format: Annotated[str, typer.Option(help="text or json")] = "text",
 ) -> None:
     """Run the middle layers behind a WebSocket endpoint (never loads embedding or LM head)."""
     import uvicorn
 
-    from splitllm.server.app import MiddleServer, ServerSettings, create_app
+    from splitllm.server.app import MiddleServer, ServerSettings
+    from splitllm.server.auth import TokenTable
+    from splitllm.server.logs import configure
+    from splitllm.server.transport import TlsFiles, uvicorn_config
     from splitllm.wire import WIRE_DTYPES
 
     if wire_dtype not in WIRE_DTYPES:
         raise typer.BadParameter(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if (tls_cert is None) != (tls_key is None) or (client_ca and not tls_cert):
+        raise typer.BadParameter("--tls-cert and --tls-key go together, and --client-ca needs both")
+    configure(log_format)
     _threads(threads)
-    settings = ServerSettings(head, tail, _torch_dtype(dtype), max_context, max_sessions, session_ttl)
+    settings = ServerSettings(
+        head, tail, _torch_dtype(dtype), max_context, max_sessions, session_ttl, max_nodes_per_step,
+        int(max_frame_mib * (1 << 20)), max_sessions_per_principal, int(max_kv_gib * (1 << 30)),
+        idle_timeout, send_timeout, max_connections, batch_window_ms,
+    )
     try:
-        server = MiddleServer(model, settings)
-    except ValueError as exc:
+        tokens = TokenTable.load(auth_token_file) if auth_token_file else None
+        server = MiddleServer(model, settings, tokens)
+    except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"serving layers [{server.start}, {server.end}) on ws://{host}:{port}/ws", err=True)
-    uvicorn.run(create_app(server), host=host, port=port, ws_per_message_deflate=False, log_level="warning")
+    tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
+    scheme = "wss" if tls else "ws"
+    typer.echo(f"serving layers [{server.start}, {server.end}) on {scheme}://{host}:{port}/ws", err=True)
+    if tokens is None:
+        typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
+    uvicorn.Server(uvicorn_config(server, host, port, tls)).run()
 
 
 @app.command()
+@_with_options(client=_client, sampling=_sampling)
 def generate(
+    client: Any,
+    sampling: Any,
     prompt: str,
-    server: Annotated[Optional[str], typer.Option(help="ws://host:port of a splitllm server; omit to run in-process")] = None,
-    model: str = "default",
-    head: int = 2,
-    tail: int = 2,
     max_new_tokens: int = 128,
     decode: Annotated[str, typer.Option(help="decoding mode")] = "sequential",
-    wire_dtype: str = "float16",
-    dtype: str = "float32",
+    stop: Annotated[Optional[list[str]], typer.Option(help="end the answer before this text (repeatable)")] = None,
     raw: Annotated[bool, typer.Option(help="skip the chat template")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
-    threads: int = 1,
 ) -> None:
     """Generate text, streaming it, then a one-line summary of where the time went."""
     from splitllm.client.remote import ServerError
-    from splitllm.client.session import SplitClient
 
-    _threads(threads)
     try:
-        client = SplitClient(model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype))
         gen = None
         printed = ""
-        for gen, _ in client.stream(prompt, max_new_tokens, decode, chat=not raw):
+        for gen, _ in client.stream(prompt, max_new_tokens, decode, not raw, sampling, stop or ()):
             if not as_json:
-                text = client.tokenizer.decode(gen.ids, skip_special_tokens=True)
-                sys.stdout.write(text[len(printed) :])
+                sys.stdout.write(gen.text[len(printed) :])
                 sys.stdout.flush()
-                printed = text
+                printed = gen.text
     except (ValueError, ServerError, OSError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -111,6 +204,56 @@ def generate(
 
 
 @app.command()
+@_with_options(client=_client, sampling=_sampling)
+def chat(
+    client: Any,
+    sampling: Any,
+    decode: Annotated[str, typer.Option(help="decoding mode")] = "sequential",
+    max_new_tokens: Annotated[int, typer.Option(help="longest answer, in tokens")] = 256,
+    system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
+) -> None:
+    """Chat in the terminal; every turn reuses the KV cache of the conversation so far."""
+    import contextlib
+
+    from splitllm.chat import run_chat
+
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    run_chat(client, decode, sampling, max_new_tokens, system)
+
+
+@app.command("client-api")
+@_with_options(client=_client)
+def client_api(
+    client: Any,
+    host: Annotated[str, typer.Option(help="address to listen on (keep it on the trusted device)")] = "127.0.0.1",
+    port: int = 8000,
+    decode: Annotated[str, typer.Option(help="default decoding mode (a request's 'decode' overrides it)")] = "sequential",
+    served_model_name: Annotated[Optional[str], typer.Option(help="the model id clients see")] = None,
+) -> None:
+    """A local OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, /v1/models) over the split."""
+    import uvicorn
+
+    from splitllm.api.openai import create_app
+
+    typer.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 ({client.server or 'in-process middle'})", err=True)
+    uvicorn.run(create_app(client, served_model_name, decode), host=host, port=port, log_level="warning")
+
+
+@app.command()
+def demo(
+    prompt: Annotated[Optional[str], typer.Argument(help="what to ask")] = None,
+    rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
+    max_new_tokens: int = 96,
+    decode: str = "sequential",
+) -> None:
+    """Start a server, an emulated WAN link and a client on loopback; stream an answer and step stats."""
+    from splitllm.demo import DEMO_PROMPT, run_demo
+
+    run_demo(prompt or DEMO_PROMPT, rtt, max_new_tokens, decode)
+
+
+@app.command()
 def netem(
     listen: Annotated[int, typer.Option(help="port to listen on")],
     target: Annotated[str, typer.Option(help="HOST:PORT to forward to")],
@@ -123,6 +266,162 @@ def netem(
     from splitllm.netem import LinkProfile, run_netem
 
     run_netem(host, listen, target, LinkProfile(rtt_ms=rtt, jitter_ms=jitter, bandwidth_mbit=bandwidth))
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks over the real client, server and WAN proxy.")
+app.add_typer(bench_app, name="bench")
+
+
+# --- bench runtime: cost of the split runtime itself (server forward, loads, memory, decode steps) ---
+@bench_app.command("runtime")
+def bench_runtime(
+    out: Annotated[str, typer.Option(help="JSON report path")] = "results/runtime.json",
+    head: int = 2,
+    tail: int = 2,
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for decoding (1-8)")] = 1,
+    dtype_prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for the wire dtype check")] = 2,
+    max_new_tokens: int = 64,
+    rtt: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
+    wire_dtype: Annotated[str, typer.Option(help="wire dtype of the decoding runs")] = "float16",
+) -> None:
+    """Server forward vs the memory-bandwidth floor, load times, peak RSS, decode steps, wire dtype drift."""
+    from splitllm.bench.runtime import run_runtime, summary
+
+    result = run_runtime(
+        out, head, tail, prompts_per_category, max_new_tokens, tuple(float(r) for r in rtt.split(",")), wire_dtype,
+        dtype_prompts_per_category,
+    )
+    typer.echo(summary(result))
+    typer.echo(f"wrote {out}", err=True)
+# --- end bench runtime ---
+
+
+@bench_app.command("sweep")
+def bench_sweep(
+    out: Annotated[str, typer.Option(help="folder for steps.json, sweep.json, sweep.md and the plots")] = "results/sweep",
+    points: Annotated[str, typer.Option(help="links: RTT ms, or RTT@Mbit/s for a bandwidth cap")] = "0,20,40,80,120,200,80@20",
+    per_category: Annotated[int, typer.Option(help="workload prompts per category")] = 1,
+    max_new_tokens: int = 64,
+    profile: Annotated[Optional[str], typer.Option(help="auto profile to use instead of calibrating one")] = None,
+    merge: Annotated[bool, typer.Option(help="keep OUT/steps.json's runs at links not measured now")] = False,
+    reanalyze: Annotated[bool, typer.Option(help="measure nothing: rebuild the report from OUT/steps.json")] = False,
+    max_other_cores: Annotated[
+        float, typer.Option(help="wait for, and redo generations until, others use fewer cores (0: never)")
+    ] = 0.3,
+    quiet_deadline: Annotated[
+        float, typer.Option(help="minutes to wait for quiet moments; then what is left runs regardless")
+    ] = 60.0,
+) -> None:
+    """Tokens per second against RTT for every mode: measured, predicted (cross-validated), plotted."""
+    import shlex
+
+    from splitllm.bench.sweep import Quiet
+    from splitllm.bench.sweep_report import sweep
+
+    command = shlex.join(["splitllm", *sys.argv[1:]])
+    quiet = Quiet(max_other_cores, quiet_deadline * 60)
+    summary = sweep(out, points, per_category, max_new_tokens, profile, merge, reanalyze, command, quiet)
+    typer.echo(summary["markdown"])
+    typer.echo(f"overall MAPE {100 * summary['mape']['overall']:.2f}%; plots: {', '.join(summary['plots'])}", err=True)
+
+
+@bench_app.command("speculation")
+@_with_options(sampling=_sampling)
+def bench_speculation(
+    sampling: Any,
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 3,
+    max_new_tokens: int = 200,
+    rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
+    modes: Annotated[
+        str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget)")
+    ] = "sequential,lookup,lookahead,auto,auto-static",
+    out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
+) -> None:
+    """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
+    from splitllm.bench.speculation import run_speculation
+
+    result = run_speculation(
+        prompts_per_category, max_new_tokens, rtt, tuple(m.strip() for m in modes.split(",") if m.strip()), out,
+        progress=lambda line: typer.echo(line, err=True), sampling=sampling,
+    )
+    typer.echo(result["markdown"])
+
+
+@bench_app.command("exactness")
+def bench_exactness(
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
+    max_new_tokens: int = 128,
+    out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
+) -> None:
+    """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
+    from splitllm.bench.exactness import NEAR_TIE, run_exactness
+
+    report = run_exactness(prompts_per_category, max_new_tokens, out)
+    typer.echo(report.markdown())
+    if not report.explained:
+        typer.echo(f"error: a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", err=True)
+        raise typer.Exit(1)
+
+
+@bench_app.command("load")
+def bench_load(
+    clients: Annotated[int, typer.Option(help="concurrent clients (threads sharing one client model)")] = 64,
+    max_new_tokens: int = 64,
+    rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
+    prompts: Annotated[int, typer.Option(help="distinct workload prompts, cycled over the clients")] = 8,
+    context: Annotated[int, typer.Option(help="max_context of each session")] = 256,
+    max_kv_gib: Annotated[float, typer.Option(help="the server's KV memory bound, GiB")] = 1.0,
+    batch_window_ms: Annotated[float, typer.Option(help="the server's batching window; 0 disables")] = 2.0,
+    out: Annotated[str, typer.Option(help="JSON report path")] = "results/load.json",
+) -> None:
+    """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
+    from splitllm.bench.load import run_load, summary
+
+    result = run_load(clients, max_new_tokens, rtt, prompts, context, max_kv_gib, batch_window_ms=batch_window_ms,
+                      out=out, progress=lambda line: typer.echo(line, err=True))
+    typer.echo(summary(result))
+    typer.echo(f"wrote {out}", err=True)
+    if result["errors"] or result["correct_clients"] != clients or not result["kv_within_bound"]:
+        raise typer.Exit(1)
+
+
+privacy_app = typer.Typer(no_args_is_help=True, help="What the server can learn from the hidden states.")
+app.add_typer(privacy_app, name="privacy")
+
+
+@privacy_app.command("audit")
+def privacy_audit(
+    model: Annotated[Optional[str], typer.Option(help="'default', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
+    heads: Annotated[Optional[str], typer.Option(help="comma-separated head depths K (layers before the state is sent) [default: 1,2,4,6,8,12; --quick: 1,2]")] = None,
+    tails: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
+    out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",
+    quick: Annotated[bool, typer.Option(help="tiny random model and small settings: a minute or two")] = False,
+    whitebox_max_candidates: Annotated[int, typer.Option(help="white-box candidates per position at most (0: whole vocabulary)")] = 8192,
+    threads: Annotated[int, typer.Option(help="compute threads")] = 1,
+) -> None:
+    """Train and run token-recovery attacks at each split depth, measure defenses, write a report."""
+    import logging as _logging
+    from pathlib import Path
+
+    from splitllm.privacy import AuditConfig, run_audit
+    from splitllm.privacy.report import markdown
+
+    _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(message)s")
+    settings: dict = dict(out_dir=Path(out), threads=threads)
+    for name, value in (("heads", heads), ("tails", tails)):
+        if value:
+            settings[name] = tuple(int(x) for x in value.split(","))
+    if quick:
+        cfg = AuditConfig.quick(**settings, **({"model": model} if model else {}))
+    else:
+        cfg = AuditConfig(model=model, whitebox_max_candidates=whitebox_max_candidates or None, **settings)
+    try:
+        report = run_audit(cfg)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(markdown(report))
+    typer.echo(f"wrote {out}/report.json, report.md, leakage.png", err=True)
 
 
 if __name__ == "__main__":

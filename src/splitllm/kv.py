@@ -7,7 +7,7 @@ chosen entries into place, so accepting speculative tokens costs no recomputatio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -64,6 +64,23 @@ class KVCache:
         self.check_room(n)
         self.positions[self.length : self.length + n] = positions
         self.pending = n
+
+    def checkpoint(self, keep: Sequence[int]) -> Callable[[], None]:
+        """Before a step that applies `keep`: a function restoring the cache to exactly this state.
+
+        A step can only overwrite the previous step's entries from the first one `keep` moves (a kept
+        prefix stays in place), so only those slots are copied: a sequential decode step copies nothing.
+        """
+        length, pending = self.length, self.pending
+        first = next((j for j, i in enumerate(keep) if i != j), len(keep))
+        region = slice(length + min(first, pending), length + pending)
+        saved = (self.k[:, :, :, region].clone(), self.v[:, :, :, region].clone(), self.positions[region].clone())
+
+        def restore() -> None:
+            self.k[:, :, :, region], self.v[:, :, :, region], self.positions[region] = saved
+            self.length, self.pending = length, pending
+
+        return restore
 
     def crop(self, length: int) -> None:
         """Forget everything from `length` on (committed or pending)."""

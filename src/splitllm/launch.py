@@ -14,7 +14,8 @@ from types import TracebackType
 
 import uvicorn
 
-from splitllm.server.app import MiddleServer, create_app
+from splitllm.server.app import MiddleServer
+from splitllm.server.transport import TlsFiles, uvicorn_config
 
 
 def free_port() -> int:
@@ -40,22 +41,24 @@ def wait_healthy(port: int, timeout: float, proc: subprocess.Popen | None = None
 class ServerThread:
     """A uvicorn server for a MiddleServer, run on a background thread of this process."""
 
-    def __init__(self, server: MiddleServer, port: int | None = None) -> None:
+    def __init__(self, server: MiddleServer, port: int | None = None, tls: TlsFiles | None = None) -> None:
         self.server = server
         self.port = port or free_port()
-        config = uvicorn.Config(
-            create_app(server), host="127.0.0.1", port=self.port, log_level="warning", ws_per_message_deflate=False
-        )
-        self._uvicorn = uvicorn.Server(config)
+        self.tls = tls
+        self._uvicorn = uvicorn.Server(uvicorn_config(server, "127.0.0.1", self.port, tls))
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        wait_healthy(self.port, 30)
+        deadline = time.monotonic() + 30  # uvicorn's own flag: no HTTP probe, which mutual TLS would refuse
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server thread on port {self.port} did not start")
+            time.sleep(0.02)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,8 +7,18 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass
 class StepStats:
+    """One step's wall time `total_ms` = head + serialize + round trip + deserialize + tail + decode (+ other).
+
+    The round trip splits into the server's compute (`server_ms`, reported in its reply) and the
+    network (link plus framing on both ends). `decode_ms` is the decoder's own time: everything in
+    the step outside the pipeline's scoring (proposing, building the tree, verifying, the generator hop).
+    """
+
     nodes: int = 0
     accepted: int = 0
+    drafted: int = 0  # candidate-tree nodes among `nodes` (speculative decoding)
+    window: int = 0  # lookahead-window nodes among `nodes`
+    proposer: str = ""  # whose draft the accepted path came from ("" if no draft token was accepted)
     head_ms: float = 0.0
     serialize_ms: float = 0.0
     round_trip_ms: float = 0.0
@@ -30,9 +40,14 @@ class StepStats:
     def client_ms(self) -> float:
         return self.head_ms + self.serialize_ms + self.deserialize_ms + self.tail_ms + self.decode_ms
 
-    def as_dict(self) -> dict[str, float]:
+    @property
+    def other_ms(self) -> float:
+        """Wall time no part accounts for: the client's per-step bookkeeping (stop rules, detokenizing)."""
+        return self.total_ms - self.client_ms - self.round_trip_ms
+
+    def as_dict(self) -> dict[str, float | str]:
         d = asdict(self)
-        d.update(network_ms=self.network_ms, client_ms=self.client_ms)
+        d.update(network_ms=self.network_ms, client_ms=self.client_ms, other_ms=self.other_ms)
         return d
 
 
@@ -40,6 +55,6 @@ def mean_stats(steps: list[StepStats]) -> dict[str, float]:
     """Per-field means over steps (empty dict for no steps)."""
     if not steps:
         return {}
-    keys = [f.name for f in fields(StepStats)] + ["network_ms", "client_ms"]
+    keys = [f.name for f in fields(StepStats) if f.type != "str"] + ["network_ms", "client_ms", "other_ms"]
     rows = [s.as_dict() for s in steps]
-    return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    return {k: sum(r[k] for r in rows) / len(rows) for k in keys}  # type: ignore[misc]

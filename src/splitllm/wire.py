@@ -79,14 +79,14 @@ def decode(message: bytes, max_header: int = MAX_HEADER_BYTES) -> Frame:
 
 def _tensor(header: dict[str, Any], payload: bytes) -> torch.Tensor:
     dtype_name, shape = header.get("dtype"), header.get("shape")
-    if dtype_name not in WIRE_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:
         raise ProtocolError("bad_dtype", f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {dtype_name!r}")
     if (
         not isinstance(shape, list)
         or len(shape) != 2
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**31 for s in shape)
     ):
-        raise ProtocolError("bad_shape", f"shape must be two non-negative integers, got {shape!r}")
+        raise ProtocolError("bad_shape", f"shape must be two integers in [0, 2**31), got {shape!r}")
     dtype = WIRE_DTYPES[dtype_name]
     expected = shape[0] * shape[1] * dtype.itemsize
     if expected != len(payload):
@@ -96,6 +96,8 @@ def _tensor(header: dict[str, Any], payload: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape[0], shape[1])
 
 
-def error_frame(request_id: Any, code: str, message: str) -> bytes:
+def error_frame(request_id: Any, code: str, message: str, retryable: bool = False) -> bytes:
+    """`retryable`: the request was fine but the server lacks room now; the same request may succeed later."""
     rid = request_id if isinstance(request_id, (int, str)) else None
-    return encode({"op": "error", "id": rid, "code": code, "message": message})
+    header = {"op": "error", "id": rid, "code": code, "message": message}
+    return encode({**header, "retryable": True} if retryable else header)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 
 from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
+
+ROW_BY_ROW = 8  # up to this many rows, the LM head runs row by row (see LocalModel.logits)
 
 
 @dataclass
@@ -56,5 +60,25 @@ class LocalModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head over the given rows only: callers pass just the nodes the verifier needs."""
-        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps) @ self.lm_head.T
+        """LM head over the given rows only: callers pass just the nodes the verifier needs.
+
+        A few rows go one at a time through the matrix-vector kernel, so a row's logits are the
+        same bits however many rows a decoder scores, and the same as transformers' one-token
+        steps (MKL's multi-row kernels round differently); many rows (a whole prompt) take one
+        matrix product. A transposed contiguous copy of the head runs one row 1.8x faster, but
+        rounds differently from the reference, so it is not used.
+        """
+        x = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        if not 0 < x.shape[0] <= ROW_BY_ROW:
+            return x @ self.lm_head.T
+        return torch.cat([row @ self.lm_head.T for row in x.split(1)])
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Approximate logits (bfloat16 LM head) for guesses that are never committed unverified."""
+        x = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x.to(torch.bfloat16), self._draft_head).float()
+
+    @cached_property
+    def _draft_head(self) -> torch.Tensor:
+        return self.lm_head.to(torch.bfloat16)

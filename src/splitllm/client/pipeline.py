@@ -37,7 +37,9 @@ class LocalMiddle:
     ) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.stage(self.cache, hidden, positions, vis, keep)
-        stats.server_ms += (time.perf_counter() - t0) * 1000
+        ms = (time.perf_counter() - t0) * 1000
+        stats.server_ms += ms
+        stats.round_trip_ms += ms  # no network in-process: the round trip is the compute
         return out
 
 
@@ -48,6 +50,7 @@ class SplitPipeline:
         self.local = local
         self.middle = middle
         self.caches = local.new_caches(max_context)
+        self.score_ms = 0.0  # wall time spent in score() since the last take_score_ms()
 
     @property
     def committed(self) -> int:
@@ -68,17 +71,46 @@ class SplitPipeline:
         stats: StepStats | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
         """Logits for the chosen rows (all by default) after one round trip; `keep` as in Stage.forward."""
+        hidden, stats = self.forward(tokens, positions, vis, keep, stats)
+        return self.logits(hidden if rows is None else hidden[rows], stats), stats
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        vis: Visibility,
+        keep: Sequence[int],
+        stats: StepStats | None = None,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Hidden states leaving the tail for every node, after one round trip; no LM head yet.
+
+        Decoders that need logits for only some nodes, decided as they go, call `logits` row by row.
+        """
+        t0 = time.perf_counter()
         stats = stats or StepStats()
         stats.nodes = tokens.numel()
-        t0 = time.perf_counter()
         hidden = self.local.run_head(self.caches, tokens, positions, vis, keep)
         t1 = time.perf_counter()
         hidden = self.middle.step(hidden, positions, vis, keep, stats)
         t2 = time.perf_counter()
         hidden = self.local.run_tail(self.caches, hidden, positions, vis, keep)
-        logits = self.local.logits(hidden if rows is None else hidden[rows])
         t3 = time.perf_counter()
         stats.head_ms = (t1 - t0) * 1000
         stats.tail_ms = (t3 - t2) * 1000
         stats.context = self.committed
-        return logits, stats
+        self.score_ms += (time.perf_counter() - t0) * 1000
+        return hidden, stats
+
+    def logits(self, hidden: torch.Tensor, stats: StepStats, draft: bool = False) -> torch.Tensor:
+        """LM head over `hidden`'s rows, timed as part of the step's tail; `draft`: the approximate head."""
+        t0 = time.perf_counter()
+        out = self.local.draft_logits(hidden) if draft else self.local.logits(hidden)
+        ms = (time.perf_counter() - t0) * 1000
+        stats.tail_ms += ms
+        self.score_ms += ms
+        return out
+
+    def take_score_ms(self) -> float:
+        """Time spent scoring since the last call: what a step's wall time minus it leaves is the decoder's."""
+        ms, self.score_ms = self.score_ms, 0.0
+        return ms

@@ -1,26 +1,66 @@
-"""The server's middle layers seen from the client: one WebSocket, one session, one round trip a step."""
+"""The server's middle layers seen from the client: one WebSocket session, one round trip a step.
+
+The link may fail at any step (a dropped connection, a restarted server, an expired session). The
+middle keeps the hidden states it sent for every committed entry, applying each step's `keep` to
+that record exactly as the caches do, so it can open a new session (on the same or a fallback
+server), replay them as a chain prefill, and resend the step: the caller sees one slow step and an
+output identical to an uninterrupted run.
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import ClientConnection
 
 from splitllm import wire
+from splitllm.client.connection import ConnectionOptions, ServerError, ServerUnreachable, describe, is_transient
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
 
+__all__ = ["RemoteMiddle", "ServerError"]
 
-class ServerError(RuntimeError):
-    """The server refused a request; `code` is the error frame's code."""
+_BACKOFF_S = (0.05, 2.0)  # first and largest pause between rounds of connection attempts
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"server refused the request ({code}): {message}")
-        self.code = code
+log = logging.getLogger("splitllm.client")
+
+
+def _ws_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/ws") else url + "/ws"
+
+
+class _SentRecord:
+    """The hidden states (and positions) sent for committed entries, plus the last step's, pending."""
+
+    def __init__(self) -> None:
+        self._hidden: list[torch.Tensor] = []
+        self._positions: list[torch.Tensor] = []
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def keep(self, keep: Sequence[int]) -> None:
+        """Commit the chosen entries of the last step, in order, as KVCache.keep does."""
+        if self._pending is not None and len(keep):
+            index = torch.tensor(list(keep), dtype=torch.long)
+            self._hidden.append(self._pending[0].index_select(0, index))
+            self._positions.append(self._pending[1].index_select(0, index))
+        self._pending = None
+
+    def push(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        self._pending = (hidden, positions)
+
+    def committed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._hidden:
+            return None
+        if len(self._hidden) > 1:  # consolidate, so each replay concatenates only what came since
+            self._hidden, self._positions = [torch.cat(self._hidden)], [torch.cat(self._positions)]
+        return self._hidden[0], self._positions[0]
 
 
 class RemoteMiddle:
@@ -33,58 +73,136 @@ class RemoteMiddle:
         layers: tuple[int, int],
         wire_dtype: str = "float16",
         max_context: int = 4096,
-        open_timeout: float = 10.0,
+        options: ConnectionOptions | None = None,
     ) -> None:
         if wire_dtype not in wire.WIRE_DTYPES:
             raise ValueError(f"wire dtype must be one of {', '.join(wire.WIRE_DTYPES)}")
-        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/ws") else "/ws")
+        self.options = options or ConnectionOptions()
+        self.urls = [_ws_url(u) for u in (url, *self.options.fallbacks)]
+        self.url = self.urls[0]
         self.wire_dtype = wire_dtype
+        self.reconnects = 0
+        self._open_header = {
+            "op": "open",
+            "version": wire.PROTOCOL_VERSION,
+            "fingerprint": fingerprint,
+            "layers": list(layers),
+            "dtype": wire_dtype,
+            "max_context": max_context,
+        }
         self._ids = itertools.count(1)
-        self._ws: ClientConnection = connect(self.url, compression=None, max_size=None, open_timeout=open_timeout)
-        reply = self._call(
-            {
-                "op": "open",
-                "version": wire.PROTOCOL_VERSION,
-                "fingerprint": fingerprint,
-                "layers": list(layers),
-                "dtype": wire_dtype,
-                "max_context": max_context,
-            }
-        )
-        self.session: str = reply.header["session"]
-        self.max_context: int = reply.header["max_context"]
+        self._ws: ClientConnection | None = None
+        self._record = _SentRecord()
+        self._resume_keep: list[int] = []
+        self._connect(time.monotonic() + self.options.deadline_s)
 
-    def _call(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> wire.Frame:
+    def _call(self, header: dict[str, Any], tensor: torch.Tensor | None = None, timeout: float | None = None) -> wire.Frame:
+        assert self._ws is not None
         self._ws.send(wire.encode({**header, "id": next(self._ids)}, tensor, self.wire_dtype))
-        return self._check(wire.decode(self._ws.recv()))
+        return self._check(wire.decode(self._ws.recv(timeout=timeout or self.options.step_timeout_s)))
 
     @staticmethod
     def _check(frame: wire.Frame) -> wire.Frame:
-        if frame.header["op"] == "error":
-            raise ServerError(str(frame.header.get("code")), str(frame.header.get("message")))
+        h = frame.header
+        if h["op"] == "error":
+            raise ServerError(str(h.get("code")), str(h.get("message")), h.get("retryable") is True)
         return frame
+
+    def _connect(self, deadline: float) -> None:
+        """Open a session, trying each server in turn with growing pauses, and replay what is committed."""
+        pause = _BACKOFF_S[0]
+        for attempt in itertools.count():
+            url = self.urls[attempt % len(self.urls)]
+            try:
+                self._ws = self.options.connect(url)
+                reply = self._call(self._open_header).header
+                self.session: str = reply["session"]
+                self.max_context: int = reply["max_context"]
+                self._max_nodes: int = reply.get("max_nodes") or self.max_context
+                self.url = url
+                self._replay()
+                return
+            except Exception as exc:
+                self._drop()
+                if not is_transient(exc):
+                    raise
+                round_done = attempt % len(self.urls) == len(self.urls) - 1
+                if round_done and time.monotonic() + pause > deadline:
+                    raise self._unreachable(exc) from exc
+            if round_done:  # every server failed once: pause before the next round
+                time.sleep(pause * random.uniform(0.5, 1.0))
+                pause = min(pause * 2, _BACKOFF_S[1])
+
+    def _unreachable(self, exc: BaseException) -> ServerUnreachable:
+        return ServerUnreachable(
+            f"no splitllm server answered within {self.options.deadline_s:g} s "
+            f"(tried {', '.join(self.urls)}); last error: {describe(exc)}"
+        )
+
+    def _replay(self) -> None:
+        """Rebuild the new session's cache from the record: chain prefill steps, the last one left pending."""
+        self._resume_keep = []
+        record = self._record.committed()
+        if record is None:
+            return
+        hidden, positions = record
+        for start in range(0, hidden.shape[0], self._max_nodes):
+            chunk = hidden[start : start + self._max_nodes]
+            n = chunk.shape[0]
+            header = {
+                "op": "step",
+                "session": self.session,
+                "positions": positions[start : start + n].tolist(),
+                "keep": self._resume_keep,
+                **Visibility.chain(n).to_wire(),
+            }
+            self._call(header, chunk)
+            self._resume_keep = list(range(n))
+
+    def _drop(self) -> None:
+        if self._ws is not None:
+            try:
+                self._ws.close()
+            except Exception:
+                pass  # the link is already broken; nothing to tell the server
+            self._ws = None
 
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
     ) -> torch.Tensor:
         """Send hidden states after the head, get them back before the tail; fills the wire timings."""
         t0 = time.perf_counter()
-        header = {
-            "op": "step",
-            "id": next(self._ids),
-            "session": self.session,
-            "positions": positions.tolist(),
-            "keep": list(keep),
-            **vis.to_wire(),
-        }
-        message = wire.encode(header, hidden, self.wire_dtype)
+        sent = hidden.detach().to(wire.WIRE_DTYPES[self.wire_dtype]).contiguous()
+        self._record.keep(keep)
+        header = {"op": "step", "positions": positions.tolist(), **vis.to_wire()}
+        first = {**header, "id": next(self._ids), "session": self.session, "keep": list(keep)}
+        message = wire.encode(first, sent, self.wire_dtype)
         t1 = time.perf_counter()
-        self._ws.send(message)
-        reply = self._ws.recv()
+        deadline = None
+        while True:
+            try:
+                assert self._ws is not None
+                self._ws.send(message)
+                reply = self._ws.recv(timeout=self.options.step_timeout_s)
+                frame = self._check(wire.decode(reply))
+                break
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                deadline = deadline or time.monotonic() + self.options.deadline_s
+                if time.monotonic() > deadline:  # reconnecting works, but this step never gets through
+                    raise self._unreachable(exc) from exc
+                self.reconnects += 1
+                log.warning("link to %s failed (%s); reconnecting", self.url, describe(exc))
+                self._drop()
+                self._connect(deadline)
+                resent = {**header, "id": next(self._ids), "session": self.session, "keep": self._resume_keep}
+                message = wire.encode(resent, sent, self.wire_dtype)
         t2 = time.perf_counter()
-        frame = self._check(wire.decode(reply))
-        assert frame.tensor is not None
+        if frame.tensor is None or frame.tensor.shape != sent.shape:
+            raise ServerError("bad_reply", f"expected hidden states of shape {tuple(sent.shape)} in the reply")
         out = frame.tensor.float()
+        self._record.push(sent, positions.clone())
         t3 = time.perf_counter()
         stats.serialize_ms += (t1 - t0) * 1000
         stats.round_trip_ms += (t2 - t1) * 1000
@@ -95,8 +213,9 @@ class RemoteMiddle:
         return out
 
     def close(self) -> None:
-        try:
-            self._call({"op": "close", "session": self.session})
-        except Exception:
-            pass  # closing is best effort: the server drops the session with the connection anyway
-        self._ws.close()
+        if self._ws is not None:
+            try:
+                self._call({"op": "close", "session": self.session}, timeout=self.options.open_timeout_s)
+            except Exception:
+                pass  # closing is best effort: the server drops the session with the connection anyway
+        self._drop()

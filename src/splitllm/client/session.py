@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -11,14 +12,27 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, Middle, SplitPipeline
+from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
+from splitllm.client.stopping import StopRule
+from splitllm.decoding.budget import AdaptivePolicy
+from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.sequential import decode_sequential
+from splitllm.decoding.speculative import MODES as SPECULATIVE_MODES
+from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.step import StepOutput
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.stats import StepStats, mean_stats
 
-DECODERS = {"sequential": decode_sequential}
+# A decoder: called with (pipeline, prompt, max_new_tokens, stop_ids, sampler=, keep=), yields a
+# StepOutput per round trip. `decode=` takes a DECODERS name or one of these (a custom budget, say).
+Decoder = Callable[..., Iterator[StepOutput]]
+DECODERS = {
+    "sequential": decode_sequential,
+    **{mode: SpeculativeDecoder(mode) for mode in SPECULATIVE_MODES},
+    "auto": SpeculativeDecoder("auto", AdaptivePolicy()),  # sizes each step for the link it measures
+}
 
 
 @dataclass
@@ -27,9 +41,10 @@ class Generation:
 
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # while streaming, only what later tokens cannot change; final once finished
     steps: list[StepStats] = field(default_factory=list)
     seconds: float = 0.0
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or None while running
 
     @property
     def tokens_per_step(self) -> float:
@@ -53,6 +68,7 @@ class Generation:
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_second": self.tokens_per_second,
             "seconds": self.seconds,
+            "finish_reason": self.finish_reason,
             "prefill": self.steps[0].as_dict() if self.steps else {},
             "mean_step": mean_stats(self.steps[1:]),
         }
@@ -74,8 +90,10 @@ class SplitClient:
         wire_dtype: str = "float16",
         max_context: int = 4096,
         dtype: torch.dtype = torch.float32,
+        connection: ConnectionOptions | None = None,
     ) -> None:
         self.files = ModelFiles(model)
+        self.connection = connection  # TLS, token, reconnection deadline and fallback servers
         self.local = LocalModel(self.files, head, tail, dtype)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype, self.max_context, self.dtype = server, wire_dtype, max_context, dtype
@@ -104,42 +122,165 @@ class SplitClient:
             if self._local_middle is None:
                 self._local_middle = Stage.load(self.files, start, end, self.dtype)
             return LocalMiddle(self._local_middle, self.max_context)
-        return RemoteMiddle(self.server, self.files.fingerprint, (start, end), self.wire_dtype, self.max_context)
+        return RemoteMiddle(
+            self.server, self.files.fingerprint, (start, end), self.wire_dtype, self.max_context, self.connection
+        )
+
+    def conversation(self, system: str | None = None) -> Conversation:
+        """A conversation whose turns reuse one server session and the KV caches of earlier turns."""
+        return Conversation(self, system)
 
     def stream(
-        self, prompt: str | list[int], max_new_tokens: int = 128, decode: str = "sequential", chat: bool = True
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        decode: str | Decoder = "sequential",
+        chat: bool = True,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
     ) -> Iterator[tuple[Generation, StepOutput]]:
         """Yield after every step: the generation so far and what the step added."""
-        if decode not in DECODERS:
-            raise ValueError(f"unknown decode mode {decode!r}; choose from {', '.join(DECODERS)}")
-        gen = Generation(self.encode_prompt(prompt, chat))
-        if len(gen.prompt_ids) + max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt of {len(gen.prompt_ids)} tokens plus {max_new_tokens} new exceeds the context of {self.max_context}"
-            )
-        middle = self._middle()
-        try:
-            pipeline = SplitPipeline(self.local, middle, self.max_context)
-            t0 = last = time.perf_counter()
-            for out in DECODERS[decode](pipeline, gen.prompt_ids, max_new_tokens, self.stop_ids):
-                now = time.perf_counter()
-                out.stats.total_ms = (now - last) * 1000
-                gen.ids.extend(out.tokens)
-                gen.steps.append(out.stats)
-                gen.seconds = now - t0
-                yield gen, out
-                last = time.perf_counter()
-            gen.text = self.tokenizer.decode(gen.ids, skip_special_tokens=True)
-        finally:
-            if isinstance(middle, RemoteMiddle):
-                middle.close()
+        with self.conversation() as conv:
+            yield from conv.stream(self.encode_prompt(prompt, chat), max_new_tokens, decode, sampling, stop)
 
     def generate(
-        self, prompt: str | list[int], max_new_tokens: int = 128, decode: str = "sequential", chat: bool = True
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        decode: str | Decoder = "sequential",
+        chat: bool = True,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
     ) -> Generation:
         gen = None
-        for gen, _ in self.stream(prompt, max_new_tokens, decode, chat):
-            pass
+        try:
+            for gen, _ in self.stream(prompt, max_new_tokens, decode, chat, sampling, stop):
+                pass
+        except ServerUnreachable as exc:
+            exc.generation = gen  # the tokens produced before the link was lost stay usable
+            raise
         if gen is None:
             gen = Generation(self.encode_prompt(prompt, chat))
         return gen
+
+
+class Conversation:
+    """One pipeline and its server session kept open across generations that continue each other.
+
+    Each generation sends only its new tokens: the last emitted token of the previous one (never fed)
+    plus the new input, with `keep` committing the previous step's path. So the server never sees a
+    position twice, and a chat turn costs its own tokens, not the whole history.
+    """
+
+    def __init__(self, client: SplitClient, system: str | None = None) -> None:
+        self.client = client
+        self.system = system
+        self.ids: list[int] = []  # every token so far; the last one is not fed yet
+        self.keep: list[int] = []  # the last step's entries on the sequence: the next step commits them
+        self.messages: list[dict[str, str]] = []  # the chat as the model saw it (see `say`)
+        self._pipeline: SplitPipeline | None = None
+
+    def __enter__(self) -> Conversation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the caches and close the server session; the next turn starts afresh."""
+        if self._pipeline is not None and isinstance(self._pipeline.middle, RemoteMiddle):
+            self._pipeline.middle.close()
+        self._pipeline = None
+        self.ids, self.keep, self.messages = [], [], []
+
+    def stream(
+        self,
+        new_ids: list[int],
+        max_new_tokens: int = 128,
+        decode: str | Decoder = "sequential",
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+    ) -> Iterator[tuple[Generation, StepOutput]]:
+        """Append `new_ids` and generate after them; yield after every step like `SplitClient.stream`."""
+        client = self.client
+        if isinstance(decode, str) and decode not in DECODERS:
+            raise ValueError(f"unknown decode mode {decode!r}; choose from {', '.join(DECODERS)}")
+        if max_new_tokens < 1 or not new_ids:
+            raise ValueError("a generation needs input tokens and max_new_tokens >= 1")
+        if len(self.ids) + len(new_ids) + max_new_tokens > client.max_context:
+            raise ValueError(
+                f"context of {len(self.ids) + len(new_ids)} tokens plus {max_new_tokens} new exceeds "
+                f"the maximum context of {client.max_context}"
+            )
+        rule = StopRule(client.tokenizer, client.stop_ids, stop, max_new_tokens)
+        if self._pipeline is None:
+            self._pipeline = SplitPipeline(client.local, client._middle(), client.max_context)
+        pipeline = self._pipeline
+        gen = Generation(list(new_ids))
+        feed = self.ids[-1:] + gen.prompt_ids
+        self.ids.extend(gen.prompt_ids)
+        sampler = Sampler(sampling or SamplingParams(), self.ids)
+        decode_fn = DECODERS[decode] if isinstance(decode, str) else decode
+        decoder = decode_fn(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
+        pipeline.take_score_ms()
+        t0 = last = time.perf_counter()
+        try:
+            for out in decoder:
+                now = time.perf_counter()
+                out.stats.decode_ms = (now - last) * 1000 - pipeline.take_score_ms()
+                tokens, gen.finish_reason = rule.clip(gen.ids, out.tokens)
+                out.path = out.path[: len(out.path) - (len(out.tokens) - len(tokens))]
+                out.tokens, out.stats.accepted = tokens, len(tokens)
+                gen.ids.extend(tokens)
+                self.ids.extend(tokens)
+                self.keep = out.path
+                gen.steps.append(out.stats)
+                gen.seconds = now - t0
+                text = rule.text(gen.ids)
+                gen.text = text if gen.finish_reason else rule.stable(text)
+                out.stats.total_ms = (time.perf_counter() - last) * 1000  # the bookkeeping above included
+                yield gen, out
+                if gen.finish_reason:
+                    break
+                last = time.perf_counter()
+        except GeneratorExit:  # the caller stopped listening between steps: everything is consistent
+            raise
+        except BaseException:
+            self.close()  # a step that failed or was interrupted leaves the caches out of step with `ids`
+            raise
+        finally:
+            decoder.close()
+
+    def say(
+        self,
+        user: str,
+        max_new_tokens: int = 128,
+        decode: str | Decoder = "sequential",
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+    ) -> Iterator[tuple[Generation, StepOutput]]:
+        """One chat turn: the user's message through the chat template, then the streamed answer."""
+        messages = [*self.messages, {"role": "user", "content": user}]
+        if self.system and not self.messages:
+            messages.insert(0, {"role": "system", "content": self.system})
+        gen = None
+        try:
+            for gen, out in self.stream(self._turn_ids(messages), max_new_tokens, decode, sampling, stop):
+                yield gen, out
+        finally:
+            if gen is not None and self.ids:  # answered, even in part, and the caches still hold it
+                # What the model saw (a stop string included), so the next template lines up with the cache.
+                seen = self.client.tokenizer.decode(gen.ids, skip_special_tokens=True)
+                self.messages = [*messages, {"role": "assistant", "content": seen}]
+
+    def _turn_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The template's tokens for `messages` past what the caches already hold.
+
+        The cache holds the template's text up to the last answer, so the new turn is the template's
+        text after it: the answer's closing tags, the user's message and the assistant prompt. A
+        template that rewrites earlier turns gets what follows the longest common prefix.
+        """
+        tok = self.client.tokenizer
+        full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        seen = tok.decode(self.ids, skip_special_tokens=False)
+        return tok(full[len(os.path.commonprefix([full, seen])) :], add_special_tokens=False)["input_ids"]

@@ -1,22 +1,32 @@
-"""Plain greedy decoding: one new token per round trip (the reference every other mode must match)."""
+"""Plain decoding: one new token per round trip (the reference every other mode must match)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from splitllm.client.pipeline import SplitPipeline
+from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.step import StepOutput
 from splitllm.visibility import Visibility
 
 
 def decode_sequential(
-    pipeline: SplitPipeline, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]
+    pipeline: SplitPipeline,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    sampler: Sampler | None = None,
+    keep: Sequence[int] = (),
 ) -> Iterator[StepOutput]:
-    """Prefill the prompt in one step, then feed back each greedy token."""
-    tokens, keep = prompt, []
-    start = pipeline.committed + pipeline.pending
+    """Prefill the prompt in one step, then feed back each chosen token (greedy by default).
+
+    `keep` commits the previous generation's path when this one continues it (a conversation).
+    """
+    sampler = sampler or Sampler()
+    tokens, keep = prompt, list(keep)
+    start = pipeline.committed + len(keep)
     produced = 0
     while produced < max_new_tokens:
         n = len(tokens)
@@ -24,10 +34,10 @@ def decode_sequential(
         logits, stats = pipeline.score(
             torch.tensor(tokens), positions, Visibility.chain(n), keep, rows=torch.tensor([n - 1])
         )
-        token = int(logits[0].argmax())
+        token = sampler.choose(logits[0])
         stats.accepted = 1
         produced += 1
-        yield StepOutput([token], stats)
+        yield StepOutput([token], stats, list(range(n)))
         if token in stop_ids:
             return
         keep, start, tokens = list(range(n)), start + n, [token]

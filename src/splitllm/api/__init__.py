@@ -1,0 +1,1 @@
+"""Ways in for existing tools: an OpenAI-compatible endpoint and a transformers-style model class."""

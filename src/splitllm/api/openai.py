@@ -1,0 +1,264 @@
+"""An OpenAI-compatible HTTP endpoint on the trusted device, so existing clients and tools use splitllm.
+
+It runs the client side of the split (tokenizer, embedding, head and tail layers, LM head); the
+remote server still receives only hidden states. One generation runs at a time: the device's cores
+are the bottleneck, so requests queue on a lock. Beyond OpenAI's fields a request may set `top_k`,
+`repetition_penalty` and `decode` (the decoding mode); every response carries `splitllm`, the
+generation's step statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from splitllm.client.connection import ServerError
+from splitllm.client.session import DECODERS, Generation, SplitClient
+from splitllm.decoding.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class _Request(BaseModel):
+    """Fields shared by both completion kinds; unknown OpenAI fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: Literal[1] = 1
+    decode: str | None = None
+
+    def sampling(self) -> SamplingParams:
+        """OpenAI's convention: temperature 0 is greedy."""
+        return SamplingParams(
+            do_sample=self.temperature > 0,
+            temperature=self.temperature or 1.0,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+        )
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def new_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Request):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def new_tokens(self) -> int:
+        return self.max_completion_tokens or super().new_tokens()
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int]
+
+
+class _APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": None}}
+
+
+def _error(exc: BaseException) -> _APIError:
+    """What a failure looks like to an OpenAI client: its fault (400) or the split server's (502)."""
+    if isinstance(exc, _APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return _APIError(400, str(exc))
+    return _APIError(502, f"split server: {exc}", "upstream_error")
+
+
+def _extension(gen: Generation, decode: str) -> dict[str, Any]:
+    summary = gen.summary()
+    return {"decode": decode, **{k: v for k, v in summary.items() if k not in ("text", "ids")}}
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(gen.prompt_ids),
+        "completion_tokens": len(gen.ids),
+        "total_tokens": len(gen.prompt_ids) + len(gen.ids),
+    }
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+class OpenAIEndpoint:
+    """The routes' logic over one SplitClient; `create_app` wires it into FastAPI."""
+
+    def __init__(self, client: SplitClient, model_name: str, decode: str = "sequential") -> None:
+        if decode not in DECODERS:
+            raise ValueError(f"unknown decode mode {decode!r}; choose from {', '.join(DECODERS)}")
+        self.client, self.model_name, self.decode = client, model_name, decode
+        self.created = int(time.time())
+        self.lock = asyncio.Lock()
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitllm"}],
+        }
+
+    def _start(self, prompt: list[int], req: _Request) -> tuple[str, Iterator[tuple[Generation, Any]]]:
+        """Validate a request up front (so errors come back as 400s before any streaming starts)."""
+        decode = req.decode or self.decode
+        if decode not in DECODERS:
+            raise _APIError(400, f"unknown decode mode {decode!r}; choose from {', '.join(DECODERS)}")
+        try:
+            sampling = req.sampling()
+        except ValueError as exc:
+            raise _APIError(400, str(exc)) from None
+        return decode, self.client.stream(prompt, req.new_tokens(), decode, False, sampling, req.stops())
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        tok = self.client.tokenizer
+        if not tok.chat_template:
+            raise _APIError(400, "this model has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def text_prompt(self, req: CompletionRequest) -> list[int]:
+        return req.prompt if isinstance(req.prompt, list) else self.client.encode_prompt(req.prompt, chat=False)
+
+    async def complete(self, prompt: list[int], req: _Request, chat: bool) -> dict[str, Any]:
+        decode, steps = self._start(prompt, req)
+        async with self.lock:
+            gen = await run_in_threadpool(_last, steps)
+        reply = self._head(chat, False)
+        if chat:
+            message = {"role": "assistant", "content": gen.text}
+            reply["choices"] = [{"index": 0, "message": message, "finish_reason": gen.finish_reason}]
+        else:
+            reply["choices"] = [{"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}]
+        return {**reply, "usage": _usage(gen), "splitllm": _extension(gen, decode)}
+
+    async def stream(self, prompt: list[int], req: _Request, chat: bool) -> AsyncIterator[bytes]:
+        decode, steps = self._start(prompt, req)
+        head = self._head(chat, True)
+
+        def chunk(delta: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+            choice = {"index": 0, "delta": {"content": delta}} if chat else {"index": 0, "text": delta, "logprobs": None}
+            return {**head, "choices": [{**choice, "finish_reason": finish}], **extra}
+
+        async def events() -> AsyncIterator[bytes]:
+            async with self.lock:
+                gen, sent = None, ""
+                try:
+                    if chat:
+                        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+                    while (item := await run_in_threadpool(next, steps, None)) is not None:
+                        gen = item[0]
+                        if gen.finish_reason is None and gen.text != sent:
+                            yield _sse(chunk(gen.text[len(sent) :]))
+                            sent = gen.text
+                    assert gen is not None
+                    yield _sse(chunk(gen.text[len(sent) :], gen.finish_reason, splitllm=_extension(gen, decode)))
+                    if (req.stream_options or {}).get("include_usage"):
+                        yield _sse({**head, "choices": [], "usage": _usage(gen)})
+                    yield _sse("[DONE]")
+                except (ValueError, ServerError, OSError) as exc:
+                    yield _sse(_error(exc).body())
+                finally:
+                    with anyio.CancelScope(shield=True):  # a disconnected client still frees the server session
+                        await run_in_threadpool(steps.close)
+
+        return events()
+
+    def _head(self, chat: bool, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if chat else "text_completion"
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "object": f"{kind}.chunk" if chunk and chat else kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+
+
+def _last(steps: Iterator[tuple[Generation, Any]]) -> Generation:
+    gen = None
+    for gen, _ in steps:
+        pass
+    if gen is None:
+        raise ValueError("the generation produced no step")
+    return gen
+
+
+def create_app(client: SplitClient, model_name: str | None = None, decode: str = "sequential") -> FastAPI:
+    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (streaming over SSE)."""
+    endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode)
+    app = FastAPI(title="splitllm", summary="OpenAI-compatible endpoint over a split model")
+    app.state.endpoint = endpoint
+
+    @app.exception_handler(_APIError)
+    async def api_error(_request: Request, exc: _APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        message = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in exc.errors())
+        return JSONResponse(_APIError(400, message).body(), status_code=400)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return endpoint.models()
+
+    async def respond(prompt: list[int], req: _Request, chat: bool) -> Any:
+        try:
+            if req.stream:
+                return StreamingResponse(await endpoint.stream(prompt, req, chat), media_type="text/event-stream")
+            return await endpoint.complete(prompt, req, chat)
+        except (ValueError, ServerError, OSError) as exc:
+            raise _error(exc) from None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest) -> Any:
+        return await respond(endpoint.chat_prompt(req), req, True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        return await respond(endpoint.text_prompt(req), req, False)
+
+    return app

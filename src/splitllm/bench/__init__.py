@@ -1,0 +1,1 @@
+"""Benchmarks: workloads and measurements run through the real client and server."""

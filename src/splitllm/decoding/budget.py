@@ -1,0 +1,251 @@
+"""Adaptive speculation budget: each step, the candidate budget with the most predicted tokens per second.
+
+A bigger tree buys more tokens per step (measured per candidate: `Candidate.accepted`) and costs
+more compute and bytes (the fitted `LatencyProfile`); the round trip is paid either way. So the best
+budget depends on the link: small on a fast link to a CPU server, large over a slow WAN. The policy
+keeps three live estimates from the steps it has seen, each an exponentially weighted average so it
+follows a link or a text that changes:
+
+- the link: network time against bytes on the wire (intercept = RTT, slope = 1 / bandwidth), after
+  the profile's framing cost; the prefill, much bigger than a decode step, pins the slope;
+- compute: how much slower or faster the client and the server run than the profile says;
+- acceptance: how much more (or less) than the measured average the current text yields per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from splitllm.decoding.policy import DEFAULT_BUDGETS, SpecBudget
+from splitllm.latency import Breakdown, LatencyProfile, Link, StepShape
+from splitllm.stats import StepStats
+
+DEFAULT_PROFILE = "auto_profile.json"  # shipped next to this module; `splitllm bench sweep` rewrites it
+_LIVE_GENERATIONS = 64
+
+# What `auto` may choose from, smallest first: plain decoding (one node), context lookup only, then
+# trees and lookahead windows of growing size. Each sends at most 1 + max_nodes + window_nodes nodes.
+CANDIDATE_BUDGETS = (
+    SpecBudget(max_nodes=0, window=0, levels=0, guesses=0, depth=0),
+    SpecBudget(max_nodes=3, guesses=1, depth=3),
+    SpecBudget(max_nodes=8, window=3, levels=2, guesses=2, depth=8),
+    SpecBudget(max_nodes=16, window=4, levels=3, guesses=3, depth=8),
+    SpecBudget(max_nodes=32, window=6, levels=3, guesses=4, depth=12),
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A budget the policy may pick and what it yields per decode step, as measured on a workload."""
+
+    budget: SpecBudget
+    nodes: float
+    accepted: float
+    windowed: float = 0.0  # share of its steps that carried a lookahead window
+
+    def shape(self, context: float, gain: float = 1.0) -> StepShape:
+        """This budget's step at a context, its extra tokens per step scaled by `gain`."""
+        return StepShape.at(self.nodes, context, 1 + gain * (self.accepted - 1), self.windowed)
+
+
+@dataclass
+class AutoProfile:
+    """What the adaptive policy starts from: a latency profile and the candidates' measured yields."""
+
+    latency: LatencyProfile
+    candidates: list[Candidate]
+    decoder: str = "auto"
+
+    def to_json(self) -> dict:
+        return {
+            "decoder": self.decoder,
+            "latency": self.latency.to_json(),
+            "candidates": [{**asdict(c), "budget": asdict(c.budget)} for c in self.candidates],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> AutoProfile:
+        candidates = [Candidate(**{**c, "budget": SpecBudget(**c["budget"])}) for c in data["candidates"]]
+        return cls(LatencyProfile.from_json(data["latency"]), candidates, data.get("decoder", "auto"))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> AutoProfile:
+        """A saved profile, or the one shipped with the package (default model on a 2-core CPU)."""
+        if path is None:
+            return cls.from_json(json.loads(resources.files(__package__).joinpath(DEFAULT_PROFILE).read_text()))
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def predict(self, candidate: Candidate, link: Link, context: float) -> Breakdown:
+        return self.latency.predict(candidate.shape(context), link, self.decoder)
+
+    def best(self, link: Link, context: float) -> tuple[Candidate, Breakdown]:
+        """The candidate a policy with no live corrections would pick on this link."""
+        scored = [(c, self.predict(c, link, context)) for c in self.candidates]
+        return max(scored, key=lambda cb: cb[1].tokens_per_second)
+
+
+class _Ratio:
+    """Exponentially weighted ratio sum(w*y) / sum(w*x), starting at `prior` with `weight` pseudo-steps."""
+
+    def __init__(self, decay: float, prior: float = 1.0, weight: float = 2.0) -> None:
+        self.decay, self.num, self.den = decay, prior * weight, weight
+
+    def update(self, y: float, x: float) -> None:
+        self.num = self.decay * self.num + y
+        self.den = self.decay * self.den + x
+
+    @property
+    def value(self) -> float:
+        return self.num / self.den if self.den > 0 else 1.0
+
+
+class _LinkEstimate:
+    """network ms = rtt + bytes * ms_per_byte, on two time scales.
+
+    The slope (1 / bandwidth) comes from a slowly discounted least-squares fit, held near 0 a priori
+    by one pseudo-observation `lever` bytes away: decode steps of one size alone say nothing about
+    bandwidth, while a prefill tens of kilobytes bigger does, and should be remembered. The RTT is
+    a fast weighted average of what the slope leaves, so it follows a changing link within steps.
+    """
+
+    def __init__(self, decay: float, slow_decay: float, lever: float = 5_000.0) -> None:
+        self.decay, self.slow_decay = decay, slow_decay
+        self.a = np.zeros((2, 2))
+        self.b = np.zeros(2)
+        self.prior = np.diag([1e-6, lever**2])
+        self.rtt = _Ratio(decay, prior=0.0, weight=1e-9)  # a weighted mean: sum(w*y) / sum(w*1)
+
+    def update(self, nbytes: float, network_ms: float) -> None:
+        x = np.array([1.0, nbytes])
+        self.a = self.slow_decay * self.a + np.outer(x, x)
+        self.b = self.slow_decay * self.b + x * network_ms
+        self.rtt.update(network_ms - self.per_byte * nbytes, 1.0)
+
+    @property
+    def per_byte(self) -> float:
+        return max(float(np.linalg.solve(self.a + self.prior, self.b)[1]), 0.0)
+
+    def link(self) -> Link:
+        rtt, per_byte = max(self.rtt.value, 0.0), self.per_byte
+        return Link(rtt, 8 / (per_byte * 1e3) if per_byte > 1e-9 else None)
+
+
+class _Estimates:
+    """What one generation has learned so far (a new one starts from a copy of the latest)."""
+
+    def __init__(self, halflife_steps: float) -> None:
+        decay = 0.5 ** (1 / halflife_steps)
+        self.link = _LinkEstimate(decay, 0.5 ** (1 / (8 * halflife_steps)))
+        self.client = _Ratio(decay)
+        self.server = _Ratio(decay)
+        self.gain = _Ratio(decay)
+        self.chosen: list[Candidate | None] = []  # chosen[i] sized step i (None: the offline budget did)
+        self.seen = 0
+        self.networked = False  # has any step crossed a network?
+
+    def fork(self) -> _Estimates:
+        new = copy.deepcopy(self)
+        new.chosen, new.seen = [], 0
+        return new
+
+
+class AdaptivePolicy:
+    """A `BudgetPolicy` maximizing predicted tokens per second each step from live link, compute and
+    acceptance estimates.
+
+    Until a step has crossed a network (the very first step, or a middle run in-process for tests and
+    offline measurements) there is no link to size for, and it answers the static `offline` budget.
+    One instance may serve many generations, one after another or concurrently (a server answering
+    several requests): each generation (its `steps` list) has its own estimates, started from those of
+    the generation seen last, so what one learned about the link carries over to the next.
+    """
+
+    def __init__(
+        self,
+        profile: AutoProfile | None = None,
+        halflife_steps: float = 6.0,
+        offline: SpecBudget = DEFAULT_BUDGETS["auto"],
+    ) -> None:
+        self.profile = profile or AutoProfile.load()
+        self.offline = offline
+        if not self.profile.candidates:
+            raise ValueError("an adaptive policy needs at least one candidate budget")
+        self._latest = _Estimates(halflife_steps)
+        # id(steps) -> (steps, estimates); holding `steps` keeps its id from being reused meanwhile
+        self._live: OrderedDict[int, tuple[Sequence[StepStats], _Estimates]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def choose(self, steps: Sequence[StepStats]) -> SpecBudget:
+        with self._lock:
+            est = self._estimates(steps)
+            self._observe(est, steps)
+            if not est.networked:
+                est.chosen.append(None)
+                return self.offline
+            context = steps[-1].context + steps[-1].accepted if steps else 0
+            link = est.link.link()
+            best = max(self.profile.candidates, key=lambda c: self._predict(est, link, c, context).tokens_per_second)
+            est.chosen.append(best)
+            return best.budget
+
+    @property
+    def link(self) -> Link:
+        """The link as the latest generation estimates it (RTT, and bandwidth when a cap shows)."""
+        with self._lock:
+            return self._latest.link.link()
+
+    def predict(self, candidate: Candidate, context: float) -> Breakdown:
+        """The next step's predicted time with this candidate, from the latest generation's estimates."""
+        with self._lock:
+            return self._predict(self._latest, self._latest.link.link(), candidate, context)
+
+    def _predict(self, est: _Estimates, link: Link, candidate: Candidate, context: float) -> Breakdown:
+        shape = candidate.shape(context, est.gain.value)
+        p = self.profile.latency.predict(shape, link, self.profile.decoder)
+        c, s = est.client.value, est.server.value
+        return Breakdown(p.local * c, p.server * s, p.overhead * c, p.decode * c, p.rtt, p.transfer, p.framing, p.accepted)
+
+    def _estimates(self, steps: Sequence[StepStats]) -> _Estimates:
+        key = id(steps)
+        if key in self._live and self._live[key][0] is steps:
+            self._live.move_to_end(key)
+        else:
+            self._live[key] = (steps, self._latest.fork())
+            while len(self._live) > _LIVE_GENERATIONS:
+                self._live.popitem(last=False)
+        self._latest = self._live[key][1]
+        return self._latest
+
+    def _observe(self, est: _Estimates, steps: Sequence[StepStats]) -> None:
+        """Learn from the steps not seen yet."""
+        latency = self.profile.latency
+        for i in range(est.seen, len(steps)):
+            s = steps[i]
+            x = StepShape.of([s]).features()
+            x["bytes"] = s.bytes_up + s.bytes_down
+            if s.round_trip_ms > s.server_ms:  # over a network (in-process steps have none)
+                est.networked = True
+                est.link.update(x["bytes"], s.network_ms - latency.framing(x))
+            if i == 0 or i >= len(est.chosen):
+                continue  # the prefill's compute is not a decode step's
+            est.server.update(s.server_ms, max(latency.server(x), 1e-3))
+            client = s.head_ms + s.tail_ms + s.serialize_ms + s.deserialize_ms + s.decode_ms
+            model = latency.local(x) + latency.overhead(x) + latency.decode[self.profile.decoder](x)
+            est.client.update(client, max(model, 1e-3))
+            chosen = est.chosen[i]
+            expected = chosen.accepted - 1 if chosen else 0.0
+            if expected > 0:
+                est.gain.update(s.accepted - 1, expected)
+        est.seen = len(steps)

@@ -1,0 +1,30 @@
+"""Sources of candidate continuations: each proposes drafts; the tree merges them, the model decides."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitllm.decoding.policy import SpecBudget
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A guess at the tokens following the last committed token.
+
+    confidence: the proposer's estimate that the first token is right, in (0, 1]; it only ranks
+    nodes when the tree must drop some, so a wrong estimate costs speed, never correctness.
+    """
+
+    tokens: tuple[int, ...]
+    source: str
+    confidence: float
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Draft]:
+        """Drafts continuing `history` (prompt plus committed tokens, append-only within a generation)."""
+        ...

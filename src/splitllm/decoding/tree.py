@@ -1,0 +1,78 @@
+"""Merge drafts into one token tree (shared prefixes once) and cut it to a node budget.
+
+A node's score estimates its chance of being accepted: each draft through it adds the chance that
+its tokens are right up to that depth, `first * next ** (depth - 1)` (calibration.py learns the
+rates; by default the draft's confidence and a fixed decay). Scores strictly fall along every path,
+so keeping the best `max_nodes` nodes always keeps a node's ancestors too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from splitllm.decoding.proposers import Draft
+
+ROOT = -1
+DEPTH_DECAY = 0.8
+
+
+@dataclass
+class DraftTree:
+    """Nodes in an order where parents come first; parent ROOT hangs a node off the step's root."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    sources: list[tuple[str, ...]] = field(default_factory=list)
+    _children: dict[int, dict[int, int]] = field(default_factory=dict, repr=False)  # node -> token -> child
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def child(self, node: int, token: int) -> int | None:
+        return self._children.get(node, {}).get(token)
+
+    def candidates(self, node: int) -> list[int]:
+        """Tokens of a node's children."""
+        return list(self._children.get(node, ()))
+
+    def add(self, parent: int, token: int, sources: tuple[str, ...]) -> int:
+        self._children.setdefault(parent, {})[token] = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+        self.sources.append(sources)
+        return len(self.tokens) - 1
+
+    @classmethod
+    def build(
+        cls,
+        drafts: Sequence[Draft],
+        max_nodes: int,
+        max_depth: int,
+        rates: Sequence[tuple[float, float]] | None = None,
+    ) -> DraftTree:
+        """The best `max_nodes` nodes of the trie of `drafts`, each cut to `max_depth` tokens.
+
+        rates[i]: (first, next) acceptance rates of drafts[i], with 0 < first and 0 <= next < 1.
+        """
+        trie = cls()
+        scores: list[float] = []
+        for i, draft in enumerate(drafts):
+            first, nxt = rates[i] if rates is not None else (draft.confidence, DEPTH_DECAY)
+            node = ROOT
+            for depth, token in enumerate(draft.tokens[:max_depth], start=1):
+                child = trie.child(node, token)
+                if child is None:
+                    child = trie.add(node, token, ())
+                    scores.append(0.0)
+                if draft.source not in trie.sources[child]:
+                    trie.sources[child] += (draft.source,)
+                scores[child] += first * nxt ** (depth - 1)
+                node = child
+        best = sorted(range(len(trie)), key=lambda i: (-scores[i], i))[: max(max_nodes, 0)]
+        tree, renumber = cls(), {ROOT: ROOT}
+        for i in sorted(best):  # trie order has parents first
+            renumber[i] = tree.add(renumber[trie.parents[i]], trie.tokens[i], trie.sources[i])
+        return tree

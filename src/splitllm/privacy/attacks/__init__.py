@@ -1,0 +1,1 @@
+"""Attacks an honest-but-curious server can run on the hidden states it is sent or computes."""

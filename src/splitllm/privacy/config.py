@@ -1,0 +1,67 @@
+"""What an audit runs: the model, the split depths, the attack and defense settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from splitllm.privacy.tiny import tiny_model
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    model: str | None = None  # None: the default model
+    heads: tuple[int, ...] = (1, 2, 4, 6, 8, 12)  # K: layers the client runs before sending
+    tails: tuple[int, ...] = (0, 1, 2, 4, 8)  # M: layers the client runs after receiving
+    window: int = 128
+    train_positions: int = 12288
+    test_positions: int = 3072
+    mlp_epochs: int = 10
+    small_train_pairs: int = 1100  # the published attack's training-set size, for comparison
+    sequence_epochs: int = 8
+    whitebox_windows: int = 4  # test windows inverted from their first position...
+    whitebox_positions: int = 16  # ...for this many positions each
+    whitebox_max_candidates: int | None = 8192  # None: the whole vocabulary
+    defense_whitebox_windows: int = 2  # defended states rarely match exactly: searches run longer
+    defense_head: int = 2
+    defense_tail: int = 2
+    noise_sigmas: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0)
+    lowrank_scales: tuple[float, ...] = (0.02, 0.1)
+    lowrank_rank: int = 8
+    known_pairs: int = 640  # state pairs a known-plaintext attacker gets to fit a rotation
+    quality_prompts: int = 6
+    prompt_tokens: int = 32
+    new_tokens: int = 24
+    perplexity_windows: int = 8
+    threads: int = 1
+    seed: int = 0
+    out_dir: Path = Path("results/privacy")
+
+    @classmethod
+    def quick(cls, **overrides: object) -> AuditConfig:
+        """A minute or two on a tiny random model (built once): for CI and for trying the pipeline out."""
+        base = cls(
+            model=str(tiny_model()),
+            heads=(1, 2),
+            tails=(0, 1),
+            window=32,
+            train_positions=2048,
+            test_positions=512,
+            mlp_epochs=4,
+            small_train_pairs=256,
+            sequence_epochs=2,
+            whitebox_windows=2,
+            whitebox_positions=8,
+            whitebox_max_candidates=None,
+            defense_whitebox_windows=1,
+            defense_head=1,
+            defense_tail=1,
+            noise_sigmas=(0.1,),
+            lowrank_scales=(0.1,),
+            known_pairs=128,
+            quality_prompts=2,
+            prompt_tokens=8,
+            new_tokens=4,
+            perplexity_windows=2,
+        )
+        return replace(base, **overrides)  # type: ignore[arg-type]

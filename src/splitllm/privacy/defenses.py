@@ -1,0 +1,178 @@
+"""What a client can do about leakage, and what each option costs it.
+
+- Deeper splits: more layers on the client; cost = client compute per decoding step (`step_ms`).
+- Gaussian noise on the states the client sends (`NoisyMiddle`, `add_noise`); cost = output quality.
+- Private local weights: the client's head (and tail) differ from the public weights by a secret.
+  `rotate_*` is function-preserving (an orthogonal change of basis of the residual stream, norms
+  folded in) but the server must then run rotated middle weights too, and it recovers the rotation
+  from those weights or a few known state pairs by orthogonal Procrustes (`procrustes`).
+  `perturb_*` adds a secret low-rank term to the client's layers: the public weights no longer
+  reproduce its states, at the price of changing what the model computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from splitllm.client.local import LocalModel
+from splitllm.client.pipeline import Middle, SplitPipeline
+from splitllm.decoding.sequential import decode_sequential
+from splitllm.model.stage import Stage
+from splitllm.privacy.states import StageStack
+from splitllm.stats import StepStats
+from splitllm.visibility import Visibility
+
+
+def add_noise(states: torch.Tensor, sigma: float, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian noise of standard deviation sigma x the state's own RMS, per position."""
+    x = states.float()
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(x.shape, generator=gen) * (sigma * rms)
+    return (x + noise).to(states.dtype)
+
+
+class NoisyMiddle:
+    """A `Middle` whose input is noised first: what the server receives under the noise defense."""
+
+    def __init__(self, inner: Middle, sigma: float, seed: int) -> None:
+        self.inner, self.sigma = inner, sigma
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+    ) -> torch.Tensor:
+        return self.inner.step(add_noise(hidden, self.sigma, self.gen), positions, vis, keep, stats)
+
+
+def random_rotation(d: int, seed: int) -> torch.Tensor:
+    """A Haar-random orthogonal matrix: the secret of the rotation defense."""
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def rotate_stage(stage: Stage, q: torch.Tensor) -> Stage:
+    """The same layers acting on residual states x @ q: RMSNorm scales folded into the next matrices."""
+    out = copy.deepcopy(stage)
+    q = q.to(stage.dtype)
+    for layer in out.layers:
+        layer.qkv.data = (layer.qkv * layer.input_norm) @ q
+        layer.gate_up.data = (layer.gate_up * layer.post_norm) @ q
+        layer.o_proj.data = q.T @ layer.o_proj
+        layer.down.data = q.T @ layer.down
+        layer.input_norm.data = torch.ones_like(layer.input_norm)
+        layer.post_norm.data = torch.ones_like(layer.post_norm)
+    return out
+
+
+def rotate_local(local: LocalModel, q: torch.Tensor) -> LocalModel:
+    """The client's embedding, head, tail and LM head in the rotated basis (same outputs)."""
+    out = copy.copy(local)
+    q = q.to(local.dtype)
+    out.embed_weight = local.embed_weight @ q
+    out.lm_head = (local.lm_head * local.norm) @ q
+    out.norm = torch.ones_like(local.norm)
+    out.head = rotate_stage(local.head, q)
+    out.tail = rotate_stage(local.tail, q) if local.tail else None
+    return out
+
+
+def procrustes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The orthogonal q minimising ||a @ q - b||: how an attacker recovers a rotation."""
+    u, _, vh = torch.linalg.svd(a.double().T @ b.double())
+    return (u @ vh).float()
+
+
+def rotation_from_weights(public: Stage, rotated: Stage) -> torch.Tensor:
+    """The server's own rotated middle layer against the public one: one matrix gives the key away."""
+    pub, rot = public.layers[0], rotated.layers[0]
+    return procrustes(pub.qkv * pub.input_norm, rot.qkv)
+
+
+def perturb_stage(stage: Stage, key: int, rank: int, scale: float) -> Stage:
+    """Each matrix plus a secret rank-`rank` term of relative (Frobenius) size `scale`."""
+    out = copy.deepcopy(stage)
+    gen = torch.Generator().manual_seed(key)
+    for layer in out.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            w = getattr(layer, name)
+            delta = torch.randn(w.shape[0], rank, generator=gen) @ torch.randn(rank, w.shape[1], generator=gen)
+            w.data = w + (scale * w.float().norm() / delta.norm() * delta).to(w.dtype)
+    return out
+
+
+def perturb_local(local: LocalModel, key: int, rank: int, scale: float) -> LocalModel:
+    out = copy.copy(local)
+    out.head = perturb_stage(local.head, key, rank, scale)
+    out.tail = perturb_stage(local.tail, key + 1, rank, scale) if local.tail else None
+    return out
+
+
+@torch.inference_mode()
+def perplexity(local: LocalModel, middle: Callable[[], Middle], windows: torch.Tensor) -> float:
+    """Teacher-forced perplexity of held-out windows through the split model."""
+    nll, count = 0.0, 0
+    for tokens in windows:
+        n = len(tokens)
+        logits, _ = SplitPipeline(local, middle(), n).score(tokens, torch.arange(n), Visibility.chain(n), [])
+        nll += float(F.cross_entropy(logits[:-1].float(), tokens[1:], reduction="sum"))
+        count += n - 1
+    return float(torch.tensor(nll / count).exp())
+
+
+def greedy(
+    local: LocalModel, middle: Callable[[], Middle], prompts: list[list[int]], new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations through the split model (no stop tokens: fixed length)."""
+    outs = []
+    for prompt in prompts:
+        pipeline = SplitPipeline(local, middle(), len(prompt) + new_tokens)
+        outs.append([t for step in decode_sequential(pipeline, prompt, new_tokens, frozenset()) for t in step.tokens])
+    return outs
+
+
+def agreement(reference: list[list[int]], outputs: list[list[int]]) -> tuple[float, float]:
+    """(mean share of each continuation before its first difference, share fully identical)."""
+    shares = []
+    for ref, out in zip(reference, outputs):
+        same = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+        shares.append(same / max(len(ref), 1))
+    return statistics.fmean(shares), statistics.fmean(s == 1.0 for s in shares)
+
+
+@torch.inference_mode()
+def step_ms(
+    stack: StageStack,
+    first: Callable[[torch.Tensor], torch.Tensor],
+    last: Callable[[torch.Tensor], torch.Tensor],
+    context: int = 128,
+    steps: int = 24,
+) -> float:
+    """Fastest of `steps` one-token decoding steps through a stack after a `context`-token prefill, in
+    ms: on a shared machine the minimum is the stable measure of the compute itself.
+
+    `first` turns token ids into the stack's input (embedding lookup, or nothing for a tail) and
+    `last` finishes the step (LM head for a tail); an empty stack times just those.
+    """
+    caches = stack.new_caches(context + steps)
+    tokens = torch.arange(context) % 1000
+
+    def run(ids: torch.Tensor, positions: torch.Tensor, keep: list[int]) -> None:
+        hidden = first(ids)
+        if stack.stages:
+            hidden = stack.forward(caches, hidden, positions, Visibility.chain(len(ids)), keep)[stack.cuts[-1]]
+        last(hidden)
+
+    run(tokens, torch.arange(context), [])
+    times, keep = [], list(range(context))
+    for i in range(steps):
+        t0 = time.perf_counter()
+        run(tokens[i : i + 1], torch.tensor([context + i]), keep)
+        times.append((time.perf_counter() - t0) * 1000)
+        keep = [0]
+    return min(times)

@@ -1,0 +1,190 @@
+"""Attacks at every split depth: the measurement primitives and the input- and output-side sweeps.
+
+The attacker is an honest-but-curious server holding the public weights. It trains its learned
+attacks on states it computes itself from text it has (here: the corpus's training documents), and
+is scored on held-out documents. The one thing it never has is the client's token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splitllm.model.stage import Stage
+from splitllm.model.weights import ModelFiles
+from splitllm.privacy import defenses
+from splitllm.privacy.attacks.learned import Attacker, recovery, top_k
+from splitllm.privacy.attacks.mlp import mlp_attacker
+from splitllm.privacy.attacks.output_probe import whitebox_next_tokens
+from splitllm.privacy.attacks.sequence import sequence_attacker
+from splitllm.privacy.attacks.whitebox import WIRE_TOLERANCE, LanguageModelPrior, invert
+from splitllm.privacy.config import AuditConfig
+from splitllm.privacy.corpus import Corpus
+from splitllm.privacy.states import WIRE_DTYPE, PublicModel, WindowStates
+from splitllm.visibility import Visibility
+
+log = logging.getLogger("splitllm.privacy")
+
+
+@dataclass
+class Context:
+    """One audit's inputs: the public model, the corpus and its states at every cut, timings so far."""
+
+    cfg: AuditConfig
+    files: ModelFiles
+    corpus: Corpus
+    model: PublicModel
+    train: WindowStates
+    test: WindowStates
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return self.files.config.num_layers
+
+    def spread_windows(self, k: int) -> list[int]:
+        """k test windows spread over the set, so both prose and code are covered."""
+        n = self.corpus.test.shape[0]
+        return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(min(k, n))})
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def learned_attacks(
+    ctx: Context,
+    cut: int,
+    train_states: torch.Tensor,
+    test_states: torch.Tensor,
+    labels: tuple[torch.Tensor, torch.Tensor],
+    table: torch.Tensor,
+    sequence: bool,
+) -> tuple[dict, Attacker]:
+    """Train the per-position attacker (and the sequence one on top) and score them on the test set."""
+    cfg = ctx.cfg
+    train_labels, test_labels = labels
+    mlp = mlp_attacker(flat(train_states), train_labels.flatten(), table, epochs=cfg.mlp_epochs, seed=cfg.seed + cut)
+    top1, top5 = recovery(top_k(mlp, flat(test_states)), test_labels.flatten())
+    out = {"mlp_top1": top1, "mlp_top5": top5}
+    if sequence:
+        seq = sequence_attacker(train_states, train_labels, mlp, epochs=cfg.sequence_epochs, seed=cfg.seed + cut)
+        out["sequence_top1"] = recovery(top_k(seq, test_states, batch=4), test_labels)[0]
+    return out, mlp
+
+
+def small_mlp(ctx: Context, head: int) -> float:
+    """The per-position attacker trained on as few pairs as the published design, evenly spread."""
+    cfg = ctx.cfg
+    states, labels = flat(ctx.train.states[head]), ctx.corpus.train.flatten()
+    pick = torch.linspace(0, len(labels) - 1, cfg.small_train_pairs).long()
+    epochs = cfg.mlp_epochs * max(1, len(labels) // cfg.small_train_pairs)  # the same number of steps
+    mlp = mlp_attacker(states[pick], labels[pick], ctx.model.embed, epochs=epochs, seed=cfg.seed + head)
+    return recovery(top_k(mlp, flat(ctx.test.states[head])), ctx.corpus.test.flatten())[0]
+
+
+def whitebox_attack(
+    ctx: Context,
+    head: int,
+    targets: torch.Tensor,
+    proposer: Attacker,
+    tolerance: float = WIRE_TOLERANCE,
+    defended: bool = False,
+) -> dict:
+    """Invert the first positions of a few test windows; targets: (n_windows, length, d) wire states."""
+    cfg, model = ctx.cfg, ctx.model
+    stack = model.stack.upto(head)
+    hits, total, seconds, tried = 0, 0, 0.0, 0
+    for w in ctx.spread_windows(cfg.defense_whitebox_windows if defended else cfg.whitebox_windows):
+        states = targets[w, : cfg.whitebox_positions]
+        prior = LanguageModelPrior(model, len(states) + 1)
+        with torch.inference_mode():
+            learned = proposer.scorer.vocab_logits(proposer(states))
+
+        def proposals(t: int, recovered: list[int]) -> list[torch.Tensor]:
+            scores = [learned[t]]
+            if t > 0:
+                scores.append(prior.extend(recovered[-1], t - 1))
+            return scores
+
+        inv = invert(stack, model.embed, states, proposals, tolerance, max_candidates=cfg.whitebox_max_candidates)
+        truth = ctx.corpus.test[w, : len(states)].tolist()
+        hits += sum(a == b for a, b in zip(inv.tokens, truth))
+        total += len(truth)
+        seconds += inv.seconds
+        tried += sum(inv.candidates)
+    return {
+        "whitebox_recovery": hits / total,
+        "whitebox_positions": total,
+        "whitebox_seconds_per_token": seconds / total,
+        "whitebox_candidates_per_token": tried / total,
+    }
+
+
+def head_ms(ctx: Context, head: int) -> float:
+    return defenses.step_ms(ctx.model.stack.upto(head), lambda ids: ctx.model.embed[ids], lambda h: h)
+
+
+def tail_ms(ctx: Context, tail: int) -> float:
+    n = ctx.n_layers
+    stack = ctx.model.stack.between(n - tail, n)
+    return defenses.step_ms(stack, lambda ids: ctx.model.embed[ids], ctx.model.logits)
+
+
+def input_side(ctx: Context) -> tuple[list[dict], dict[int, Attacker]]:
+    """One row per head depth K; also returns each depth's trained MLP (the defenses reuse it)."""
+    rows, attackers = [], {}
+    labels = (ctx.corpus.train, ctx.corpus.test)
+    for k in ctx.cfg.heads:
+        t0 = time.perf_counter()
+        row: dict = {"K": k, "client_ms_per_step": head_ms(ctx, k)}
+        learned, mlp = learned_attacks(
+            ctx, k, ctx.train.states[k], ctx.test.states[k], labels, ctx.model.embed, sequence=True
+        )
+        row.update(learned)
+        row["mlp_small_top1"] = small_mlp(ctx, k)
+        row.update(whitebox_attack(ctx, k, ctx.test.states[k], mlp))
+        attackers[k] = mlp
+        rows.append(row)
+        ctx.timings[f"input_K{k}"] = time.perf_counter() - t0
+        log.info("input side K=%d: %s", k, fmt(row))
+    return rows, attackers
+
+
+def output_side(ctx: Context) -> list[dict]:
+    """One row per tail depth M: learned probe and public-tail predictions of the next token."""
+    rows, n = [], ctx.n_layers
+    table = ctx.model.local.lm_head
+    labels = (ctx.train.greedy, ctx.test.greedy)
+    for m in ctx.cfg.tails:
+        t0 = time.perf_counter()
+        cut = n - m
+        row: dict = {"M": m, "client_ms_per_step": tail_ms(ctx, m)}
+        learned, _ = learned_attacks(
+            ctx, cut, ctx.train.states[cut], ctx.test.states[cut], labels, table, sequence=False
+        )
+        row["probe_top1"], row["probe_top5"] = learned["mlp_top1"], learned["mlp_top5"]
+        predicted = whitebox_next_tokens(ctx.model, ctx.model.stack.between(cut, n), ctx.test.states[cut])
+        row["whitebox_agreement"] = float((predicted == ctx.test.greedy).float().mean())
+        rows.append(row)
+        ctx.timings[f"output_M{m}"] = time.perf_counter() - t0
+        log.info("output side M=%d: %s", m, fmt(row))
+    return rows
+
+
+@torch.inference_mode()
+def head_states(stage: Stage, embed: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Wire states of windows through a (defended) client head."""
+    n, length = windows.shape
+    out = torch.empty(n, length, stage.cfg.hidden_size, dtype=WIRE_DTYPE)
+    for i in range(n):
+        h = stage(stage.new_cache(length), embed[windows[i]], torch.arange(length), Visibility.chain(length), [])
+        out[i] = h.to(WIRE_DTYPE)
+    return out
+
+
+def fmt(row: dict) -> str:
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())

@@ -1,0 +1,51 @@
+"""How a server listens: uvicorn settings for TLS (optionally mutual), frame size and connection caps.
+
+The WebSocket layer (websockets' sans-I/O parser inside uvicorn) reads a frame's declared length
+before its payload and refuses anything above `ws_max_size` with close code 1009, so an oversized
+frame is never buffered.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import uvicorn
+
+from splitllm.server.app import MiddleServer, create_app
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: the server's certificate chain and key; `client_ca` turns on mutual TLS."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+def uvicorn_config(server: MiddleServer, host: str, port: int, tls: TlsFiles | None = None) -> uvicorn.Config:
+    settings = server.settings
+    tls_options: dict[str, object] = {}
+    if tls is not None:
+        tls_options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        if tls.client_ca:
+            tls_options.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(
+        create_app(server),
+        host=host,
+        port=port,
+        ws_max_size=settings.max_frame_bytes,
+        ws_per_message_deflate=False,  # hidden states do not compress, and inflating is a memory bomb
+        limit_concurrency=settings.max_connections,
+        log_level="warning",
+        **tls_options,  # type: ignore[arg-type]
+    )
+    if tls is not None:
+        config.load()  # builds the SSL context, which uvicorn.Server then uses as is
+        assert config.ssl is not None
+        # No TLS 1.3 session tickets: websockets' sync client reads its TLS socket on one thread while
+        # it writes the upgrade request on another, and a ticket arriving in between can wedge the
+        # handshake (seen about once in a thousand). Resumption would only save a certificate check.
+        config.ssl.num_tickets = 0
+    return config

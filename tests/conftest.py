@@ -1,0 +1,180 @@
+"""Shared fixtures: the default model, tiny random models saved as HF folders, servers on loopback.
+
+Tiny models are built from transformers configs with a fixed seed and a wide initializer so greedy
+margins stay far above float32 rounding; their norms and biases are randomized too (HF initializes
+them to ones and zeros, which would hide mistakes in how we load them). They have no tokenizer:
+tests drive them with token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from protocol_client import greedy
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+
+from splitllm.client.local import LocalModel
+from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.remote import RemoteMiddle
+from splitllm.launch import ServerThread
+from splitllm.model.stage import Stage
+from splitllm.model.weights import ModelFiles
+from splitllm.server.app import MiddleServer, ServerSettings
+
+
+def pytest_configure() -> None:
+    """One compute thread: client, server threads and transformers share two cores, and OpenMP's
+    spinning barriers degrade many-fold when oversubscribed (transformers' greedy decoding of the
+    default model ran 5x slower with two threads than with one on a busy two-core machine)."""
+    torch.set_num_threads(1)
+
+
+TINY_VOCAB = 512
+_TINY_COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+TINY_CONFIGS = {
+    "llama": LlamaConfig(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=False),
+    "qwen2": Qwen2Config(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=True),
+    "mistral": MistralConfig(**_TINY_COMMON, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=False),
+}
+
+
+def _build_tiny(name: str, folder: Path) -> Path:
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name], dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _folder(model: str | Path | None) -> Path:
+    """One cache key per model however it is named (None, 'default', its folder)."""
+    return ModelFiles(model).path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> HF folder of a tiny random model: llama (untied head), qwen2 (qkv bias), mistral (window 8)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {name: _build_tiny(name, root / name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def default_files() -> ModelFiles:
+    return ModelFiles(None)
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[str | Path | None], PreTrainedModel]:
+    """The unsplit transformers reference of a model folder (None = default), loaded once per session."""
+
+    @cache
+    def load(path: Path) -> PreTrainedModel:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    return lambda model: load(_folder(model))
+
+
+@pytest.fixture(scope="session")
+def local_model() -> Callable[..., LocalModel]:
+    """LocalModel(files, head, tail), built once per (model, split)."""
+
+    @cache
+    def load(path: Path, head: int, tail: int) -> LocalModel:
+        return LocalModel(ModelFiles(path), head, tail)
+
+    return lambda model, head, tail: load(_folder(model), head, tail)
+
+
+@pytest.fixture(scope="session")
+def middle_stage() -> Callable[..., Stage]:
+    """The middle Stage of a (model, split) for in-process runs, built once."""
+
+    @cache
+    def load(path: Path, head: int, tail: int) -> Stage:
+        files = ModelFiles(path)
+        return Stage.load(files, head, files.config.num_layers - tail, torch.float32)
+
+    return lambda model, head, tail: load(_folder(model), head, tail)
+
+
+@pytest.fixture(scope="session")
+def pipeline(local_model, middle_stage) -> Callable[..., SplitPipeline]:
+    """A fresh in-process SplitPipeline (LocalMiddle) over a (model, split): new caches every call."""
+
+    def make(model: str | Path | None, head: int = 2, tail: int = 1, max_context: int = 256) -> SplitPipeline:
+        local = local_model(model, head, tail)
+        return SplitPipeline(local, LocalMiddle(middle_stage(model, head, tail), max_context), max_context)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Callable[..., ServerThread]]:
+    """server(model, head, tail, **settings): a ServerThread on loopback, started once per arguments."""
+    started: dict[tuple, ServerThread] = {}
+    with ExitStack() as stack:
+
+        def start(model: str | Path | None, head: int, tail: int, **settings: object) -> ServerThread:
+            key = (_folder(model), head, tail, tuple(sorted(settings.items())))
+            if key not in started:
+                middle = MiddleServer(str(key[0]), ServerSettings(head, tail, **settings))
+                started[key] = stack.enter_context(ServerThread(middle))
+            return started[key]
+
+        yield start
+
+
+@pytest.fixture(scope="session")
+def split_greedy() -> Callable[..., list[int]]:
+    """split_greedy(local, url, prompt, n, wire_dtype="float32"): greedy ids of the split model over a
+    new session on the server at `url`, driven by token ids so no tokenizer is needed."""
+
+    def run(local: LocalModel, url: str, prompt: list[int], new_tokens: int, wire_dtype: str = "float32") -> list[int]:
+        middle = RemoteMiddle(url, local.files.fingerprint, local.middle_range, wire_dtype, len(prompt) + new_tokens)
+        return greedy(local, middle, prompt, new_tokens)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model) -> Callable[..., list[int]]:
+    """New token ids of transformers' greedy generate on the unsplit model (stops at the config's EOS)."""
+
+    def run(model: str | Path | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ref = hf_model(model)
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt) :].tolist()
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def random_ids() -> Callable[..., list[int]]:
+    """random_ids(n, seed, vocab=512): reproducible token ids for tiny-model prompts and trees."""
+
+    def make(n: int, seed: int, vocab: int = TINY_VOCAB) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    return make

@@ -1,0 +1,144 @@
+"""The ways in for existing tools, against a live stack on loopback: a splitllm server, the
+OpenAI-compatible endpoint driven by the official `openai` client, and the transformers-style class."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+import uvicorn
+from transformers import TextIteratorStreamer, TextStreamer
+
+from splitllm.api.hf import SplitModelForCausalLM
+from splitllm.api.openai import create_app
+from splitllm.client.session import SplitClient
+from splitllm.launch import free_port
+
+pytestmark = pytest.mark.slow
+QUESTION = "Name three colors."
+
+
+@pytest.fixture(scope="module")
+def split_client(server) -> SplitClient:  # type: ignore[no-untyped-def]
+    """The default model's client side, talking to a real server thread over loopback."""
+    return SplitClient(None, server(None, 2, 2).url, head=2, tail=2)
+
+
+@pytest.fixture(scope="module")
+def api(split_client: SplitClient) -> Iterator[openai.OpenAI]:
+    """An OpenAI client pointed at `create_app` served by uvicorn on a free loopback port."""
+    port = free_port()
+    app_server = uvicorn.Server(uvicorn.Config(create_app(split_client, "splitllm-test"), port=port, log_level="warning"))
+    thread = threading.Thread(target=app_server.run, daemon=True)
+    thread.start()
+    while not app_server.started:
+        time.sleep(0.05)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    app_server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _chat(api: openai.OpenAI, **kwargs):  # type: ignore[no-untyped-def]
+    return api.chat.completions.create(
+        model="splitllm-test", messages=[{"role": "user", "content": QUESTION}], **{"max_tokens": 24, **kwargs}
+    )
+
+
+def test_models_lists_the_served_model(api: openai.OpenAI) -> None:
+    assert [m.id for m in api.models.list()] == ["splitllm-test"]
+
+
+def test_chat_completion_matches_the_client(api: openai.OpenAI, split_client: SplitClient) -> None:
+    reply = _chat(api, temperature=0)
+    ref = split_client.generate(QUESTION, 24)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert reply.usage.prompt_tokens == len(ref.prompt_ids) and reply.usage.completion_tokens == len(ref.ids)
+    assert reply.usage.total_tokens == len(ref.prompt_ids) + len(ref.ids)
+    ext = reply.model_extra["splitllm"]
+    assert ext["decode"] == "sequential" and ext["tokens_per_step"] == 1.0 and ext["tokens_per_second"] > 0
+    assert ext["steps"] == len(ref.ids) and ext["mean_step"]["round_trip_ms"] > 0
+
+
+def test_chat_streaming_equals_non_streaming(api: openai.OpenAI) -> None:
+    whole = _chat(api, temperature=0.7, seed=4, extra_body={"decode": "lookup"})
+    chunks = list(_chat(api, temperature=0.7, seed=4, stream=True, stream_options={"include_usage": True}, extra_body={"decode": "lookup"}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and len(chunks) > 3
+    last, usage = chunks[-2], chunks[-1]
+    assert last.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert last.model_extra["splitllm"]["decode"] == "lookup"
+    assert usage.choices == [] and usage.usage == whole.usage
+
+
+def test_speculative_greedy_and_seeded_sampling_are_stable(api: openai.OpenAI) -> None:
+    greedy = {mode: _chat(api, temperature=0, extra_body={"decode": mode}).choices[0].message.content for mode in ("sequential", "auto")}
+    assert greedy["sequential"] == greedy["auto"]
+    sampled = [_chat(api, temperature=0.8, seed=9).choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_completions_with_stop_strings(api: openai.OpenAI, split_client: SplitClient) -> None:
+    prompt = "The days of the week are Monday, Tuesday,"
+    reply = api.completions.create(model="x", prompt=prompt, max_tokens=30, temperature=0, stop=["Friday"])
+    ref = split_client.generate(prompt, 30, chat=False, stop=["Friday"])
+    assert reply.choices[0].text == ref.text and "Friday" not in ref.text
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = api.completions.create(model="x", prompt=prompt, max_tokens=30, temperature=0, stop=["Friday"], stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "stop" and "splitllm" in chunks[-1].model_extra
+
+
+def test_bad_requests_get_openai_errors(api: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        _chat(api, top_p=1.5)
+    with pytest.raises(openai.BadRequestError, match="unknown decode mode"):
+        _chat(api, extra_body={"decode": "beam"})
+    with pytest.raises(openai.BadRequestError, match="maximum context"):
+        _chat(api, max_tokens=100_000)
+
+
+@pytest.fixture(scope="module")
+def hf_split(server) -> SplitModelForCausalLM:  # type: ignore[no-untyped-def]
+    return SplitModelForCausalLM.from_pretrained("default", server=server(None, 2, 2).url, wire_dtype="float32")
+
+
+def test_hf_generate_matches_transformers(hf_split: SplitModelForCausalLM, hf_greedy) -> None:  # type: ignore[no-untyped-def]
+    prompt = hf_split.tokenizer("The capital of France is")["input_ids"]
+    out = hf_split.generate(torch.tensor([prompt]), max_new_tokens=12)
+    assert out.dtype == torch.long and out.shape == (1, len(prompt) + 12)
+    assert out[0].tolist() == prompt + hf_greedy(None, prompt, 12)
+
+
+def test_hf_streamers_get_every_step(hf_split: SplitModelForCausalLM, capsys: pytest.CaptureFixture[str]) -> None:
+    tok = hf_split.tokenizer
+    ids = torch.tensor([tok("Once upon a time")["input_ids"]])
+    out = hf_split.generate(ids, max_new_tokens=16, streamer=TextStreamer(tok, skip_prompt=True), decode="lookup")
+    new_text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert capsys.readouterr().out.strip() == new_text.strip()
+
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    kwargs = dict(max_new_tokens=16, do_sample=True, temperature=0.7, seed=2, streamer=streamer)
+    worker = threading.Thread(target=lambda: hf_split.generate(ids, **kwargs))
+    worker.start()
+    pieces = list(streamer)
+    worker.join()
+    kwargs.pop("streamer")
+    again = hf_split.generate(ids, **kwargs)  # same seed, no streamer: the same sample
+    assert "".join(pieces) == tok.decode(again[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_hf_batch_is_right_padded(hf_split: SplitModelForCausalLM) -> None:
+    tok = hf_split.tokenizer
+    rows = [tok("Hello")["input_ids"], tok("The three primary colors are")["input_ids"]]
+    out = hf_split.generate(rows, max_new_tokens=4, pad_token_id=-1)
+    assert out.shape == (2, max(map(len, rows)) + 4)
+    assert out[0, len(rows[0]) + 4 :].tolist() == [-1] * (len(rows[1]) - len(rows[0]))
+    assert out[1, : len(rows[1])].tolist() == rows[1]

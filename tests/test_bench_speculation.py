@@ -1,0 +1,53 @@
+"""`splitllm bench speculation`: its summary arithmetic, and a short real run through the server and proxy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitllm.bench.speculation import markdown, run_speculation, summarize
+from splitllm.bench.workload import CATEGORIES, workload
+
+
+def _step(accepted: int, ms: float, proposer: str = "") -> dict:
+    return {"accepted": accepted, "total_ms": ms, "nodes": 1 + 2 * (accepted > 1), "bytes_up": 10, "bytes_down": 10,
+            "proposer": proposer}
+
+
+def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() -> None:
+    prefill = _step(1, 500.0)
+    runs = [
+        {"prompt": 0, "category": "code", "mode": "sequential", "ids": [1, 2, 3, 4], "steps": [prefill] + [_step(1, 100.0)] * 3},
+        {"prompt": 0, "category": "code", "mode": "lookup", "ids": [1, 2, 3, 4],
+         "steps": [prefill, _step(3, 120.0, "lookup")]},
+        {"prompt": 1, "category": "creative", "mode": "sequential", "ids": [5, 6], "steps": [prefill, _step(1, 100.0)]},
+        {"prompt": 1, "category": "creative", "mode": "lookup", "ids": [5, 7], "steps": [prefill, _step(1, 110.0)]},
+    ]
+    summary = summarize(runs, ("sequential", "lookup"))
+    assert list(summary) == ["code", "creative", "overall"]
+    code = summary["code"]["lookup"]
+    assert code["tokens_per_step"] == 3.0 and code["identical"] == 1
+    assert code["speedup"] == pytest.approx((3 / 120) / (3 / 300))
+    assert code["proposers"] == {"lookup": {"steps_won": 1, "draft_tokens_accepted": 2}}
+    overall = summary["overall"]["lookup"]
+    assert overall["tokens"] == 4 and overall["steps"] == 2 and overall["identical"] == 1
+    settings = {"rtt_ms": 80, "head": 2, "tail": 2, "max_new_tokens": 4, "prompts_per_category": 1, "sampling": "greedy"}
+    text = markdown(summary, settings)
+    assert "| overall | lookup | 2.00 |" in text and "| lookup | lookup | 1 | 2 |" in text
+
+
+def test_workload_has_every_category() -> None:
+    prompts = workload(3)
+    assert [p.category for p in prompts] == [c for c in CATEGORIES for _ in range(3)]
+    assert len({p.text for p in workload()}) == 32
+
+
+@pytest.mark.slow
+def test_a_short_run_through_server_and_proxy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = run_speculation(1, 6, rtt_ms=10, modes=("lookup",), out=tmp_path)
+    overall = result["summary"]["overall"]
+    assert set(overall) == {"sequential", "lookup"}
+    assert overall["sequential"]["tokens_per_step"] == 1.0 and overall["lookup"]["prompts"] == 4
+    data = json.loads((tmp_path / "speculation.json").read_text())
+    assert len(data["runs"]) == 8 and (tmp_path / "speculation.md").read_text().startswith("Speculative decoding")

@@ -1,0 +1,65 @@
+"""Split greedy decoding through a real server on loopback (float32 compute and wire) produces exactly
+the tokens of transformers' `generate(do_sample=False)` on the unsplit model."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitllm.client.session import SplitClient
+
+NEW_TOKENS = 64
+DEFAULT_SPLITS = [(1, 1), (2, 2), (4, 4), (8, 0)]
+# Open-ended requests, so most answers run the whole budget instead of ending early at EOS.
+DEFAULT_PROMPTS = [
+    "Write a detailed essay about the history of the printing press.",
+    "Explain step by step how a refrigerator keeps food cold.",
+    "List twenty animals that live in the ocean, with one fact about each.",
+    "Write a Python function that checks whether a number is prime, then explain it line by line.",
+    "Tell me a long story about a dragon who learns to bake bread.",
+    "What are the main causes of climate change? Answer in detail.",
+    "Describe the water cycle for a ten-year-old, in several paragraphs.",
+    "Compare cats and dogs as pets: temperament, cost, care and lifespan.",
+]
+TINY_SPLITS = {"llama": [(1, 2)], "qwen2": [(1, 1), (2, 0)], "mistral": [(1, 1), (2, 3), (4, 0)]}
+
+
+@pytest.fixture(scope="module")
+def default_prompts() -> list[list[int]]:
+    """The prompts as the client encodes them (chat template)."""
+    client = SplitClient(None, None, 1, 1)
+    return [client.encode_prompt(p) for p in DEFAULT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_prompts, hf_greedy) -> list[list[int]]:
+    refs = [hf_greedy(None, ids, NEW_TOKENS) for ids in default_prompts]
+    assert sum(len(r) == NEW_TOKENS for r in refs) >= 6, "prompts should mostly run the whole budget"
+    return refs
+
+
+@pytest.mark.parametrize(("head", "tail"), DEFAULT_SPLITS)
+def test_default_model_split_greedy_equals_transformers(head, tail, server, default_prompts, default_reference):
+    url = server(None, head, tail).url
+    client = SplitClient(None, url, head, tail, wire_dtype="float32", max_context=256)
+    for i, (ids, ref) in enumerate(zip(default_prompts, default_reference)):
+        gen = client.generate(ids, NEW_TOKENS)
+        assert gen.ids == ref, f"prompt {i}: split {head}+{tail} diverges at token {_first_difference(gen.ids, ref)}"
+
+
+@pytest.mark.parametrize(("name", "head", "tail"), [(n, h, t) for n, splits in TINY_SPLITS.items() for h, t in splits])
+def test_tiny_model_split_greedy_equals_transformers(
+    name, head, tail, tiny_models, server, local_model, split_greedy, hf_greedy, random_ids
+):
+    folder = tiny_models[name]
+    url = server(folder, head, tail).url
+    local = local_model(folder, head, tail)
+    for seed, length in enumerate([1, 3, 5, 8, 9, 13, 21, 30]):  # around and past the Mistral's 8-token window
+        prompt = random_ids(length, seed=100 + seed)
+        ref = hf_greedy(folder, prompt, NEW_TOKENS)
+        assert len(ref) == NEW_TOKENS
+        got = split_greedy(local, url, prompt, NEW_TOKENS)
+        assert got == ref, f"prompt {seed} diverges at token {_first_difference(got, ref)}"
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -1,0 +1,294 @@
+"""Faults without loss, over real loopback sockets: connections cut at random moments (through the
+WAN emulator), servers restarted or killed mid-generation, sessions expiring, fail-over to another
+server. Every interrupted run must produce exactly the tokens of an uninterrupted one. Plus steps
+that fail mid-forward, which must leave the session's cache exactly as it was."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from protocol_client import RawClient, greedy
+
+from splitllm.client.connection import ConnectionOptions, ServerUnreachable
+from splitllm.client.remote import RemoteMiddle
+from splitllm.client.session import SplitClient
+from splitllm.launch import ServerProcess, ServerThread
+from splitllm.model.weights import ModelFiles
+from splitllm.netem import LinkProfile, ProxyThread
+from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.visibility import Visibility
+
+HEAD, TAIL = 1, 1
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
+    return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def solo(tiny, server, local_model, random_ids):  # type: ignore[no-untyped-def]
+    """(prompt, its greedy ids through an undisturbed server)."""
+    prompt = random_ids(12, 7)
+    return prompt, greedy(local_model(tiny, HEAD, TAIL), _middle(server(tiny, HEAD, TAIL).url, tiny), prompt, NEW)
+
+
+def _middle(url: str, model: str, **options: object) -> RemoteMiddle:
+    files = ModelFiles(model)
+    layers = (HEAD, files.config.num_layers - TAIL)
+    return RemoteMiddle(url, files.fingerprint, layers, "float16", 64, ConnectionOptions(**options))  # type: ignore[arg-type]
+
+
+class _Chaos:
+    """Resets every proxied connection at random moments (mid-step included) until stopped."""
+
+    def __init__(self, proxy: ProxyThread, seed: int, gap_s: tuple[float, float]) -> None:
+        self.proxy, self.rng, self.gap_s = proxy, random.Random(seed), gap_s
+        self.drops = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.rng.uniform(*self.gap_s)):
+            self.proxy.drop_connections()
+            self.drops += 1
+
+    def __enter__(self) -> _Chaos:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_connections_cut_at_random_moments_lose_nothing(tiny, server, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected = solo
+    target = server(tiny, HEAD, TAIL)
+    with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=20)) as proxy:
+        middle = _middle(f"ws://127.0.0.1:{proxy.port}", tiny)
+        rng = random.Random(3)
+        cut_at = set(rng.sample(range(1, NEW), 6))  # also between steps, at random steps
+
+        def between_steps(count: int) -> None:
+            if count in cut_at:
+                proxy.drop_connections()
+
+        with _Chaos(proxy, seed=5, gap_s=(0.05, 0.25)) as chaos:
+            got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, between_steps)
+    assert got == expected
+    assert middle.reconnects >= len(cut_at) and chaos.drops > 0
+
+
+def test_every_connection_cut_after_a_byte_budget(tiny, server, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected = solo
+    target = server(tiny, HEAD, TAIL)
+    local = local_model(tiny, HEAD, TAIL)
+    # The whole run sends ~11 kB; each connection dies after 8 kB, and the replay of the longest
+    # context (~7 kB) plus one step still fits.
+    with ProxyThread("127.0.0.1", target.port, LinkProfile(fault_after_bytes=8_000)) as proxy:
+        middle = _middle(f"ws://127.0.0.1:{proxy.port}", tiny)
+        assert greedy(local, middle, prompt, NEW) == expected
+        assert middle.reconnects == 2
+    # With 5 kB, the replay alone soon exceeds the budget: no step gets through, and the deadline ends it.
+    with ProxyThread("127.0.0.1", target.port, LinkProfile(fault_after_bytes=5_000)) as proxy:
+        with pytest.raises(ServerUnreachable, match="within 1 s"):
+            greedy(local, _middle(f"ws://127.0.0.1:{proxy.port}", tiny, deadline_s=1.0), prompt, NEW)
+
+
+def test_server_thread_restarted_on_the_same_port(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected = solo
+    first = ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL))).__enter__()
+    restarted: list[ServerThread] = []
+
+    def restart(count: int) -> None:
+        if count == 15:
+            first.__exit__(None, None, None)  # sessions gone; the port is closed for a while
+            timer = threading.Timer(0.5, lambda: restarted.append(
+                ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL)), port=first.port).__enter__()))
+            timer.start()
+
+    middle = _middle(first.url, tiny)
+    try:
+        got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, restart)
+    finally:
+        for thread in restarted:
+            thread.__exit__(None, None, None)
+    assert got == expected and middle.reconnects == 1
+
+
+def test_server_process_killed_and_restarted(tiny, local_model, solo, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected = solo
+    args = ("--model", tiny, "--head", str(HEAD), "--tail", str(TAIL))
+    processes = [ServerProcess(*args, log_path=str(tmp_path / "server.log")).__enter__()]
+
+    def kill_and_restart(count: int) -> None:
+        if count == 10:
+            processes[0].proc.kill()  # no goodbye: the connection just breaks
+            processes[0].proc.wait()
+            threading.Thread(
+                target=lambda: processes.append(ServerProcess(*args, port=processes[0].port).__enter__()), daemon=True
+            ).start()
+
+    try:
+        middle = _middle(processes[0].url, tiny, deadline_s=120.0)
+        got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, kill_and_restart)
+    finally:
+        for p in processes:
+            p.__exit__(None, None, None)
+    assert got == expected and middle.reconnects == 1
+
+
+def test_expired_session_is_rebuilt_from_the_record(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected = solo
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL, session_ttl_s=0.3))) as thread:
+
+        def linger(count: int) -> None:
+            if count in (5, 25):
+                time.sleep(1.0)  # longer than the session's idle TTL
+
+        middle = _middle(thread.url, tiny)
+        assert greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, linger) == expected
+    assert middle.reconnects == 2
+
+
+def test_fails_over_to_the_next_server(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected = solo
+    primary = ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL))).__enter__()
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL))) as backup:
+
+        def stop_primary(count: int) -> None:
+            if count == 20:
+                primary.__exit__(None, None, None)
+
+        middle = _middle(primary.url, tiny, fallbacks=(backup.url,))
+        got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, stop_primary)
+        assert got == expected and middle.url.startswith(backup.url)
+        assert backup.server.metrics.registry.get_sample_value("splitllm_sessions_opened_total") == 1
+
+
+def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+    prompt, expected = solo
+    ids: list[int] = []
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL))) as thread:
+        middle = _middle(thread.url, tiny, deadline_s=1.0)
+
+        def vanish(count: int) -> None:
+            ids.append(expected[count - 1])
+            if count == 8:
+                thread.__exit__(None, None, None)
+
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnreachable, match="within 1 s"):
+            greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, vanish)
+        assert time.monotonic() - t0 < 60
+    assert ids == expected[:8]
+
+
+# --- the default model ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_client() -> SplitClient:
+    return SplitClient(None, None, 2, 2, max_context=256)
+
+
+def test_default_model_decodes_through_cut_connections(default_client, server) -> None:  # type: ignore[no-untyped-def]
+    target = server(None, 2, 2)
+    client = default_client
+    prompt = "List three fruits."
+    client.server, client.connection = target.url, ConnectionOptions(deadline_s=30.0)
+    expected = client.generate(prompt, 24).ids
+    with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=20)) as proxy:
+        client.server = f"ws://127.0.0.1:{proxy.port}"
+        with _Chaos(proxy, seed=11, gap_s=(0.5, 1.0)) as chaos:
+            got = client.generate(prompt, 24).ids
+    assert got == expected and chaos.drops > 0
+
+
+def test_default_model_generation_keeps_its_tokens_when_the_server_is_gone(default_client, server) -> None:  # type: ignore[no-untyped-def]
+    target = server(None, 2, 2)
+    client = default_client
+    prompt = "Name a color."
+    client.server, client.connection = target.url, ConnectionOptions(deadline_s=1.0)
+    expected = client.generate(prompt, 24).ids
+    registry = target.server.metrics.registry
+    with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=10)) as proxy:
+        client.server = f"ws://127.0.0.1:{proxy.port}"
+        start = registry.get_sample_value("splitllm_steps_total")
+
+        def cut_after_six_steps() -> None:
+            while registry.get_sample_value("splitllm_steps_total") < start + 6:
+                time.sleep(0.002)
+            proxy.close()  # the link is gone for good
+
+        threading.Thread(target=cut_after_six_steps, daemon=True).start()
+        with pytest.raises(ServerUnreachable) as info:
+            client.generate(prompt, 24)
+    partial = info.value.generation.ids
+    assert 5 <= len(partial) < 24 and partial == expected[: len(partial)]
+
+
+# --- transactional steps ----------------------------------------------------------------------------------
+
+
+def _tree_steps(d: int) -> list[tuple[torch.Tensor, list[int], Visibility, list[int]]]:
+    """A prefill, a 4-node tree, then a step keeping a non-prefix path of it (so entries move)."""
+    g = torch.Generator().manual_seed(0)
+    tree = Visibility.from_parents([-1, 0, -1, 2])
+    return [
+        (torch.randn(6, d, generator=g), list(range(6)), Visibility.chain(6), []),
+        (torch.randn(4, d, generator=g), [6, 7, 6, 7], tree, list(range(6))),
+        (torch.randn(2, d, generator=g), [8, 9], Visibility.chain(2), [2, 3]),
+        (torch.randn(1, d, generator=g), [10], Visibility.chain(1), [0, 1]),
+    ]
+
+
+def test_a_step_failing_mid_forward_leaves_the_cache_as_it_was(tiny, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    layers = (HEAD, files.config.num_layers - TAIL)
+    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL))
+    steps = _tree_steps(files.config.hidden_size)
+    last = server.stage.layers[-1]
+    original = last.forward
+    faults = {"left": 0}
+
+    def fail_after_writing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original(*args, **kwargs)  # every layer has written its K/V and `keep` has compacted
+        if faults["left"]:
+            faults["left"] -= 1
+            raise RuntimeError("injected fault")
+        return out
+
+    monkeypatch.setattr(last, "forward", fail_after_writing)
+    with ServerThread(server) as thread, RawClient(thread.url) as clean, RawClient(thread.url) as faulty:
+        sessions = [c.open(files, layers).header["session"] for c in (clean, faulty)]
+        for hidden, positions, vis, keep in steps:
+            want = clean.step(sessions[0], hidden, positions, keep, **vis.to_wire())
+            faults["left"] = 1
+            refused = faulty.step(sessions[1], hidden, positions, keep, **vis.to_wire())
+            assert refused.header["code"] == "bad_request" and "injected fault" in refused.header["message"]
+            got = faulty.step(sessions[1], hidden, positions, keep, **vis.to_wire())  # the same step again
+            assert torch.equal(got.tensor, want.tensor)
+
+
+def test_checkpoint_restores_exactly_and_copies_only_what_can_move(tiny) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL))
+    stage, cache = server.stage, server.stage.new_cache(32)
+    for hidden, positions, vis, keep in _tree_steps(files.config.hidden_size)[:2]:
+        stage(cache, hidden, torch.tensor(positions), vis, keep)
+    assert (cache.length, cache.pending) == (6, 4)
+    before = (cache.k.clone(), cache.v.clone(), cache.positions.clone())
+    restore = cache.checkpoint([2, 3])
+    hidden, positions, vis, keep = _tree_steps(files.config.hidden_size)[2]
+    stage(cache, hidden, torch.tensor(positions), vis, keep)  # moved entries 2, 3 and wrote 2 new ones
+    assert not torch.equal(cache.k, before[0])
+    restore()
+    assert (cache.length, cache.pending) == (6, 4)
+    assert all(torch.equal(a, b) for a, b in zip((cache.k, cache.v, cache.positions), before))

@@ -1,0 +1,423 @@
+"""Transport security, authentication, isolation between principals, and bounded resources, over
+real loopback sockets: TLS (and mutual TLS) with a throwaway CA, bearer tokens at the handshake,
+sessions bound to their principal and connection, caps on sessions, KV memory and frame size, and
+peers that stop reading."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from protocol_client import RawClient, greedy
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from splitllm import wire
+from splitllm.client.connection import (
+    TOKEN_ENV,
+    AuthenticationError,
+    ConnectionOptions,
+    ServerUnreachable,
+    read_token,
+)
+from splitllm.client.remote import RemoteMiddle
+from splitllm.launch import ServerThread
+from splitllm.model.weights import ModelFiles
+from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.auth import TokenTable
+from splitllm.server.logs import formatter
+from splitllm.server.transport import TlsFiles
+
+HEAD, TAIL = 1, 1
+CONTEXT = 64
+TOKENS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob", "carol")}
+
+
+# --- a throwaway PKI ------------------------------------------------------------------------------------
+
+
+def _issue(cn: str, issuer=None, ca: bool = False, san=None, usage=None):  # type: ignore[no-untyped-def]
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer[0].subject if issuer else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if san:
+        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    if usage:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    return builder.sign(issuer[1] if issuer else key, hashes.SHA256()), key
+
+
+def _write(folder: Path, stem: str, cert, key) -> None:  # type: ignore[no-untyped-def]
+    (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / f"{stem}.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ca, server (localhost / 127.0.0.1), client (signed by ca) and stranger (signed by another CA)."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca = _issue("splitllm test CA", ca=True)
+    _write(folder, "ca", *ca)
+    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    _write(folder, "server", *_issue("localhost", ca, san=san, usage=ExtendedKeyUsageOID.SERVER_AUTH))
+    _write(folder, "client", *_issue("alice", ca, usage=ExtendedKeyUsageOID.CLIENT_AUTH))
+    other_ca = _issue("another CA", ca=True)
+    _write(folder, "stranger", *_issue("mallory", other_ca, usage=ExtendedKeyUsageOID.CLIENT_AUTH))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("auth") / "tokens"
+    path.write_text("# principal:token\n" + "".join(f"{p}:{t}\n" for p, t in TOKENS.items()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
+    return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
+    """A wss:// server that wants a bearer token."""
+    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL), TokenTable.load(token_file))
+    with ServerThread(server, tls=TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))) as thread:
+        yield thread
+
+
+def _options(certs: Path, principal: str | None = None, **kw: object) -> ConnectionOptions:
+    return ConnectionOptions(TOKENS.get(principal or ""), str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
+
+
+def _middle(thread: ServerThread, options: ConnectionOptions | None = None, context: int = CONTEXT) -> RemoteMiddle:
+    files = thread.server.files
+    return RemoteMiddle(thread.url, files.fingerprint, (HEAD, files.config.num_layers - TAIL), "float16", context, options)
+
+
+def _sample(thread: ServerThread, name: str, **labels: str) -> float:
+    return thread.server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# --- transport security ---------------------------------------------------------------------------------
+
+
+def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+    local, prompt = local_model(tiny, HEAD, TAIL), random_ids(8, 1)
+    plain = greedy(local, _middle(server(tiny, HEAD, TAIL)), prompt, 16)
+    assert secure.url.startswith("wss://")
+    assert greedy(local, _middle(secure, _options(certs, "alice")), prompt, 16) == plain
+
+
+def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ssl.SSLCertVerificationError):
+        _middle(secure, ConnectionOptions(TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
+    insecure = _middle(secure, ConnectionOptions(TOKENS["alice"], insecure=True))  # encrypted, unverified
+    insecure.close()
+
+
+def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+    tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL)), tls=tls) as thread:
+        mine = _options(certs, client_cert=str(certs / "client.pem"), client_key=str(certs / "client.key"))
+        assert len(greedy(local_model(tiny, HEAD, TAIL), _middle(thread, mine), random_ids(4, 2), 4)) == 4
+        stranger = str(certs / "stranger.pem"), str(certs / "stranger.key")
+        for options in (_options(certs, deadline_s=0.3), _options(certs, None, deadline_s=0.3, client_cert=stranger[0], client_key=stranger[1])):
+            with pytest.raises(ServerUnreachable, match="client certificate"):
+                _middle(thread, options)
+        assert _sample(thread, "splitllm_sessions_opened_total") == 1
+
+
+# --- authentication -------------------------------------------------------------------------------------
+
+
+def test_refused_handshakes_do_no_model_work(secure, certs) -> None:  # type: ignore[no-untyped-def]
+    before = {n: _sample(secure, n) for n in ("splitllm_sessions_opened_total", "splitllm_steps_total")}
+    refused = _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated")
+    for token in (None, "wrong-token", TOKENS["alice"] + "x", f"alice:{TOKENS['alice']}"):
+        with pytest.raises(AuthenticationError, match="authentication failed") as info:
+            _middle(secure, ConnectionOptions(token, str(certs / "ca.pem"), deadline_s=30.0))
+        assert info.value.code == "unauthenticated" and not info.value.retryable
+    assert {n: _sample(secure, n) for n in before} == before
+    assert _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated") == refused + 4
+
+
+def test_token_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert read_token() is None
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert read_token() == "from-env"
+    (tmp_path / "t").write_text("  from-file\n")
+    assert read_token(tmp_path / "t") == "from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_token(tmp_path / "empty")
+
+
+def test_token_table_format(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    table = TokenTable({"alice": "a-token", "bob": "b-token"})
+    assert [table.principal(h) for h in ("Bearer a-token", "bearer b-token", "Bearer c", "a-token", None, "Bearer ")] == [
+        "alice", "bob", None, None, None, None,
+    ]
+    for bad in ("alice", "alice:", ":token", "alice:x\nalice:y"):
+        (tmp_path / "t").write_text(bad)
+        with pytest.raises(ValueError):
+            TokenTable.load(tmp_path / "t")
+
+
+def test_metrics_need_a_token_when_the_server_does(secure, certs) -> None:  # type: ignore[no-untyped-def]
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    url = f"https://127.0.0.1:{secure.port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, context=ctx, timeout=10)
+    assert refused.value.code == 401
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKENS['bob']}"})
+    body = urllib.request.urlopen(request, context=ctx, timeout=10).read().decode()
+    for name in ("splitllm_sessions ", "splitllm_kv_bytes ", "splitllm_step_seconds_bucket", "splitllm_errors_total"):
+        assert name in body or name.strip() in body, name
+
+
+def test_cli_generate_with_token_file_and_environment(default_files, token_file, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server = MiddleServer(None, ServerSettings(2, 2), TokenTable.load(token_file))
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-a-token\n")
+    base = [sys.executable, "-m", "splitllm.cli", "generate", "Say hi.", "--max-new-tokens", "4", "--json"]
+    with ServerThread(server) as thread:
+        env = {**os.environ, TOKEN_ENV: TOKENS["carol"]}
+        ok = subprocess.run([*base, "--server", thread.url], env=env, capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["new_tokens"] == 4
+        bad = subprocess.run(
+            [*base, "--server", thread.url, "--token-file", str(wrong)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert bad.returncode == 1 and "authentication failed" in bad.stderr
+        assert _sample(thread, "splitllm_sessions_opened_total") == 1
+
+
+# --- isolation ------------------------------------------------------------------------------------------
+
+
+def test_sessions_belong_to_their_principal_and_connection(tiny, secure, certs) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    layers = (HEAD, files.config.num_layers - TAIL)
+    hidden = torch.randn(3, files.config.hidden_size)
+    with RawClient(secure.url, _options(certs, "alice")) as alice, RawClient(secure.url, _options(certs, "bob")) as bob:
+        session = alice.open(files, layers).header["session"]
+        never = secrets.token_urlsafe(18)
+
+        def refusal(client: RawClient, sid: str, op: str) -> tuple:
+            if op == "step":
+                h = client.step(sid, hidden, [0, 1, 2], []).header
+            else:
+                h = client.request({"op": "close", "session": sid}).header
+            return h["code"], h["message"]
+
+        with RawClient(secure.url, _options(certs, "alice")) as alice_again:
+            for op in ("step", "close"):
+                # another principal, or the same one on another connection: the answer an unknown id gets
+                assert refusal(bob, session, op) == refusal(bob, never, op) == refusal(alice_again, session, op)
+                assert refusal(bob, session, op)[0] == "unknown_session"
+        assert alice.step(session, hidden, [0, 1, 2], []).header["op"] == "result"  # untouched
+
+
+def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    layers = (HEAD, files.config.num_layers - TAIL)
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL, session_ttl_s=0.3))) as thread:
+        with RawClient(thread.url) as owner, RawClient(thread.url) as other:
+            session = owner.open(files, layers).header["session"]
+            deadline = time.monotonic() + 10
+            while thread.server.info()["sessions"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            hidden = torch.randn(1, files.config.hidden_size)
+            assert owner.step(session, hidden, [0], []).header["code"] == "session_expired"
+            assert other.step(session, hidden, [0], []).header["code"] == "unknown_session"
+            assert thread.server.info()["kv_bytes"] == 0
+
+
+# --- bounded resources ----------------------------------------------------------------------------------
+
+
+def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    layers = (HEAD, files.config.num_layers - TAIL)
+    settings = ServerSettings(HEAD, TAIL, max_sessions=3, max_sessions_per_principal=2)
+    with ServerThread(MiddleServer(tiny, settings, TokenTable.load(token_file))) as thread:
+        clients = {p: RawClient(thread.url, ConnectionOptions(TOKENS[p])) for p in TOKENS}
+        try:
+            a1, a2 = (clients["alice"].open(files, layers).header["session"] for _ in range(2))
+            third = clients["alice"].open(files, layers).header
+            assert (third["code"], third["retryable"]) == ("principal_full", True)
+            assert "session" in clients["bob"].open(files, layers).header
+            full = clients["carol"].open(files, layers).header
+            assert (full["code"], full["retryable"]) == ("server_full", True)
+            assert clients["alice"].request({"op": "close", "session": a1}).header["op"] == "closed"
+            assert "session" in clients["carol"].open(files, layers).header
+            step = clients["alice"].step(a2, torch.randn(2, files.config.hidden_size), [0, 1], [])
+            assert step.header["op"] == "result"  # the older session was never evicted
+        finally:
+            for c in clients.values():
+                c.close()
+
+
+def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    layers = (HEAD, files.config.num_layers - TAIL)
+    probe = MiddleServer(tiny, ServerSettings(HEAD, TAIL))
+    per_session = probe.stage.new_cache(CONTEXT).nbytes
+    settings = ServerSettings(HEAD, TAIL, max_kv_bytes=int(2.5 * per_session))
+    with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
+        for _ in range(2):
+            assert "session" in raw.open(files, layers, CONTEXT).header
+        assert thread.server.info()["kv_bytes"] == 2 * per_session
+        full = raw.open(files, layers, CONTEXT).header
+        assert (full["code"], full["retryable"]) == ("server_full", True) and "KV" in full["message"]
+        assert "session" in raw.open(files, layers, CONTEXT // 4).header  # a smaller one still fits
+        too_big = raw.open(files, layers, 4 * CONTEXT).header
+        assert too_big["code"] == "context_too_large" and "retryable" not in too_big
+        assert thread.server.info()["kv_bytes"] <= settings.max_kv_bytes
+    assert thread.server.info()["kv_bytes"] == 0  # released with the connection
+
+
+def test_nodes_per_step_and_context_are_capped(tiny) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    layers = (HEAD, files.config.num_layers - TAIL)
+    settings = ServerSettings(HEAD, TAIL, max_context=32, max_nodes_per_step=8)
+    with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
+        opened = raw.open(files, layers, 10_000).header
+        assert (opened["max_context"], opened["max_nodes"]) == (32, 8)
+        d = files.config.hidden_size
+        assert raw.step(opened["session"], torch.randn(9, d), list(range(9)), []).header["code"] == "too_many_nodes"
+        assert raw.step(opened["session"], torch.randn(8, d), list(range(8)), []).header["op"] == "result"
+
+
+def test_oversized_frame_is_refused_from_its_header(tiny, server) -> None:  # type: ignore[no-untyped-def]
+    """A frame declaring 1 TiB is refused (close 1009) as soon as its length is read: nothing is buffered."""
+    thread = server(tiny, HEAD, TAIL, max_frame_bytes=1 << 20)
+    with socket.create_connection(("127.0.0.1", thread.port), timeout=10) as sock:
+        key = base64.b64encode(os.urandom(16))
+        sock.sendall(
+            b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        response = b""
+        while b"\r\n\r\n" not in response:
+            response += sock.recv(4096)
+        assert response.startswith(b"HTTP/1.1 101")
+        sock.sendall(bytes([0x82, 0x80 | 127]) + struct.pack(">Q", 1 << 40) + os.urandom(4) + b"x" * 1000)
+        reply = response.split(b"\r\n\r\n", 1)[1]
+        while len(reply) < 4:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        assert reply[0] == 0x88 and struct.unpack(">H", reply[2:4])[0] == 1009  # close: message too big
+    with RawClient(thread.url) as raw:  # and the server carries on
+        assert raw.send_raw(b"\x00").header["code"] == "bad_frame"
+
+
+def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    layers = [HEAD, files.config.num_layers - TAIL]
+    local, prompt = local_model(tiny, HEAD, TAIL), random_ids(8, 3)
+    settings = ServerSettings(HEAD, TAIL, send_timeout_s=1.0)
+    with ServerThread(MiddleServer(tiny, settings)) as thread:
+        expected = greedy(local, _middle(thread), prompt, 24)
+        # max_queue=1: this client's reader thread stops taking data after one message
+        staller = connect(thread.url + "/ws", compression=None, max_size=None, max_queue=1, legacy=True)
+        open_header = {"op": "open", "version": wire.PROTOCOL_VERSION, "fingerprint": files.fingerprint,
+                       "layers": layers, "dtype": "float32", "max_context": 256}
+        staller.send(wire.encode(open_header))
+        session = wire.decode(staller.recv(timeout=10)).header["session"]
+        n = 256  # 64 KiB replies: a few hundred fill every socket buffer on the way back
+        big = wire.encode(
+            {"op": "step", "session": session, "positions": list(range(n)), "keep": []},
+            torch.randn(n, files.config.hidden_size), "float32",
+        )
+
+        def flood() -> None:
+            try:
+                for _ in range(1000):
+                    staller.send(big)
+            except Exception:
+                pass  # the server gave up on this connection
+
+        threading.Thread(target=flood, daemon=True).start()
+        try:
+            assert greedy(local, _middle(thread), prompt, 24) == expected
+            deadline = time.monotonic() + 60
+            while _sample(thread, "splitllm_connections_dropped_total", reason="stalled") < 1:
+                assert time.monotonic() < deadline, "the stalled connection was never dropped"
+                time.sleep(0.1)
+            assert thread.server.info()["sessions"] == 0  # its session and KV memory are released
+            assert greedy(local, _middle(thread), prompt, 24) == expected
+        finally:
+            staller.socket.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny)
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL, idle_timeout_s=0.5))) as thread:
+        with RawClient(thread.url) as raw:
+            assert "session" in raw.open(files, (HEAD, files.config.num_layers - TAIL)).header
+            with pytest.raises(ConnectionClosed) as closed:
+                raw.ws.recv(timeout=30)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
+        assert thread.server.info()["sessions"] == 0
+        assert _sample(thread, "splitllm_connections_dropped_total", reason="idle") == 1
+
+
+# --- observability --------------------------------------------------------------------------------------
+
+
+def test_logs_are_structured_and_carry_no_tensors(tiny, local_model, random_ids, caplog) -> None:  # type: ignore[no-untyped-def]
+    local = local_model(tiny, HEAD, TAIL)
+    with caplog.at_level(logging.DEBUG, logger="splitllm.server"):
+        with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL))) as thread:
+            greedy(local, _middle(thread), random_ids(8, 4), 6)
+            with RawClient(thread.url) as raw:
+                raw.send_raw(b"garbage")
+    records = [r for r in caplog.records if r.name == "splitllm.server"]
+    events = [r.getMessage() for r in records]
+    for expected in ("connection_opened", "session_opened", "step", "request_refused", "session_closed"):
+        assert expected in events, events
+    for r in records:
+        fields = getattr(r, "fields", {})
+        assert all(isinstance(v, (str, int, float, bool, type(None))) for v in fields.values()), fields
+        assert all(len(str(v)) < 100 for v in fields.values()), fields  # ids are cut, no arrays
+    opened = next(r for r in records if r.getMessage() == "session_opened")
+    line = json.loads(formatter("json").format(opened))
+    assert line["event"] == "session_opened" and len(line["session"]) == 8 and line["principal"] == "anonymous"

@@ -1,0 +1,290 @@
+"""The server over real loopback sockets: what it loads, how it refuses bad requests (a clear error
+frame, with the session and the server left intact), and isolation between sessions."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+from protocol_client import RawClient
+from safetensors import safe_open
+
+from splitllm import wire
+from splitllm.client.pipeline import SplitPipeline
+from splitllm.client.session import SplitClient
+from splitllm.decoding.sequential import decode_sequential
+from splitllm.model.weights import ModelFiles
+from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.stats import StepStats
+from splitllm.visibility import Visibility
+
+HEAD, TAIL = 2, 2
+CONTEXT = 64
+HIDDEN = 576  # the default model's hidden size
+PROMPT = "Name three colors of the rainbow and say one thing about each."
+
+
+def _recording_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    names: list[str] = []
+    original = ModelFiles.read
+
+    def read(self, wanted, dtype):
+        wanted = list(wanted)
+        names.extend(wanted)
+        return original(self, wanted, dtype)
+
+    monkeypatch.setattr(ModelFiles, "read", read)
+    return names
+
+
+# --- what the server holds ------------------------------------------------------------------------------
+
+
+def test_server_holds_only_the_middle_layers(default_files, monkeypatch) -> None:
+    names = _recording_reads(monkeypatch)
+    server = MiddleServer(None, ServerSettings(head=HEAD, tail=TAIL))
+    cfg = default_files.config
+    middle = range(HEAD, cfg.num_layers - TAIL)
+    assert names and {int(n.split(".")[2]) for n in names} == set(middle)
+    assert all(n.startswith("model.layers.") for n in names)
+    stage = server.stage
+    assert (stage.start, stage.end, len(stage.layers)) == (HEAD, cfg.num_layers - TAIL, len(middle))
+    shapes = {tuple(p.shape) for p in stage.parameters()}
+    assert not any(cfg.vocab_size in s for s in shapes)  # no embedding or LM head
+    per_layer = sum(p.numel() for p in stage.layers[0].parameters())
+    assert sum(p.numel() for p in stage.parameters()) == per_layer * len(middle)
+    with safe_open(default_files.path / "model.safetensors", framework="pt") as weights:
+        in_file = set(weights.keys())
+    assert set(names) == {n for n in in_file if n.startswith("model.layers.") and int(n.split(".")[2]) in middle}
+
+
+def test_server_reads_middle_biases_only(tiny_models, monkeypatch) -> None:
+    names = _recording_reads(monkeypatch)
+    MiddleServer(str(tiny_models["qwen2"]), ServerSettings(head=1, tail=1))
+    assert {int(n.split(".")[2]) for n in names} == {1, 2}
+    assert "model.layers.1.self_attn.q_proj.bias" in names
+    assert not any("embed" in n or "lm_head" in n or n == "model.norm.weight" for n in names)
+
+
+@pytest.mark.parametrize(("head", "tail"), [(0, 2), (2, -1), (20, 10), (29, 1), (30, 0)])
+def test_invalid_split_is_refused_naming_the_layer_count(head: int, tail: int) -> None:
+    with pytest.raises(ValueError, match="the model has 30 layers"):
+        MiddleServer(None, ServerSettings(head=head, tail=tail))
+
+
+# --- opening sessions -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_url(server) -> str:
+    return server(None, HEAD, TAIL).url
+
+
+def _open_header(files: ModelFiles, **override: object) -> dict:
+    header = {
+        "op": "open",
+        "id": 1,
+        "version": wire.PROTOCOL_VERSION,
+        "fingerprint": files.fingerprint,
+        "layers": [HEAD, files.config.num_layers - TAIL],
+        "dtype": "float32",
+        "max_context": CONTEXT,
+    }
+    return {**header, **override}
+
+
+@pytest.mark.parametrize(
+    ("override", "code"),
+    [
+        ({"fingerprint": "0" * 64}, "model_mismatch"),
+        ({"fingerprint": None}, "model_mismatch"),
+        ({"layers": [1, 28]}, "split_mismatch"),
+        ({"layers": [2, 27]}, "split_mismatch"),
+        ({"version": wire.PROTOCOL_VERSION + 1}, "version_mismatch"),
+        ({"version": None}, "version_mismatch"),
+        ({"dtype": "int8"}, "bad_dtype"),
+        ({"max_context": 0}, "bad_request"),
+        ({"max_context": "big"}, "bad_request"),
+    ],
+)
+def test_bad_open_is_refused_and_connection_stays_usable(default_url, default_files, override, code) -> None:
+    with RawClient(default_url) as raw:
+        refused = raw.request(_open_header(default_files, **override))
+        assert refused.header["op"] == "error" and refused.header["code"] == code and refused.header["id"] == 1
+        assert refused.header["message"]
+        opened = raw.request(_open_header(default_files))
+        assert opened.header["op"] == "opened" and opened.header["max_context"] == CONTEXT
+
+
+def test_split_mismatch_names_both_splits(default_url, default_files) -> None:
+    with RawClient(default_url) as raw:
+        message = raw.request(_open_header(default_files, layers=[4, 26])).header["message"]
+    assert "[2, 28)" in message and "[4, 26]" in message
+
+
+# --- hostile frames between the steps of a real decode -------------------------------------------------
+
+
+def _hostile(header: dict, hidden: torch.Tensor, other_session: str, max_position: int) -> list[tuple[str, bytes, str]]:
+    """(what, message, expected error code): broken variations of one real step."""
+    n, d = hidden.shape
+    ok = wire.encode(header, hidden, "float32")
+    nan, inf = hidden.clone(), hidden.clone()
+    nan[0, 3], inf[-1, 0] = float("nan"), float("inf")
+    no_vis = {k: v for k, v in header.items() if k not in ("parents", "bits")}
+    no_session = {k: v for k, v in header.items() if k != "session"}
+
+    def step(tensor: torch.Tensor = hidden, dtype: str = "float32", base: dict = header, **fields: object) -> bytes:
+        return wire.encode({**base, **fields}, tensor, dtype)
+
+    return [
+        ("unknown op", wire.encode({**header, "op": "frobnicate"}), "unknown_op"),
+        ("truncated payload", ok[:-7], "bad_shape"),
+        ("truncated header", ok[:6], "bad_frame"),
+        ("only the length", ok[:4], "bad_frame"),
+        ("garbage", bytes(range(7, 250, 3)) * 5, "bad_frame"),
+        ("empty", b"", "bad_frame"),
+        ("no tensor", wire.encode(header), "bad_shape"),
+        ("wrong hidden size", step(hidden[:, : d - 1]), "bad_shape"),
+        ("other wire dtype", step(dtype="float16"), "bad_dtype"),
+        ("unknown dtype", wire.encode({**header, "dtype": "int8", "shape": [n, d]}) + bytes(n * d), "bad_dtype"),
+        ("negative position", step(positions=[-1] * n), "bad_request"),
+        ("position past the model", step(positions=[max_position] * n), "bad_request"),
+        ("position overflows", step(positions=[2**63] * n), "bad_request"),
+        ("positions too few", step(positions=header["positions"][:-1]), "bad_positions"),
+        ("float positions", step(positions=[0.5] * n), "bad_positions"),
+        ("beyond max context", step(torch.zeros(CONTEXT + 1, d), base=no_vis, positions=list(range(CONTEXT + 1))), "bad_request"),
+        ("parent of itself", step(base=no_vis, parents=list(range(n))), "bad_request"),
+        ("parent out of range", step(base=no_vis, parents=[n] * n), "bad_request"),
+        ("parents too many", step(base=no_vis, parents=[-1] * (n + 1)), "bad_request"),
+        ("parents not a list", step(base=no_vis, parents=3), "bad_request"),
+        ("bits too short", step(base=no_vis, bits=b""), "bad_request"),
+        ("keep not a list", step(keep="all"), "bad_keep"),
+        ("keep past pending", step(keep=[10**6]), "bad_request"),
+        ("keep decreasing", step(keep=[1, 0]), "bad_request"),
+        ("keep negative", step(keep=[-1]), "bad_request"),
+        ("NaN hidden", step(nan), "bad_values"),
+        ("Inf hidden", step(inf), "bad_values"),
+        ("unknown session", step(session="no-such-session"), "unknown_session"),
+        ("no session", step(base=no_session), "unknown_session"),
+        ("another connection's session", step(session=other_session), "unknown_session"),
+    ]
+
+
+class _HostileMiddle:
+    """A server session that receives, before each real step, every hostile variation of it."""
+
+    def __init__(self, raw: RawClient, session: str, other_session: str, max_position: int, hostile_steps: int) -> None:
+        self.raw, self.session, self.other, self.max_position = raw, session, other_session, max_position
+        self.hostile_steps = hostile_steps
+        self.refused: list[str] = []
+        self.ids = iter(range(100, 10**6))
+
+    def step(
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+    ) -> torch.Tensor:
+        header = {"op": "step", "session": self.session, "positions": positions.tolist(), "keep": list(keep)}
+        header.update(vis.to_wire())
+        if self.hostile_steps > 0:
+            self.hostile_steps -= 1
+            for what, message, code in _hostile(header, hidden, self.other, self.max_position):
+                message, rid = _with_id(message, next(self.ids))
+                reply = self.raw.send_raw(message).header
+                assert (reply["op"], reply.get("code"), reply["id"]) == ("error", code, rid), f"{what}: {reply}"
+                assert reply["message"], what
+                self.refused.append(what)
+        reply = self.raw.request({**header, "id": next(self.ids)}, hidden)
+        assert reply.header["op"] == "result" and reply.tensor is not None, reply.header
+        return reply.tensor.float()
+
+
+def _with_id(message: bytes, rid: int) -> tuple[bytes, int | None]:
+    """The frame with an id in its header, and the id its error must echo (None: unparseable bytes)."""
+    try:
+        frame = wire.decode(message)
+    except wire.ProtocolError:
+        return message, None
+    return wire.encode({**frame.header, "id": rid}) + frame.payload, rid
+
+
+def test_hostile_frames_leave_the_session_decoding_correctly(default_url, default_files, local_model, split_greedy):
+    local = local_model(None, HEAD, TAIL)
+    prompt = SplitClient(None, None, HEAD, TAIL).encode_prompt(PROMPT)
+    expected = split_greedy(local, default_url, prompt, 12)
+    with RawClient(default_url) as raw, RawClient(default_url) as other:
+        other_session = other.request(_open_header(default_files)).header["session"]
+        session = raw.request(_open_header(default_files)).header["session"]
+        middle = _HostileMiddle(raw, session, other_session, default_files.config.max_position, hostile_steps=3)
+        pipeline = SplitPipeline(local, middle, CONTEXT)
+        got = [t for out in decode_sequential(pipeline, prompt, 12, frozenset()) for t in out.tokens]
+        assert len(middle.refused) == 3 * len(set(middle.refused)) >= 3 * 25
+        # the other connection's session was never touched either
+        probe = other.request(
+            {"op": "step", "id": 9, "session": other_session, "positions": [0], "keep": []}, torch.zeros(1, HIDDEN)
+        )
+        assert probe.header["op"] == "result"
+    assert got == expected
+
+
+def test_error_frames_echo_the_request_id(default_url, default_files) -> None:
+    with RawClient(default_url) as raw:
+        session = raw.request(_open_header(default_files)).header["session"]
+        step = {"op": "step", "session": session, "positions": [0], "keep": []}
+        reply = raw.request({**step, "id": "abc"}, torch.zeros(1, 5))
+        assert reply.header == {"op": "error", "id": "abc", "code": "bad_shape", "message": reply.header["message"]}
+        closed = raw.request({"op": "close", "id": 4, "session": session})
+        assert closed.header == {"op": "closed", "id": 4}
+        gone = raw.request({**step, "id": 5}, torch.zeros(1, HIDDEN))
+        assert (gone.header["code"], gone.header["id"]) == ("unknown_session", 5)
+        again = raw.request({"op": "close", "id": 6, "session": session})
+        assert again.header["code"] == "unknown_session"
+
+
+def test_a_session_dies_with_its_connection_only(default_url, default_files) -> None:
+    with RawClient(default_url) as keeper:
+        kept = keeper.request(_open_header(default_files)).header["session"]
+        step = {"op": "step", "session": kept, "positions": [0], "keep": []}
+        with RawClient(default_url) as leaver:
+            leaver.request(_open_header(default_files))
+        with RawClient(default_url) as thief:
+            stolen = thief.request(step, torch.zeros(1, HIDDEN))
+            assert stolen.header["code"] == "unknown_session"
+        ok = keeper.request(step, torch.zeros(1, HIDDEN))
+        assert ok.header["op"] == "result"
+
+
+# --- concurrency ----------------------------------------------------------------------------------------
+
+
+def test_concurrent_sessions_do_not_interfere(default_url) -> None:
+    client = SplitClient(None, default_url, HEAD, TAIL, wire_dtype="float32", max_context=256)
+    # The server batches concurrent steps, which rounds differently from solo steps (~1e-4); these
+    # prompts' greedy top-2 logit gaps stay above 0.07 over the 20 tokens, so rounding cannot flip a token.
+    texts = [
+        "What is the capital of France?",
+        "Name the planets of the solar system.",
+        "Explain what a hash table is.",
+        "What is the boiling point of water?",
+    ]
+    prompts = [client.encode_prompt(t) for t in texts]  # token ids: the threads share no tokenizer state
+    solo = [client.generate(p, 20).ids for p in prompts]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = client.generate(prompts[i], 20).ids
+        except BaseException as exc:  # surfaced below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [results[i] for i in range(len(prompts))] == solo

@@ -1,0 +1,46 @@
+"""The real default model in float32: every speculative mode commits sequential greedy's tokens, or
+diverges only where the model's top two logits nearly tie (see docs/correctness.md).
+
+A small subset of `splitllm bench exactness` (32 prompts x 128 tokens), plus the step statistics
+speculation reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitllm.bench.exactness import check_exactness
+from splitllm.bench.workload import workload
+from splitllm.client.session import SplitClient
+from splitllm.decoding.policy import DEFAULT_BUDGETS, StaticPolicy
+from splitllm.decoding.speculative import SpeculativeDecoder
+
+
+@pytest.fixture(scope="module")
+def client():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield SplitClient(None, max_context=512)
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_modes_match_sequential_on_the_default_model(client) -> None:  # type: ignore[no-untyped-def]
+    prompts = [p.text for p in workload(1)[::2]]  # code and creative
+    report = check_exactness(client, prompts, max_new_tokens=32)
+    assert report.explained, report.markdown()
+    assert sum(report.identical.values()) >= len(report.modes) * len(prompts) - 1, report.markdown()
+
+
+@pytest.mark.slow
+def test_speculation_accepts_drafts_and_reports_them(client) -> None:  # type: ignore[no-untyped-def]
+    prompt = "List ten fruits with their typical colors, one per line, as 'fruit: color'."
+    # In-process there is no round trip to adapt to, so the adaptive policy would rightly not speculate.
+    static = SpeculativeDecoder("auto", StaticPolicy(DEFAULT_BUDGETS["auto"]))
+    gen = client.generate(prompt, 48, decode=static)
+    decode_steps = gen.steps[1:]
+    assert len(gen.ids) == 48 and gen.tokens_per_step > 1.2
+    assert {s.proposer for s in decode_steps} - {""} <= {"lookup", "lookahead"}
+    assert any(s.proposer for s in decode_steps)
+    assert all(s.nodes == 1 + s.drafted + s.window for s in decode_steps)
+    assert sum(s.accepted for s in gen.steps) == 48

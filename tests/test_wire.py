@@ -1,0 +1,121 @@
+"""The frame format: layout, tensor round trips per dtype, and a clear ProtocolError for every
+malformed frame (never an unrelated exception)."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from splitllm import wire
+from splitllm.wire import ProtocolError
+
+
+def _raw(header: object, payload: bytes = b"") -> bytes:
+    head = msgpack.packb(header, use_bin_type=True)
+    return struct.pack(">I", len(head)) + head + payload
+
+
+def test_layout_is_length_header_payload() -> None:
+    t = torch.arange(6, dtype=torch.float32).view(2, 3)
+    message = wire.encode({"op": "step", "id": 7}, t, "float32")
+    (hlen,) = struct.unpack(">I", message[:4])
+    header = msgpack.unpackb(message[4 : 4 + hlen])
+    assert header == {"op": "step", "id": 7, "dtype": "float32", "shape": [2, 3]}
+    assert message[4 + hlen :] == t.numpy().astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("dtype", list(wire.WIRE_DTYPES))
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (0, 576)])
+def test_tensor_round_trip(dtype: str, shape: tuple[int, int]) -> None:
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    frame = wire.decode(wire.encode({"op": "result"}, t, dtype))
+    assert frame.tensor is not None
+    assert frame.tensor.dtype == wire.WIRE_DTYPES[dtype] and tuple(frame.tensor.shape) == shape
+    assert torch.equal(frame.tensor, t.to(wire.WIRE_DTYPES[dtype]))
+    frame.tensor += 1  # decoded tensors own writable memory
+
+
+def test_header_dtype_is_the_default_wire_dtype() -> None:
+    frame = wire.decode(wire.encode({"op": "step", "dtype": "float16"}, torch.ones(2, 2)))
+    assert frame.tensor is not None and frame.tensor.dtype == torch.float16
+
+
+def test_frame_without_tensor() -> None:
+    frame = wire.decode(wire.encode({"op": "open", "layers": [2, 28]}))
+    assert frame.header == {"op": "open", "layers": [2, 28]} and frame.tensor is None and frame.payload == b""
+
+
+_headers = st.dictionaries(
+    st.text(max_size=8).filter(lambda k: k not in ("op", "shape", "dtype")),
+    st.one_of(
+        st.integers(-(2**63), 2**64 - 1),
+        st.text(max_size=20),
+        st.binary(max_size=20),
+        st.lists(st.integers(-(2**63), 2**63 - 1), max_size=5),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_headers, st.integers(0, 4), st.sampled_from(list(wire.WIRE_DTYPES)))
+def test_any_header_round_trips(header: dict, rows: int, dtype: str) -> None:
+    t = torch.full((rows, 3), 0.5)
+    frame = wire.decode(wire.encode({"op": "x", **header}, t, dtype))
+    assert frame.header == {"op": "x", **header, "dtype": dtype, "shape": [rows, 3]}
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("text", "bad_frame"),
+        (b"\x00\x00", "bad_frame"),
+        (struct.pack(">I", 100) + b"\x80", "bad_frame"),
+        (struct.pack(">I", wire.MAX_HEADER_BYTES + 1) + bytes(16), "bad_frame"),
+        (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_frame"),
+        (_raw([1, 2]), "bad_frame"),
+        (_raw({"id": 1}), "bad_frame"),
+        (_raw({"op": 3}), "bad_frame"),
+        (_raw({1: "op"}), "bad_frame"),
+        (_raw({"op": "step"}, b"\x00" * 8), "bad_frame"),
+        (_raw({"op": "step", "dtype": "int8", "shape": [1, 1]}, b"\x00"), "bad_dtype"),
+        (_raw({"op": "step", "shape": [1, 1]}, b"\x00" * 4), "bad_dtype"),
+        (_raw({"op": "step", "dtype": "float32", "shape": [1, 1, 1]}, b"\x00" * 4), "bad_shape"),
+        (_raw({"op": "step", "dtype": "float32", "shape": [-1, 1]}, b""), "bad_shape"),
+        (_raw({"op": "step", "dtype": "float32", "shape": [True, 1]}, b"\x00" * 4), "bad_shape"),
+        (_raw({"op": "step", "dtype": "float32", "shape": "1x1"}, b"\x00" * 4), "bad_shape"),
+        (_raw({"op": "step", "dtype": "float32", "shape": [2, 2]}, b"\x00" * 15), "bad_shape"),
+        (_raw({"op": "step", "dtype": "float16", "shape": [2, 2]}, b"\x00" * 16), "bad_shape"),
+    ],
+)
+def test_malformed_frames_raise_protocol_errors(message: object, code: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        wire.decode(message)  # type: ignore[arg-type]
+    assert info.value.code == code and info.value.message
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_never_raises_anything_but_protocol_error(data: bytes) -> None:
+    try:
+        wire.decode(data)
+    except ProtocolError:
+        pass
+
+
+def test_truncated_step_frame() -> None:
+    message = wire.encode({"op": "step", "id": 1}, torch.ones(3, 8), "float32")
+    for cut in (1, 4, len(message) - 96, len(message) - 1):
+        with pytest.raises(ProtocolError):
+            wire.decode(message[:cut])
+
+
+@pytest.mark.parametrize(("rid", "echoed"), [(5, 5), ("a", "a"), (None, None), ([1], None), (1.5, None)])
+def test_error_frame(rid: object, echoed: object) -> None:
+    frame = wire.decode(wire.error_frame(rid, "bad_request", "nope"))
+    assert frame.header == {"op": "error", "id": echoed, "code": "bad_request", "message": "nope"}
