@@ -179,6 +179,7 @@ class AdaptivePolicy:
         offline: SpecBudget = DEFAULT_BUDGETS["auto"],
     ) -> None:
         self.profile = profile or AutoProfile.load()
+        self._framing_intercept = self.profile.latency.framing.as_dict().get("1", 0.0)
         self.offline = offline
         if not self.profile.candidates:
             raise ValueError("an adaptive policy needs at least one candidate budget")
@@ -215,7 +216,8 @@ class AdaptivePolicy:
         shape = candidate.shape(context, est.gain.value)
         p = self.profile.latency.predict(shape, link, self.profile.decoder)
         c, s = est.client.value, est.server.value
-        return Breakdown(p.local * c, p.server * s, p.overhead * c, p.decode * c, p.rtt, p.transfer, p.framing, p.accepted)
+        framing = p.framing - self._framing_intercept  # already inside the live RTT
+        return Breakdown(p.local * c, p.server * s, p.overhead * c, p.decode * c, p.rtt, p.transfer, framing, p.accepted)
 
     def _estimates(self, steps: Sequence[StepStats]) -> _Estimates:
         key = id(steps)
@@ -237,7 +239,9 @@ class AdaptivePolicy:
             x["bytes"] = s.bytes_up + s.bytes_down
             if s.round_trip_ms > s.server_ms:  # over a network (in-process steps have none)
                 est.networked = True
-                est.link.update(x["bytes"], s.network_ms - latency.framing(x))
+                # The framing intercept fitted offline cannot be told apart from RTT live (it moves with
+                # load), so the live RTT absorbs it and only the per-byte part is taken off.
+                est.link.update(x["bytes"], s.network_ms - (latency.framing(x) - self._framing_intercept))
             if i == 0 or i >= len(est.chosen):
                 continue  # the prefill's compute is not a decode step's
             est.server.update(s.server_ms, max(latency.server(x), 1e-3))
