@@ -178,3 +178,18 @@ def random_ids() -> Callable[..., list[int]]:
         return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
     return make
+
+
+@pytest.fixture
+def tensor_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of every tensor read through ModelFiles.read during the test, in order."""
+    names: list[str] = []
+    original = ModelFiles.read
+
+    def read(self: ModelFiles, wanted, dtype):  # type: ignore[no-untyped-def]
+        wanted = list(wanted)
+        names.extend(wanted)
+        return original(self, wanted, dtype)
+
+    monkeypatch.setattr(ModelFiles, "read", read)
+    return names

@@ -91,17 +91,9 @@ def test_stage_range_is_checked(tiny_models) -> None:
             Stage(cfg, start, end, torch.float32)
 
 
-def test_client_reads_only_its_own_tensors(default_files, monkeypatch) -> None:
+def test_client_reads_only_its_own_tensors(default_files, tensor_reads) -> None:
     """The client side maps embedding, norm, its head and tail layers, and nothing of the middle."""
-    read: list[str] = []
-    original = ModelFiles.read
-
-    def recording(self, names, dtype):
-        names = list(names)
-        read.extend(names)
-        return original(self, names, dtype)
-
-    monkeypatch.setattr(ModelFiles, "read", recording)
+    read = tensor_reads
     LocalModel(ModelFiles(None), 2, 3)
     layers = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
     assert layers == {0, 1, 27, 28, 29}

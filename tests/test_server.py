@@ -26,24 +26,11 @@ HIDDEN = 576  # the default model's hidden size
 PROMPT = "Name three colors of the rainbow and say one thing about each."
 
 
-def _recording_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    names: list[str] = []
-    original = ModelFiles.read
-
-    def read(self, wanted, dtype):
-        wanted = list(wanted)
-        names.extend(wanted)
-        return original(self, wanted, dtype)
-
-    monkeypatch.setattr(ModelFiles, "read", read)
-    return names
-
-
 # --- what the server holds ------------------------------------------------------------------------------
 
 
-def test_server_holds_only_the_middle_layers(default_files, monkeypatch) -> None:
-    names = _recording_reads(monkeypatch)
+def test_server_holds_only_the_middle_layers(default_files, tensor_reads) -> None:
+    names = tensor_reads
     server = MiddleServer(None, ServerSettings(head=HEAD, tail=TAIL))
     cfg = default_files.config
     middle = range(HEAD, cfg.num_layers - TAIL)
@@ -60,8 +47,8 @@ def test_server_holds_only_the_middle_layers(default_files, monkeypatch) -> None
     assert set(names) == {n for n in in_file if n.startswith("model.layers.") and int(n.split(".")[2]) in middle}
 
 
-def test_server_reads_middle_biases_only(tiny_models, monkeypatch) -> None:
-    names = _recording_reads(monkeypatch)
+def test_server_reads_middle_biases_only(tiny_models, tensor_reads) -> None:
+    names = tensor_reads
     MiddleServer(str(tiny_models["qwen2"]), ServerSettings(head=1, tail=1))
     assert {int(n.split(".")[2]) for n in names} == {1, 2}
     assert "model.layers.1.self_attn.q_proj.bias" in names
