@@ -19,8 +19,8 @@ def _linear(features: tuple[str, ...], coef: dict[str, float]) -> Linear:
 
 # A CPU-like pair: the server's step costs 25 ms plus 2 ms a node; the client's LM head 4 ms a token.
 PROFILE = LatencyProfile(
-    local=_linear(LOCAL, {"1": 3.0, "nodes": 0.4, "accepted": 4.0, "windowed": 8.0}),
-    server=_linear(COMPUTE, {"1": 25.0, "nodes": 2.0, "nodes*context": 0.0005}),
+    local=_linear(LOCAL, {"1": 3.0, "nodes": 0.4, "single": -0.5, "accepted": 4.0, "windowed": 8.0}),
+    server=_linear(COMPUTE, {"1": 25.0, "nodes": 2.0, "single": -2.0, "nodes*context": 0.0005}),
     overhead=_linear(OVERHEAD, {"1": 0.3, "bytes": 2e-6}),
     framing=_linear(PER_BYTE, {"1": 1.0, "bytes": 1e-5}),
     wire_up=_linear(STEP_SIZE, {"1": 100.0, "nodes": 1200.0}),
@@ -28,7 +28,7 @@ PROFILE = LatencyProfile(
     decode={"auto": _linear(STEP_SIZE, {"1": 0.5, "nodes": 0.05})},
 )
 YIELDS = [(1.0, 1.0), (3.0, 1.3), (12.0, 1.6), (24.0, 1.85), (40.0, 2.05)]  # (nodes, tokens) per step
-AUTO = AutoProfile(PROFILE, [Candidate(b, n, a, 0.0) for b, (n, a) in zip(CANDIDATE_BUDGETS, YIELDS)])
+AUTO = AutoProfile(PROFILE, [Candidate(b, n, a, 0.0, float(n == 1)) for b, (n, a) in zip(CANDIDATE_BUDGETS, YIELDS)])
 
 
 def _step(profile: AutoProfile, c: Candidate, link: Link, history: list[StepStats], gain: float = 1.0,
@@ -40,7 +40,7 @@ def _step(profile: AutoProfile, c: Candidate, link: Link, history: list[StepStat
     """
     n = c.nodes if history else 40.0
     context = history[-1].context + history[-1].accepted if history else 0
-    shape = Candidate(c.budget, n, 1 + gain * (c.accepted - 1), c.windowed).shape(context)
+    shape = Candidate(c.budget, n, 1 + gain * (c.accepted - 1), c.windowed, float(n == 1)).shape(context)
     credit = sum(getattr(s, "_credit", 0.0) for s in history[-1:]) + shape.accepted
     p = profile.latency.predict(shape, link, "auto")
     up, down = profile.latency.bytes(shape)
@@ -103,9 +103,9 @@ def test_link_estimate_recovers_rtt_and_bandwidth() -> None:
 def test_higher_acceptance_than_measured_moves_to_a_bigger_budget() -> None:
     link = Link(20.0)
     plain = _generate(AdaptivePolicy(AUTO), link)[-1]
-    keen = _generate(AdaptivePolicy(AUTO), link, gain=2.5)[-1]
+    keen = _generate(AdaptivePolicy(AUTO), link, steps=60, gain=3.5)[-1]
     assert keen.nodes > plain.nodes
-    assert keen == _best(AUTO, link, gain=2.5)
+    assert keen == _best(AUTO, link, gain=3.5)
 
 
 def test_a_slower_server_than_profiled_moves_to_a_smaller_budget() -> None:

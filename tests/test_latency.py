@@ -14,8 +14,9 @@ from splitllm.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_
 from splitllm.stats import StepStats
 
 # Coefficients of a made-up machine pair: ms = a + b*nodes + c*context + d*nodes*context (+ ...).
-LOCAL = {"1": 5.0, "nodes": 0.45, "context": 0.004, "nodes*context": 0.0006, "accepted": 4.1, "windowed": 9.0}
-SERVER = {"1": 22.0, "nodes": 0.8, "context": 0.01, "nodes*context": 0.0011}
+LOCAL = {"1": 5.0, "nodes": 0.45, "single": -0.7, "context": 0.004, "nodes*context": 0.0006, "accepted": 4.1,
+         "windowed": 9.0}
+SERVER = {"1": 22.0, "nodes": 0.8, "single": -2.5, "context": 0.01, "nodes*context": 0.0011}
 OVERHEAD = {"1": 0.15, "bytes": 2e-5, "context": 0.0004}
 FRAMING = {"1": 1.1, "bytes": 4e-5}
 DECODE = {"1": 0.3, "nodes": 0.05, "accepted": 0.2}
@@ -36,10 +37,10 @@ def _synthetic(n: int, noise: float, seed: int = 0) -> list[StepRecord]:
 
     records = []
     for i in range(n):
-        nodes, context = rng.randint(1, 64), rng.randint(16, 900)
+        nodes, context = rng.choice([1, rng.randint(2, 64)]), rng.randint(16, 900)
         window, accepted = rng.choice([0, nodes - 1]), rng.randint(1, min(nodes, 6))
-        x = {"1": 1.0, "nodes": nodes, "context": context, "nodes*context": nodes * context,
-             "accepted": accepted, "windowed": float(window > 0)}
+        x = {"1": 1.0, "nodes": nodes, "single": float(nodes == 1), "context": context,
+             "nodes*context": nodes * context, "accepted": accepted, "windowed": float(window > 0)}
         up, down = round(_lin(UP, x)), round(_lin(DOWN, x))
         x["bytes"] = up + down
         link = LINKS[i % len(LINKS)]
@@ -86,8 +87,8 @@ def test_prediction_matches_the_generating_model_and_survives_json(tmp_path) -> 
     link = Link(200.0, 50.0)  # an RTT and a bandwidth the fit never saw
     for nodes, context in [(1, 100), (16, 400), (48, 800)]:
         shape = StepShape.at(nodes, context, accepted=2.0, windowed=0.5)
-        x = {"1": 1.0, "nodes": nodes, "context": context, "nodes*context": nodes * context,
-             "accepted": 2.0, "windowed": 0.5}
+        x = {"1": 1.0, "nodes": nodes, "single": float(nodes == 1), "context": context,
+             "nodes*context": nodes * context, "accepted": 2.0, "windowed": 0.5}
         wire = _lin(UP, x) + _lin(DOWN, x)
         x["bytes"] = wire
         truth = (
@@ -170,7 +171,7 @@ def test_sweep_report_cross_validates_and_plots(tmp_path) -> None:  # type: igno
 
 
 def _exact_step(profile: LatencyProfile, nodes: float, tokens: float, context: int, link: Link) -> StepStats:
-    shape = StepShape(nodes, context, nodes * context, tokens)
+    shape = StepShape.at(nodes, context, tokens)
     p = profile.predict(shape, link, "tree")
     up, down = profile.bytes(shape)
     s = StepStats(nodes=nodes, accepted=tokens, head_ms=p.local, serialize_ms=p.overhead, server_ms=p.server,

@@ -2,17 +2,19 @@
 
 A step's wall time is split into parts that depend on different things:
 
-    local    = head + tail compute on the client        a + b*nodes + c*context + d*nodes*context
-                                                        + e*accepted + f*windowed
-    server   = middle compute, as the server reports it a + b*nodes + c*context + d*nodes*context
+    local    = head + tail compute on the client        a + b*nodes + c*single + d*context
+                                                        + e*nodes*context + f*accepted + g*windowed
+    server   = middle compute, as the server reports it a + b*nodes + c*single + d*context + e*nodes*context
     overhead = client (de)serialization, bookkeeping    a + b*bytes + c*context
     decode   = the decoder's own time (per decoder)     a + b*nodes + c*accepted
     network  = link RTT + bytes / bandwidth + framing   framing = a + b*bytes
     bytes    = bytes up, bytes down                     a + b*nodes + c*accepted (each way)
 
-The client's LM head runs only on the rows the verifier walks (one per emitted token), plus one
-approximate pass over the lookahead window's outputs when a step has a window, hence `accepted`
-and `windowed` in its cost. Every part is linear in its features, so the mean step time of a
+`single` marks one-position steps: their projections run as matrix-vector products, a different
+(cheaper per row) kernel than the matrix-matrix products of several positions. The client's LM
+head runs only on the rows the verifier walks (one per emitted token), plus one approximate pass
+over the lookahead window's outputs when a step has a window, hence `accepted` and `windowed` in
+its cost. Every part is linear in its features, so the mean step time of a
 workload is the model applied to the workload's mean features (`StepShape`): predictions need no
 per-step simulation. Tokens per step come from measurement (how many tokens a decoder accepts at a
 budget), time from the model.
@@ -29,7 +31,7 @@ import numpy as np
 
 from splitllm.stats import StepStats
 
-COMPUTE = ("1", "nodes", "context", "nodes*context")
+COMPUTE = ("1", "nodes", "single", "context", "nodes*context")
 LOCAL = (*COMPUTE, "accepted", "windowed")
 PER_BYTE = ("1", "bytes")
 OVERHEAD = (*PER_BYTE, "context")
@@ -58,6 +60,7 @@ class StepShape:
     nodes_context: float
     accepted: float
     windowed: float = 0.0  # share of steps carrying a lookahead window
+    single: float = 0.0  # share of one-position steps
     bytes_up: float = 0.0
     bytes_down: float = 0.0
 
@@ -72,14 +75,17 @@ class StepShape:
             nodes_context=sum(s.nodes * s.context for s in steps) / n,
             accepted=sum(s.accepted for s in steps) / n,
             windowed=sum(s.window > 0 for s in steps) / n,
+            single=sum(s.nodes == 1 for s in steps) / n,
             bytes_up=sum(s.bytes_up for s in steps) / n,
             bytes_down=sum(s.bytes_down for s in steps) / n,
         )
 
     @classmethod
-    def at(cls, nodes: float, context: float, accepted: float, windowed: float = 0.0) -> StepShape:
-        """A hypothetical step (bytes left to the model)."""
-        return cls(nodes, context, nodes * context, accepted, windowed)
+    def at(
+        cls, nodes: float, context: float, accepted: float, windowed: float = 0.0, single: float | None = None
+    ) -> StepShape:
+        """A hypothetical step (bytes left to the model); `single` defaults to whether nodes is 1."""
+        return cls(nodes, context, nodes * context, accepted, windowed, float(nodes == 1) if single is None else single)
 
     def features(self) -> dict[str, float]:
         return {
@@ -89,6 +95,7 @@ class StepShape:
             "nodes*context": self.nodes_context,
             "accepted": self.accepted,
             "windowed": self.windowed,
+            "single": self.single,
         }
 
 

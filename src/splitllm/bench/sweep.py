@@ -208,7 +208,7 @@ def calibrate(
     candidates = []
     for budget, steps in yields.items():
         shape = StepShape.of(steps)
-        candidates.append(Candidate(budget, shape.nodes, shape.accepted, shape.windowed))
+        candidates.append(Candidate(budget, shape.nodes, shape.accepted, shape.windowed, shape.single))
     return AutoProfile(LatencyProfile.fit(records), candidates)
 
 

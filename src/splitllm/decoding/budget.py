@@ -51,10 +51,11 @@ class Candidate:
     nodes: float
     accepted: float
     windowed: float = 0.0  # share of its steps that carried a lookahead window
+    single: float = 0.0  # share of its steps with one position (nothing to draft)
 
     def shape(self, context: float, gain: float = 1.0) -> StepShape:
         """This budget's step at a context, its extra tokens per step scaled by `gain`."""
-        return StepShape.at(self.nodes, context, 1 + gain * (self.accepted - 1), self.windowed)
+        return StepShape.at(self.nodes, context, 1 + gain * (self.accepted - 1), self.windowed, self.single)
 
 
 @dataclass
@@ -97,18 +98,26 @@ class AutoProfile:
 
 
 class _Ratio:
-    """Exponentially weighted ratio sum(w*y) / sum(w*x), starting at `prior` with `weight` pseudo-steps."""
+    """Exponentially weighted ratio sum(w*y) / sum(w*x), shrunk toward `prior` by `weight` units of x.
+
+    The prior does not fade but the evidence does, also on steps that bring none (`fade`): a policy
+    that stopped speculating because drafts failed comes back to the prior and tries again.
+    """
 
     def __init__(self, decay: float, prior: float = 1.0, weight: float = 2.0) -> None:
-        self.decay, self.num, self.den = decay, prior * weight, weight
+        self.decay, self.prior, self.weight = decay, prior, weight
+        self.num = self.den = 0.0
 
     def update(self, y: float, x: float) -> None:
         self.num = self.decay * self.num + y
         self.den = self.decay * self.den + x
 
+    def fade(self) -> None:
+        self.update(0.0, 0.0)
+
     @property
     def value(self) -> float:
-        return self.num / self.den if self.den > 0 else 1.0
+        return (self.prior * self.weight + self.num) / (self.weight + self.den)
 
 
 class _LinkEstimate:
@@ -150,7 +159,7 @@ class _Estimates:
         self.link = _LinkEstimate(decay, 0.5 ** (1 / (8 * halflife_steps)))
         self.client = _Ratio(decay)
         self.server = _Ratio(decay)
-        self.gain = _Ratio(decay)
+        self.gain = _Ratio(0.5 ** (1 / (4 * halflife_steps)), weight=4.0)  # one step says little: remember long
         self.chosen: list[Candidate | None] = []  # chosen[i] sized step i (None: the offline budget did)
         self.seen = 0
         self.networked = False  # has any step crossed a network?
@@ -252,4 +261,6 @@ class AdaptivePolicy:
             expected = chosen.accepted - 1 if chosen else 0.0
             if expected > 0:
                 est.gain.update(s.accepted - 1, expected)
+            else:
+                est.gain.fade()
         est.seen = len(steps)
