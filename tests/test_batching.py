@@ -83,3 +83,23 @@ def test_batched_greedy_decoding_equals_solo_on_the_default_model(default_files,
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda p: split_greedy(local, url, p, 16), prompts))
     assert together == solo
+
+
+def test_load_report_scales_each_server_against_its_own_single_client(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from splitllm.bench.load import markdown, plot, scaling
+
+    def row(server: str, clients: int, tps: float, p50: float) -> dict:
+        return {"server": server, "clients": clients, "correct_clients": clients, "aggregate_tokens_per_s": tps,
+                "step_ms": {"p50": p50, "p99": 2 * p50}, "server_compute_ms": {"p50": 30.0}}
+
+    rows = [row("no batching", 1, 6.0, 120.0), row("no batching", 16, 24.0, 600.0),
+            row("batching 2 ms", 1, 7.0, 120.0), row("batching 2 ms", 16, 35.0, 180.0)]
+    factors = scaling(rows)
+    assert factors == [
+        {"server": "no batching", "clients": 16, "throughput_x": 4.0, "p50_step_x": 5.0},
+        {"server": "batching 2 ms", "clients": 16, "throughput_x": 5.0, "p50_step_x": 1.5},
+    ]
+    table = markdown({"command": "splitllm bench load", "rows": rows, "scaling": factors})
+    assert "| batching 2 ms | 16 | 16/16 | 35.0 | 5.0x | 180.0 / 360.0 | 1.5x | 30.0 |" in table
+    plot(rows, tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 0

@@ -127,6 +127,11 @@ def serve(
         float, typer.Option(help="steps of different sessions this close together share one forward; 0 disables")
     ] = 2.0,
     log_format: Annotated[str, typer.Option(help="text or json")] = "text",
+    engine: Annotated[str, typer.Option(help="uvicorn (one process) or ray (Ray Serve replicas)")] = "uvicorn",
+    replicas: Annotated[int, typer.Option(help="Ray Serve replicas (--engine ray)")] = 1,
+    ray_address: Annotated[
+        Optional[str], typer.Option(help="Ray cluster to deploy on, e.g. 'auto' (--engine ray; default: start one here)")
+    ] = None,
 ) -> None:
     """Run the middle layers behind a WebSocket endpoint (never loads embedding or LM head)."""
     import uvicorn
@@ -141,6 +146,10 @@ def serve(
         raise typer.BadParameter(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}")
     if (tls_cert is None) != (tls_key is None) or (client_ca and not tls_cert):
         raise typer.BadParameter("--tls-cert and --tls-key go together, and --client-ca needs both")
+    if engine not in ("uvicorn", "ray"):
+        raise typer.BadParameter("--engine must be uvicorn or ray")
+    if replicas < 1 or (replicas > 1 and engine != "ray"):
+        raise typer.BadParameter("--replicas is at least 1, and more than 1 needs --engine ray")
     configure(log_format)
     _threads(threads)
     settings = ServerSettings(
@@ -148,18 +157,51 @@ def serve(
         int(max_frame_mib * (1 << 20)), max_sessions_per_principal, int(max_kv_gib * (1 << 30)),
         idle_timeout, send_timeout, max_connections, batch_window_ms,
     )
+    tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
+    scheme = "wss" if tls else "ws"
+    if engine == "ray":
+        _serve_on_ray(model, settings, auth_token_file, threads, log_format, replicas, host, port, ray_address, tls)
+        return
     try:
         tokens = TokenTable.load(auth_token_file) if auth_token_file else None
         server = MiddleServer(model, settings, tokens)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
-    scheme = "wss" if tls else "ws"
     typer.echo(f"serving layers [{server.start}, {server.end}) on {scheme}://{host}:{port}/ws", err=True)
     if tokens is None:
         typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
     uvicorn.Server(uvicorn_config(server, host, port, tls)).run()
+
+
+def _serve_on_ray(
+    model: str, settings: Any, tokens_file: str | None, threads: int, log_format: str, replicas: int,
+    host: str, port: int, address: str | None, tls: Any,
+) -> None:
+    """`serve --engine ray`: deploy the replicas, then hold the deployment until interrupted or terminated."""
+    import signal
+    import time
+
+    try:
+        from splitllm.server import ray_deployment
+    except ImportError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    spec = ray_deployment.ReplicaSpec(model, settings, tokens_file, threads, log_format)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a terminated server still stops its Ray cluster
+    try:
+        ray_deployment.start(spec, replicas, host, port, address, tls)
+        scheme = "wss" if tls else "ws"
+        typer.echo(f"serving on {replicas} Ray Serve replica(s) at {scheme}://{host}:{port}/ws", err=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        ray_deployment.shutdown()
 
 
 @app.command()
@@ -365,23 +407,45 @@ def bench_exactness(
 
 @bench_app.command("load")
 def bench_load(
-    clients: Annotated[int, typer.Option(help="concurrent clients (threads sharing one client model)")] = 64,
-    max_new_tokens: int = 64,
+    clients: Annotated[str, typer.Option(help="comma-separated concurrent client counts (threads sharing one client model)")] = "1,4,16,64",
+    batch_window_ms: Annotated[str, typer.Option(help="comma-separated batching windows, one server each; 0: off")] = "0,2",
+    ray_replicas: Annotated[str, typer.Option(help="comma-separated Ray Serve replica counts, one deployment each (batching on); empty: none")] = "1,2",
+    max_new_tokens: int = 32,
     rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
     prompts: Annotated[int, typer.Option(help="distinct workload prompts, cycled over the clients")] = 8,
     context: Annotated[int, typer.Option(help="max_context of each session")] = 256,
     max_kv_gib: Annotated[float, typer.Option(help="the server's KV memory bound, GiB")] = 1.0,
-    batch_window_ms: Annotated[float, typer.Option(help="the server's batching window; 0 disables")] = 2.0,
-    out: Annotated[str, typer.Option(help="JSON report path")] = "results/load.json",
+    out: Annotated[str, typer.Option(help="folder for load.json, load.md and load.png")] = "results/load",
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
-    from splitllm.bench.load import run_load, summary
+    import shlex
+    from pathlib import Path
 
-    result = run_load(clients, max_new_tokens, rtt, prompts, context, max_kv_gib, batch_window_ms=batch_window_ms,
-                      out=out, progress=lambda line: typer.echo(line, err=True))
-    typer.echo(summary(result))
-    typer.echo(f"wrote {out}", err=True)
-    if result["errors"] or result["correct_clients"] != clients or not result["kv_within_bound"]:
+    from splitllm.bench.load import LoadSettings, ServerKind, run_load
+
+    def numbers(text: str, kind: type) -> list:
+        try:
+            return [kind(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"not a comma-separated list of numbers: {text!r}") from None
+
+    counts, windows, replicas = numbers(clients, int), numbers(batch_window_ms, float), numbers(ray_replicas, int)
+    if not counts or min(counts) < 1 or any(r < 1 for r in replicas) or any(w < 0 for w in windows):
+        raise typer.BadParameter("client and replica counts are at least 1, windows at least 0")
+    if replicas:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise typer.BadParameter("--ray-replicas needs Ray Serve: pip install 'splitllm[ray]'") from None
+    on = max(windows, default=2.0) or 2.0
+    kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
+    settings = LoadSettings(max_new_tokens, rtt, prompts, context, max_kv_gib)
+    result = run_load(counts, kinds, settings, out, shlex.join(["splitllm", *sys.argv[1:]]),
+                      progress=lambda line: typer.echo(line, err=True))
+    typer.echo(Path(out, "load.md").read_text())
+    typer.echo(f"wrote {out}/load.json, load.md, load.png", err=True)
+    failed = [r for r in result["rows"] if r["errors"] or r["correct_clients"] != r["clients"]]
+    if failed or not result["kv_within_bound"]:
         raise typer.Exit(1)
 
 

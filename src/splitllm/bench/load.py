@@ -1,14 +1,16 @@
-"""`splitllm bench load`: many concurrent clients, through the WAN proxy, against one server process.
+"""`splitllm bench load`: many concurrent clients, through the WAN proxy, against each kind of server.
 
-Clients are threads of this process sharing one LocalModel (each with its own SplitPipeline and
-server session), so N of them cost one copy of the client's weights. The server (`splitllm serve`)
-and the WAN emulator (`splitllm netem`) run as their own processes, as in a deployment.
+Servers: one `splitllm serve` process per batching window, and a Ray Serve deployment per replica
+count (`serve --engine ray`); each runs every client count in turn. Clients are threads of this
+process sharing one LocalModel (each with its own SplitPipeline and server session), so N of them
+cost one copy of the client's weights. The WAN emulator (`splitllm netem`) runs as its own process.
 
 Checked: every client's tokens equal its prompt's solo run (same server, nobody else connected);
 the server's reserved KV bytes never exceed the bound it was started with (polled from /health,
-with the server's resident memory). Reported: per-step latency p50/p99 as clients see it and as
-the server computes it, time to first token, aggregate tokens/s. EOS is ignored so every client
-generates exactly the requested number of tokens.
+with the server's resident memory; behind Ray, /health answers from whichever replica the proxy
+picks, and the resident memory is not followed). Reported: per-step latency p50/p99 as clients
+see it and as the server computes it, time to first token, aggregate tokens/s. EOS is ignored so
+every client generates exactly the requested number of tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +88,15 @@ class _Netem:
 class _Watch:
     """Polls the server's /health (reserved KV bytes, sessions) and resident memory until stopped."""
 
-    def __init__(self, port: int, pid: int) -> None:
+    def __init__(self, port: int, pid: int | None) -> None:
         self.port, self.pid = port, pid
         self.peak_kv = self.peak_sessions = self.peak_rss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def rss(self) -> int:
+        if self.pid is None:
+            return 0
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
@@ -123,79 +127,65 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": round(q[49], 1), "p99": round(q[98], 1), "mean": round(statistics.fmean(values), 1)}
 
 
-def run_load(
-    clients: int = 64,
-    max_new_tokens: int = 64,
-    rtt_ms: float = 80.0,
-    prompts: int = 8,
-    context: int = 256,
-    max_kv_gib: float = 1.0,
-    head: int = 2,
-    tail: int = 2,
-    wire_dtype: str = "float16",
-    batch_window_ms: float = 2.0,
-    out: str = "results/load.json",
-    progress: Progress = print,
+@dataclass(frozen=True)
+class ServerKind:
+    """A server to load: one process with a batching window, or Ray Serve replicas (window as given)."""
+
+    batch_window_ms: float
+    ray_replicas: int = 0  # 0: a plain `splitllm serve` process
+
+    @property
+    def label(self) -> str:
+        batching = f"batching {self.batch_window_ms:g} ms" if self.batch_window_ms else "no batching"
+        return f"ray x{self.ray_replicas}, {batching}" if self.ray_replicas else batching
+
+    def args(self) -> list[str]:
+        extra = ["--engine", "ray", "--replicas", str(self.ray_replicas)] if self.ray_replicas else []
+        return ["--batch-window-ms", str(self.batch_window_ms), *extra]
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    max_new_tokens: int = 32
+    rtt_ms: float = 80.0
+    prompts: int = 8
+    context: int = 256
+    max_kv_gib: float = 1.0
+    head: int = 2
+    tail: int = 2
+    wire_dtype: str = "float16"
+
+
+def _load_once(
+    client: SplitClient, netem_port: int, prompt_ids: list[list[int]], solo: list[list[int]],
+    clients: int, s: LoadSettings, watch: _Watch,
 ) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    kv_bound = int(max_kv_gib * (1 << 30))
-    client = SplitClient(None, None, head, tail, wire_dtype, context, connection=ConnectionOptions(deadline_s=120.0))
-    texts = [p.text for p in workload()][:prompts]
-    prompt_ids = [client.encode_prompt(t) for t in texts]
-    serve_args = [
-        "--head", str(head), "--tail", str(tail), "--max-context", str(context), "--max-sessions", str(clients),
-        "--max-kv-gib", str(max_kv_gib), "--threads", "1", "--batch-window-ms", str(batch_window_ms),
-    ]
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with ServerProcess(*serve_args, log_path=str(Path(out).with_suffix(".server.log"))) as server:
-        watch = _Watch(server.port, server.proc.pid)
-        rss_idle = watch.rss()
-        progress(f"server up (RSS {rss_idle / 2**20:.0f} MiB); solo runs of {len(prompt_ids)} prompts")
-        solo = [_decode(client, server.url, p, max_new_tokens, context, ClientRun(i)).ids for i, p in enumerate(prompt_ids)]
-        netem = _Netem(server.port, rtt_ms)
+    """`clients` concurrent generations through the proxy; their latencies, speed and correctness."""
+    runs = [ClientRun(i % len(prompt_ids)) for i in range(clients)]
+    start = threading.Barrier(clients + 1)
+
+    def one(run: ClientRun) -> None:
+        start.wait()
         try:
-            runs = [ClientRun(i % len(prompt_ids)) for i in range(clients)]
-            start = threading.Barrier(clients + 1)
+            _decode(client, f"ws://127.0.0.1:{netem_port}", prompt_ids[run.prompt], s.max_new_tokens, s.context, run)
+        except Exception as exc:  # reported, and counted as a failure
+            run.error = f"{type(exc).__name__}: {exc}"
 
-            def one(run: ClientRun) -> None:
-                start.wait()
-                try:
-                    _decode(client, f"ws://127.0.0.1:{netem.port}", prompt_ids[run.prompt], max_new_tokens, context, run)
-                except Exception as exc:  # reported, and counted as a failure
-                    run.error = f"{type(exc).__name__}: {exc}"
-
-            threads = [threading.Thread(target=one, args=(r,)) for r in runs]
-            progress(f"{clients} clients x {max_new_tokens} tokens through netem at {rtt_ms:g} ms")
-            with watch:
-                for t in threads:
-                    t.start()
-                start.wait()
-                t0 = time.perf_counter()
-                for t in threads:
-                    t.join()
-                wall_s = time.perf_counter() - t0
-        finally:
-            netem.close()
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-    errors = [r.error for r in runs if r.error]
-    correct = sum(r.error is None and r.ids == solo[r.prompt] for r in runs)
+    threads = [threading.Thread(target=one, args=(r,)) for r in runs]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall_s = time.perf_counter() - t0
     decode_steps = [ms for r in runs for ms in r.step_ms[1:]]
     server_steps = [ms for r in runs for ms in r.server_ms[1:]]
     tokens = sum(len(r.ids) for r in runs)
-    result = {
-        "command": (
-            f"splitllm bench load --clients {clients} --max-new-tokens {max_new_tokens} --rtt {rtt_ms:g} "
-            f"--batch-window-ms {batch_window_ms:g}"
-        ),
+    return {
         "clients": clients,
-        "batch_window_ms": batch_window_ms,
-        "max_new_tokens": max_new_tokens,
-        "rtt_ms": rtt_ms,
-        "distinct_prompts": len(prompt_ids),
-        "context": context,
-        "correct_clients": correct,
-        "errors": errors,
+        "correct_clients": sum(r.error is None and r.ids == solo[r.prompt] for r in runs),
+        "errors": [r.error for r in runs if r.error],
         "reconnects": sum(r.reconnects for r in runs),
         "wall_s": round(wall_s, 1),
         "aggregate_tokens_per_s": round(tokens / wall_s, 2),
@@ -203,24 +193,144 @@ def run_load(
         "step_ms": _percentiles(decode_steps) if decode_steps else {},
         "server_compute_ms": _percentiles(server_steps) if server_steps else {},
         "first_token_ms": _percentiles([r.step_ms[0] for r in runs if r.step_ms]),
-        "kv_bytes_bound": kv_bound,
         "kv_bytes_peak": watch.peak_kv,
-        "kv_within_bound": watch.peak_kv <= kv_bound,
         "sessions_peak": watch.peak_sessions,
-        "server_rss_idle_mib": round(rss_idle / 2**20, 1),
         "server_rss_peak_mib": round(watch.peak_rss / 2**20, 1),
-        "server_errors": [line for line in metrics.splitlines() if line.startswith("splitllm_errors_total")],
     }
-    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _load_server(
+    client: SplitClient, kind: ServerKind, client_counts: list[int], prompt_ids: list[list[int]], s: LoadSettings,
+    log_path: Path, progress: Progress,
+) -> list[dict[str, Any]]:
+    """Start one server of `kind`, take the solo runs, then each client count through the proxy."""
+    serve_args = [
+        "--head", str(s.head), "--tail", str(s.tail), "--max-context", str(s.context),
+        "--max-sessions", str(max(client_counts)), "--max-kv-gib", str(s.max_kv_gib), "--threads", "1", *kind.args(),
+    ]
+    rows = []
+    with ServerProcess(*serve_args, log_path=str(log_path)) as server:
+        assert server.proc is not None
+        watch = _Watch(server.port, None if kind.ray_replicas else server.proc.pid)
+        rss_idle = watch.rss()
+        progress(f"{kind.label}: server up; solo runs of {len(prompt_ids)} prompts")
+        solo = [
+            _decode(client, server.url, p, s.max_new_tokens, s.context, ClientRun(i)).ids
+            for i, p in enumerate(prompt_ids)
+        ]
+        netem = _Netem(server.port, s.rtt_ms)
+        try:
+            for clients in client_counts:
+                watch = _Watch(server.port, watch.pid)
+                progress(f"{kind.label}: {clients} clients x {s.max_new_tokens} tokens at {s.rtt_ms:g} ms")
+                with watch:
+                    row = _load_once(client, netem.port, prompt_ids, solo, clients, s, watch)
+                row |= {
+                    "server": kind.label, "batch_window_ms": kind.batch_window_ms, "ray_replicas": kind.ray_replicas,
+                    "server_rss_idle_mib": round(rss_idle / 2**20, 1),
+                }
+                progress("  " + summary(row))
+                rows.append(row)
+        finally:
+            netem.close()
+    return rows
+
+
+def run_load(
+    client_counts: list[int],
+    kinds: list[ServerKind],
+    settings: LoadSettings = LoadSettings(),
+    out: str = "results/load",
+    command: str = "splitllm bench load",
+    progress: Progress = print,
+) -> dict[str, Any]:
+    """Every server kind at every client count; writes load.json, load.md and load.png into `out`."""
+    torch.set_num_threads(1)
+    s = settings
+    client = SplitClient(
+        None, None, s.head, s.tail, s.wire_dtype, s.context, connection=ConnectionOptions(deadline_s=120.0)
+    )
+    prompt_ids = [client.encode_prompt(p.text) for p in workload()][: s.prompts]
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, kind in enumerate(kinds):
+        rows += _load_server(client, kind, client_counts, prompt_ids, s, folder / f"server-{i}.log", progress)
+    kv_bound = int(s.max_kv_gib * (1 << 30))
+    result = {
+        "command": command,
+        "settings": asdict(s),
+        "kv_bytes_bound": kv_bound,
+        "kv_within_bound": all(r["kv_bytes_peak"] <= kv_bound for r in rows),
+        "rows": rows,
+        "scaling": scaling(rows),
+    }
+    (folder / "load.json").write_text(json.dumps(result, indent=2) + "\n")
+    (folder / "load.md").write_text(markdown(result))
+    plot(rows, folder / "load.png")
     return result
+
+
+def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per server kind: each client count's tok/s and p50 step against the same kind's single client."""
+    out = []
+    for r in rows:
+        base = next((b for b in rows if b["server"] == r["server"] and b["clients"] == 1), None)
+        if base is None or r["clients"] == 1 or not r["step_ms"] or not base["step_ms"]:
+            continue
+        out.append({
+            "server": r["server"], "clients": r["clients"],
+            "throughput_x": round(r["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"], 2),
+            "p50_step_x": round(r["step_ms"]["p50"] / base["step_ms"]["p50"], 2),
+        })
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"`{result['command']}`", "",
+        "| server | clients | identical | tok/s | vs 1 client | step p50 / p99 ms | p50 vs 1 client | server compute p50 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    factors = {(f["server"], f["clients"]): f for f in result["scaling"]}
+    for r in result["rows"]:
+        f = factors.get((r["server"], r["clients"]), {"throughput_x": 1.0, "p50_step_x": 1.0})
+        step, compute = r["step_ms"], r["server_compute_ms"]
+        lines.append(
+            f"| {r['server']} | {r['clients']} | {r['correct_clients']}/{r['clients']} | {r['aggregate_tokens_per_s']} "
+            f"| {f['throughput_x']}x | {step.get('p50')} / {step.get('p99')} | {f['p50_step_x']}x | {compute.get('p50')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Aggregate tok/s and p50 step latency against clients, one line per server kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for kind in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == kind and r["step_ms"]]
+        xs = [r["clients"] for r in mine]
+        speed.plot(xs, [r["aggregate_tokens_per_s"] for r in mine], marker="o", label=kind)
+        latency.plot(xs, [r["step_ms"]["p50"] for r in mine], marker="o", label=kind)
+    for ax, title in ((speed, "aggregate tokens/s"), (latency, "step latency p50, ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    speed.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def summary(r: dict[str, Any]) -> str:
     return (
         f"{r['correct_clients']}/{r['clients']} clients identical to their solo runs, {len(r['errors'])} errors; "
         f"{r['aggregate_tokens_per_s']} tok/s aggregate over {r['wall_s']} s; step p50 {r['step_ms'].get('p50')} ms, "
-        f"p99 {r['step_ms'].get('p99')} ms (server compute p50 {r['server_compute_ms'].get('p50')} ms, "
-        f"p99 {r['server_compute_ms'].get('p99')} ms); KV peak {r['kv_bytes_peak'] / 2**20:.0f} MiB of "
-        f"{r['kv_bytes_bound'] / 2**20:.0f} MiB bound; server RSS {r['server_rss_idle_mib']:.0f} -> "
-        f"{r['server_rss_peak_mib']:.0f} MiB"
+        f"p99 {r['step_ms'].get('p99')} ms (server compute p50 {r['server_compute_ms'].get('p50')} ms); "
+        f"KV peak {r['kv_bytes_peak'] / 2**20:.0f} MiB; server RSS peak {r['server_rss_peak_mib']:.0f} MiB"
     )

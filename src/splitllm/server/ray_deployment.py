@@ -1,0 +1,166 @@
+"""Ray Serve hosting: the server's ASGI app on R replicas behind one HTTP address.
+
+Ray Serve keeps a WebSocket on the replica that accepted it for the connection's whole life, which
+is the affinity a session's KV cache needs, and routes each new connection to a replica with few
+open ones. A replica that dies takes its sessions with it; their clients reconnect to the same
+address and replay their committed hidden states into a new session on a live replica (the normal
+reconnect path), so no output is lost. Ray restarts the dead replica meanwhile.
+
+`ray` is an optional extra: `pip install 'splitllm[ray]'`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from splitllm.model.weights import ModelFiles
+from splitllm.server.app import MiddleServer, ServerSettings, create_app
+from splitllm.server.auth import TokenTable
+from splitllm.server.logs import configure
+from splitllm.server.transport import TlsFiles
+
+try:
+    import ray
+    from ray import serve
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the Ray engine needs Ray Serve: pip install 'splitllm[ray]'") from exc
+
+APP_NAME = "splitllm"
+DEPLOYMENT = "MiddleReplica"
+PROXY_MAX_FRAME = 16 << 20  # Ray's HTTP proxy (uvicorn, default ws_max_size) drops bigger WebSocket messages
+_FRAME_SLACK = 1 << 16  # room for a step's header, visibility and ids next to its hidden states
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica runs: the model split, its limits and its compute threads."""
+
+    model: str | None
+    settings: ServerSettings
+    tokens_file: str | None = None
+    threads: int = 1
+    log_format: str = "text"
+
+
+@serve.ingress()
+class MiddleReplica:
+    """One replica: a MiddleServer (layers, sessions, batcher) and the ASGI app in front of it."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        configure(spec.log_format)
+        torch.set_num_threads(spec.threads)
+        tokens = TokenTable.load(spec.tokens_file) if spec.tokens_file else None
+        self.server = MiddleServer(spec.model, spec.settings, tokens)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.server)
+
+
+def fit_to_proxy(settings: ServerSettings, hidden_size: int) -> ServerSettings:
+    """Cap positions per step so a step frame (float32 hidden states at worst) passes Ray's proxy.
+
+    Clients split a longer prefill into steps of the `max_nodes` the server announces, so the cap
+    costs nothing but a few more frames for very long prompts on very wide models.
+    """
+    fits = max((PROXY_MAX_FRAME - _FRAME_SLACK) // (4 * hidden_size), 1)
+    return dataclasses.replace(
+        settings,
+        max_nodes_per_step=min(settings.max_nodes_per_step, fits),
+        max_frame_bytes=min(settings.max_frame_bytes, PROXY_MAX_FRAME),
+    )
+
+
+def application(spec: ReplicaSpec, replicas: int, cpus_per_replica: float | None = None) -> Any:
+    """The Serve application: `replicas` copies of MiddleReplica, each taking `threads` CPUs by default."""
+    if replicas < 1:
+        raise ValueError("a deployment needs at least one replica")
+    settings = fit_to_proxy(spec.settings, ModelFiles(spec.model).config.hidden_size)
+    deployment = serve.deployment(
+        MiddleReplica,
+        name=DEPLOYMENT,
+        num_replicas=replicas,
+        # Each connection is one ongoing request for its lifetime: allow as many as a replica accepts.
+        max_ongoing_requests=settings.max_connections,
+        ray_actor_options={"num_cpus": spec.threads if cpus_per_replica is None else cpus_per_replica},
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=5,
+    )
+    return deployment.bind(dataclasses.replace(spec, settings=settings))
+
+
+def app_builder(args: dict[str, str]) -> Any:
+    """For `serve run splitllm.server.ray_deployment:app_builder model=default replicas=2 head=2 tail=2`."""
+    known = {"model", "replicas", "head", "tail", "threads", "max_sessions", "batch_window_ms", "auth_token_file"}
+    unknown = set(args) - known
+    if unknown:
+        raise ValueError(f"unknown arguments {sorted(unknown)}; known: {sorted(known)}")
+    settings = ServerSettings(
+        head=int(args.get("head", 2)),
+        tail=int(args.get("tail", 2)),
+        max_sessions=int(args.get("max_sessions", ServerSettings.max_sessions)),
+        batch_window_ms=float(args.get("batch_window_ms", ServerSettings.batch_window_ms)),
+    )
+    spec = ReplicaSpec(args.get("model", "default"), settings, args.get("auth_token_file"), int(args.get("threads", 1)))
+    return application(spec, int(args.get("replicas", 1)))
+
+
+def start(
+    spec: ReplicaSpec,
+    replicas: int,
+    host: str,
+    port: int,
+    address: str | None = None,
+    tls: TlsFiles | None = None,
+    cpus_per_replica: float | None = None,
+) -> None:
+    """Deploy on a Ray cluster (`address`; None starts a local one) and wait until every replica runs.
+
+    A local cluster gets enough logical CPUs for every replica (oversubscribing a small machine
+    rather than waiting forever for CPUs it does not have); a real cluster's resources are its own.
+    """
+    if not ray.is_initialized():
+        cpus = None
+        if address is None:
+            cpus = max(os.cpu_count() or 1, math.ceil(replicas * (spec.threads if cpus_per_replica is None else cpus_per_replica)))
+        ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    http: dict[str, Any] = {"host": host, "port": port}
+    if tls is not None:
+        http |= {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        if tls.client_ca:
+            http["ssl_ca_certs"] = tls.client_ca
+    serve.start(http_options=http)
+    serve.run(application(spec, replicas, cpus_per_replica), name=APP_NAME, route_prefix="/")
+
+
+def replica_actor_names() -> list[str]:
+    """Names of this application's live replica actors (in Ray's `serve` namespace)."""
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def kill_replica(name: str) -> None:
+    """Kill one replica abruptly, as a crash would (Serve starts a replacement)."""
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def wait_replicas(count: int, timeout_s: float = 120.0) -> None:
+    """Block until the application runs `count` healthy replicas again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(APP_NAME)
+        if status is not None and status.status == "RUNNING" and len(replica_actor_names()) == count:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{APP_NAME} did not get back to {count} running replicas in {timeout_s:.0f} s")
+
+
+def shutdown() -> None:
+    serve.shutdown()
+    ray.shutdown()

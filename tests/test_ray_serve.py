@@ -1,0 +1,114 @@
+"""Ray Serve scale-out on a local CPU-only Ray cluster started here: 2 replicas of the default model's
+middle layers behind one HTTP address, 8 concurrent clients, and a replica killed mid-generation
+whose clients must reconnect and lose nothing."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from protocol_client import greedy
+
+from splitllm.client.connection import ConnectionOptions
+from splitllm.client.remote import RemoteMiddle
+from splitllm.launch import free_port
+from splitllm.server.app import ServerSettings
+
+ray = pytest.importorskip("ray")
+ray_deployment = pytest.importorskip("splitllm.server.ray_deployment")
+
+pytestmark = pytest.mark.slow
+HEAD, TAIL = 2, 2
+CLIENTS, NEW = 8, 24
+
+
+@pytest.fixture(scope="module")
+def ray_url(default_files):  # type: ignore[no-untyped-def]
+    """ws:// address of a 2-replica deployment (each replica: one compute thread, no CPU reservation)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
+    port = free_port()
+    spec = ray_deployment.ReplicaSpec(str(default_files.path), ServerSettings(HEAD, TAIL, max_sessions=16))
+    try:
+        ray_deployment.start(spec, replicas=2, host="127.0.0.1", port=port, cpus_per_replica=0)
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        ray_deployment.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(random_ids) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [random_ids(6 + 3 * i, seed=100 + i, vocab=49152) for i in range(CLIENTS)]
+
+
+@pytest.fixture(scope="module")
+def expected(default_files, server, local_model, split_greedy, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Each prompt's greedy ids through a plain one-process server, one client at a time."""
+    url = server(str(default_files.path), HEAD, TAIL).url
+    local = local_model(str(default_files.path), HEAD, TAIL)
+    return [split_greedy(local, url, p, NEW) for p in prompts]
+
+
+def _middle(url: str, files, prompt: list[int]) -> RemoteMiddle:  # type: ignore[no-untyped-def]
+    layers = (HEAD, files.config.num_layers - TAIL)
+    return RemoteMiddle(url, files.fingerprint, layers, "float32", len(prompt) + NEW, ConnectionOptions(deadline_s=120))
+
+
+def _run_clients(url, files, local, prompts, after_token=None) -> tuple[list[list[int]], list[RemoteMiddle]]:  # type: ignore[no-untyped-def]
+    middles = [_middle(url, files, p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(greedy, local, m, p, NEW, after_token) for m, p in zip(middles, prompts)]
+        return [f.result(timeout=600) for f in futures], middles
+
+
+def test_two_replicas_serve_eight_concurrent_clients(ray_url, default_files, local_model, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    assert len(ray_deployment.replica_actor_names()) == 2
+    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts)
+    assert got == expected
+    assert sum(m.reconnects for m in middles) == 0
+
+
+def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files, local_model, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    victim = ray_deployment.replica_actor_names()[0]
+    killed = threading.Event()
+    lock = threading.Lock()
+
+    def kill_once(count: int) -> None:
+        """The first client to reach token 8 kills a replica; the others keep generating meanwhile."""
+        if count == 8:
+            with lock:
+                if not killed.is_set():
+                    ray_deployment.kill_replica(victim)
+                    killed.set()
+
+    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts,
+                                kill_once)
+    assert killed.is_set()
+    assert got == expected
+    # Connections spread over both replicas, so the victim held some clients' sessions: they came back.
+    assert sum(m.reconnects for m in middles) >= 1
+    ray_deployment.wait_replicas(2)
+    assert victim not in ray_deployment.replica_actor_names()
+
+
+def test_the_documented_serve_run_config_builds(default_files) -> None:  # type: ignore[no-untyped-def]
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "ray-serve.yaml").read_text())
+    (app,) = config["applications"]
+    assert app["name"] == ray_deployment.APP_NAME
+    module, _, builder = app["import_path"].partition(":")
+    assert module == ray_deployment.__name__ and builder == "app_builder"
+    ray_deployment.app_builder({**app["args"], "model": str(default_files.path)})
+    with pytest.raises(ValueError, match="unknown arguments"):
+        ray_deployment.app_builder({"replica": "2"})
+    with pytest.raises(ValueError, match="at least one replica"):
+        ray_deployment.app_builder({"model": str(default_files.path), "replicas": "0"})
+
+
+def test_steps_are_capped_to_what_rays_proxy_passes() -> None:
+    settings = ray_deployment.fit_to_proxy(ServerSettings(max_nodes_per_step=8192), hidden_size=576)
+    assert settings.max_nodes_per_step == 7253 and settings.max_frame_bytes == 16 << 20
+    assert ray_deployment.fit_to_proxy(ServerSettings(), 4096).max_nodes_per_step == 1020
+    assert ray_deployment.fit_to_proxy(ServerSettings(max_nodes_per_step=64), 4096).max_nodes_per_step == 64
