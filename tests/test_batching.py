@@ -99,7 +99,8 @@ def test_load_report_scales_each_server_against_its_own_single_client(tmp_path) 
         {"server": "no batching", "clients": 16, "throughput_x": 4.0, "p50_step_x": 5.0},
         {"server": "batching 2 ms", "clients": 16, "throughput_x": 5.0, "p50_step_x": 1.5},
     ]
-    table = markdown({"command": "splitllm bench load", "rows": rows, "scaling": factors})
+    table = markdown({"command": "splitllm bench load", "settings": {"clients_compute": "device"}, "rows": rows,
+                      "scaling": factors})
     assert "| batching 2 ms | 16 | 16/16 | 35.0 | 5.0x | 180.0 / 360.0 | 1.5x | 30.0 |" in table
     plot(rows, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 0

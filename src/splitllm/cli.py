@@ -415,6 +415,9 @@ def bench_load(
     prompts: Annotated[int, typer.Option(help="distinct workload prompts, cycled over the clients")] = 8,
     context: Annotated[int, typer.Option(help="max_context of each session")] = 256,
     max_kv_gib: Annotated[float, typer.Option(help="the server's KV memory bound, GiB")] = 1.0,
+    clients_compute: Annotated[
+        str, typer.Option(help="device: clients replay solo runs, their compute a pause (own devices); real: all compute here")
+    ] = "device",
     out: Annotated[str, typer.Option(help="folder for load.json, load.md and load.png")] = "results/load",
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
@@ -430,6 +433,8 @@ def bench_load(
             raise typer.BadParameter(f"not a comma-separated list of numbers: {text!r}") from None
 
     counts, windows, replicas = numbers(clients, int), numbers(batch_window_ms, float), numbers(ray_replicas, int)
+    if clients_compute not in ("device", "real"):
+        raise typer.BadParameter("--clients-compute is device or real")
     if not counts or min(counts) < 1 or any(r < 1 for r in replicas) or any(w < 0 for w in windows):
         raise typer.BadParameter("client and replica counts are at least 1, windows at least 0")
     if replicas:
@@ -439,7 +444,7 @@ def bench_load(
             raise typer.BadParameter("--ray-replicas needs Ray Serve: pip install 'splitllm[ray]'") from None
     on = max(windows, default=2.0) or 2.0
     kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
-    settings = LoadSettings(max_new_tokens, rtt, prompts, context, max_kv_gib)
+    settings = LoadSettings(max_new_tokens, rtt, prompts, context, max_kv_gib, clients_compute=clients_compute)
     result = run_load(counts, kinds, settings, out, shlex.join(["splitllm", *sys.argv[1:]]),
                       progress=lambda line: typer.echo(line, err=True))
     typer.echo(Path(out, "load.md").read_text())

@@ -5,7 +5,13 @@ count (`serve --engine ray`); each runs every client count in turn. Clients are 
 process sharing one LocalModel (each with its own SplitPipeline and server session), so N of them
 cost one copy of the client's weights. The WAN emulator (`splitllm netem`) runs as its own process.
 
-Checked: every client's tokens equal its prompt's solo run (same server, nobody else connected);
+Clients either compute here ("real": every client's head, tail and LM head on this machine's few
+cores, so at 16+ clients they queue for CPU as no real deployment would), or run on emulated
+devices ("device", the default): each replays the steps of its prompt's solo run, pausing for the
+client compute that run measured, as a client on its own device would.
+
+Checked: every real client's tokens equal its prompt's solo run (same server, nobody else connected),
+every replayed reply equals the solo run's within float16 wire rounding;
 the server's reserved KV bytes never exceed the bound it was started with (polled from /health,
 with the server's resident memory; behind Ray, /health answers from whichever replica the proxy
 picks, and the resident memory is not followed). Reported: per-step latency p50/p99 as clients
@@ -22,7 +28,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,8 @@ from splitllm.client.remote import RemoteMiddle
 from splitllm.client.session import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.launch import ServerProcess, free_port
+from splitllm.stats import StepStats
+from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
 
@@ -48,19 +56,81 @@ class ClientRun:
     server_ms: list[float] = field(default_factory=list)  # the server's compute inside it
     reconnects: int = 0
     error: str | None = None
+    matches_solo: bool = True  # replayed steps: every reply within wire rounding of the solo run's
 
 
-def _decode(client: SplitClient, url: str, prompt: list[int], n: int, context: int, run: ClientRun) -> ClientRun:
+@dataclass(frozen=True)
+class _Call:
+    """One middle step of a solo run: what went out, what came back, and the client's compute before it."""
+
+    client_ms: float
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    vis: Visibility
+    keep: tuple[int, ...]
+    reply: torch.Tensor
+
+
+class _Recorder:
+    """A Middle that forwards steps to a real one and records them, for clients replayed on emulated devices."""
+
+    def __init__(self, inner: RemoteMiddle) -> None:
+        self.inner, self.calls = inner, []
+        self._last = time.perf_counter()
+
+    def step(
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+    ) -> torch.Tensor:
+        client_ms = (time.perf_counter() - self._last) * 1000
+        out = self.inner.step(hidden, positions, vis, keep, stats)
+        self.calls.append(_Call(client_ms, hidden.clone(), positions.clone(), vis, tuple(keep), out.clone()))
+        self._last = time.perf_counter()
+        return out
+
+
+def _middle(client: SplitClient, url: str, context: int) -> RemoteMiddle:
     files = client.files
-    middle = RemoteMiddle(url, files.fingerprint, client.local.middle_range, client.wire_dtype, context, client.connection)
+    return RemoteMiddle(url, files.fingerprint, client.local.middle_range, client.wire_dtype, context, client.connection)
+
+
+def _decode(
+    client: SplitClient, url: str, prompt: list[int], n: int, context: int, run: ClientRun, record: bool = False
+) -> tuple[ClientRun, list[_Call]]:
+    """A real client: head, tail and LM head computed here. `record` keeps its steps for replays."""
+    middle = _middle(client, url, context)
+    recorder = _Recorder(middle) if record else None
     try:
-        pipeline = SplitPipeline(client.local, middle, context)
+        pipeline = SplitPipeline(client.local, recorder or middle, context)
         last = time.perf_counter()
         for out in decode_sequential(pipeline, prompt, n, frozenset()):
             now = time.perf_counter()
             run.ids.extend(out.tokens)
             run.step_ms.append((now - last) * 1000)
             run.server_ms.append(out.stats.server_ms)
+            last = now
+        run.reconnects = middle.reconnects
+    finally:
+        middle.close()
+    return run, recorder.calls if recorder else []
+
+
+def _replay(client: SplitClient, url: str, calls: list[_Call], context: int, run: ClientRun) -> ClientRun:
+    """A client on its own device: its compute is a pause as long as the solo run's, its steps the same.
+
+    Replies are checked against the solo run's within float16 wire rounding (a batched forward may
+    round differently in float32 before the wire rounds again).
+    """
+    middle = _middle(client, url, context)
+    try:
+        last = time.perf_counter()
+        for call in calls:
+            time.sleep(call.client_ms / 1000)
+            stats = StepStats()
+            out = middle.step(call.hidden, call.positions, call.vis, call.keep, stats)
+            now = time.perf_counter()
+            run.step_ms.append((now - last) * 1000)
+            run.server_ms.append(stats.server_ms)
+            run.matches_solo &= torch.allclose(out, call.reply, rtol=2e-3, atol=1e-3)
             last = now
         run.reconnects = middle.reconnects
     finally:
@@ -154,22 +224,42 @@ class LoadSettings:
     head: int = 2
     tail: int = 2
     wire_dtype: str = "float16"
+    # "device": each client replays its solo run's steps, its own compute a pause (as on its own
+    # device); "real": every client computes here, all on this machine's cores.
+    clients_compute: str = "device"
+
+
+@dataclass(frozen=True)
+class _Solo:
+    """A prompt's run with nobody else connected: its tokens and its recorded steps."""
+
+    ids: list[int]
+    calls: list[_Call]
 
 
 def _load_once(
-    client: SplitClient, netem_port: int, prompt_ids: list[list[int]], solo: list[list[int]],
+    client: SplitClient, netem_port: int, prompt_ids: list[list[int]], solo: list[_Solo],
     clients: int, s: LoadSettings, watch: _Watch,
 ) -> dict[str, Any]:
     """`clients` concurrent generations through the proxy; their latencies, speed and correctness."""
     runs = [ClientRun(i % len(prompt_ids)) for i in range(clients)]
     start = threading.Barrier(clients + 1)
+    url = f"ws://127.0.0.1:{netem_port}"
 
     def one(run: ClientRun) -> None:
         start.wait()
         try:
-            _decode(client, f"ws://127.0.0.1:{netem_port}", prompt_ids[run.prompt], s.max_new_tokens, s.context, run)
+            if s.clients_compute == "device":
+                _replay(client, url, solo[run.prompt].calls, s.context, run)
+            else:
+                _decode(client, url, prompt_ids[run.prompt], s.max_new_tokens, s.context, run)
         except Exception as exc:  # reported, and counted as a failure
             run.error = f"{type(exc).__name__}: {exc}"
+
+    def correct(run: ClientRun) -> bool:
+        if run.error is not None:
+            return False
+        return run.matches_solo if s.clients_compute == "device" else run.ids == solo[run.prompt].ids
 
     threads = [threading.Thread(target=one, args=(r,)) for r in runs]
     for t in threads:
@@ -181,10 +271,10 @@ def _load_once(
     wall_s = time.perf_counter() - t0
     decode_steps = [ms for r in runs for ms in r.step_ms[1:]]
     server_steps = [ms for r in runs for ms in r.server_ms[1:]]
-    tokens = sum(len(r.ids) for r in runs)
+    tokens = sum(len(r.step_ms) for r in runs)  # sequential decoding: one token a step
     return {
         "clients": clients,
-        "correct_clients": sum(r.error is None and r.ids == solo[r.prompt] for r in runs),
+        "correct_clients": sum(map(correct, runs)),
         "errors": [r.error for r in runs if r.error],
         "reconnects": sum(r.reconnects for r in runs),
         "wall_s": round(wall_s, 1),
@@ -215,18 +305,22 @@ def _load_server(
         rss_idle = watch.rss()
         progress(f"{kind.label}: server up; solo runs of {len(prompt_ids)} prompts")
         solo = [
-            _decode(client, server.url, p, s.max_new_tokens, s.context, ClientRun(i)).ids
-            for i, p in enumerate(prompt_ids)
+            _Solo(run.ids, calls)
+            for run, calls in (
+                _decode(client, server.url, p, s.max_new_tokens, s.context, ClientRun(i), record=True)
+                for i, p in enumerate(prompt_ids)
+            )
         ]
         netem = _Netem(server.port, s.rtt_ms)
         try:
             for clients in client_counts:
                 watch = _Watch(server.port, watch.pid)
-                progress(f"{kind.label}: {clients} clients x {s.max_new_tokens} tokens at {s.rtt_ms:g} ms")
+                progress(f"{kind.label}: {clients} {s.clients_compute} clients x {s.max_new_tokens} tokens at {s.rtt_ms:g} ms")
                 with watch:
                     row = _load_once(client, netem.port, prompt_ids, solo, clients, s, watch)
                 row |= {
                     "server": kind.label, "batch_window_ms": kind.batch_window_ms, "ray_replicas": kind.ray_replicas,
+                    "clients_compute": s.clients_compute,
                     "server_rss_idle_mib": round(rss_idle / 2**20, 1),
                 }
                 progress("  " + summary(row))
@@ -288,8 +382,8 @@ def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        f"`{result['command']}`", "",
-        "| server | clients | identical | tok/s | vs 1 client | step p50 / p99 ms | p50 vs 1 client | server compute p50 ms |",
+        f"`{result['command']}` ({result['settings']['clients_compute']} clients)", "",
+        "| server | clients | match solo | tok/s | vs 1 client | step p50 / p99 ms | p50 vs 1 client | server compute p50 ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
     factors = {(f["server"], f["clients"]): f for f in result["scaling"]}
@@ -329,7 +423,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def summary(r: dict[str, Any]) -> str:
     return (
-        f"{r['correct_clients']}/{r['clients']} clients identical to their solo runs, {len(r['errors'])} errors; "
+        f"{r['correct_clients']}/{r['clients']} clients matched their solo runs, {len(r['errors'])} errors; "
         f"{r['aggregate_tokens_per_s']} tok/s aggregate over {r['wall_s']} s; step p50 {r['step_ms'].get('p50')} ms, "
         f"p99 {r['step_ms'].get('p99')} ms (server compute p50 {r['server_compute_ms'].get('p50')} ms); "
         f"KV peak {r['kv_bytes_peak'] / 2**20:.0f} MiB; server RSS peak {r['server_rss_peak_mib']:.0f} MiB"
