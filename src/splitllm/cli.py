@@ -150,6 +150,8 @@ def serve(
         raise typer.BadParameter("--engine must be uvicorn or ray")
     if replicas < 1 or (replicas > 1 and engine != "ray"):
         raise typer.BadParameter("--replicas is at least 1, and more than 1 needs --engine ray")
+    if engine == "ray" and client_ca:
+        raise typer.BadParameter("--client-ca (mutual TLS) is not available with --engine ray; use --auth-token-file")
     configure(log_format)
     _threads(threads)
     settings = ServerSettings(

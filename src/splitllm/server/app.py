@@ -150,7 +150,7 @@ class MiddleServer:
                     await asyncio.wait_for(ws.close(1000, "idle"), s.send_timeout_s)
                 return "idle"
             self.metrics.bytes_in.inc(len(message))
-            reply = await loop.run_in_executor(self._compute, self._reply, conn, principal, message)
+            reply = await loop.run_in_executor(self._compute, self._reply, conn, principal, message, self._alone())
             if isinstance(reply, PreparedStep):
                 reply = await self._batcher_for_loop().submit(reply)  # type: ignore[union-attr]
             try:
@@ -159,8 +159,14 @@ class MiddleServer:
                 return "stalled"  # the peer does not read: free its sessions now
             self.metrics.bytes_out.inc(len(reply))
 
-    def _reply(self, conn: int, principal: str, message: bytes) -> bytes | PreparedStep:
-        """The reply frame, or with batching on, a validated step for the batcher to run."""
+    def _alone(self) -> bool:
+        """Whether a step arriving now has nobody to share a forward with: then it runs at once, on the
+        same worker-thread hand-off as its validation (each hand-off costs a thread wake-up)."""
+        batcher = self._batcher_for_loop()
+        return batcher is None or (batcher.idle and len(self.sessions) <= 1)
+
+    def _reply(self, conn: int, principal: str, message: bytes, alone: bool = True) -> bytes | PreparedStep:
+        """The reply frame, or (`alone` false) a validated step for the batcher to run with others."""
         request_id = None
         try:
             if len(message) > self.settings.max_frame_bytes:
@@ -172,7 +178,7 @@ class MiddleServer:
                 return self._open(conn, principal, frame)
             if op == "step":
                 prepared = self._prepare_step(conn, principal, frame)
-                return prepared if self.settings.batch_window_ms > 0 else self._run_steps([prepared])[0]
+                return self._run_steps([prepared])[0] if alone else prepared
             if op == "close":
                 self.sessions.get(frame.header.get("session"), conn, principal)
                 self.sessions.close(frame.header["session"], "closed by client")

@@ -30,6 +30,11 @@ class StepBatcher(Generic[T]):
         self._arrived = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting and no batch being gathered or run."""
+        return not self._pending and self._flusher is None
+
     async def submit(self, item: T) -> bytes:
         """Queue one prepared step; resolves to its reply frame once its batch has run."""
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()

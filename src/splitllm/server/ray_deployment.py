@@ -129,12 +129,12 @@ def start(
         cpus = None
         if address is None:
             cpus = max(os.cpu_count() or 1, math.ceil(replicas * (spec.threads if cpus_per_replica is None else cpus_per_replica)))
-        ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address=address, num_cpus=cpus, include_dashboard=False)
     http: dict[str, Any] = {"host": host, "port": port}
     if tls is not None:
+        if tls.client_ca:  # Ray's proxy would load the CA but never ask for client certificates
+            raise ValueError("mutual TLS is not available behind Ray Serve's proxy; use bearer tokens")
         http |= {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
-        if tls.client_ca:
-            http["ssl_ca_certs"] = tls.client_ca
     serve.start(http_options=http)
     serve.run(application(spec, replicas, cpus_per_replica), name=APP_NAME, route_prefix="/")
 
