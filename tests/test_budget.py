@@ -150,3 +150,14 @@ def test_auto_over_a_wan_link_matches_plain_decoding_and_reads_the_rtt(server) -
     assert policy.link.rtt_ms >= 55  # the proxy's delay is a floor; the ceiling is the machine's business
     largest = max(1 + b.max_nodes + b.window_nodes for b in CANDIDATE_BUDGETS)
     assert all(s.nodes <= largest for s in gen.steps[1:])  # which budget wins is the machine's business too
+
+
+def test_an_in_process_generation_after_a_networked_one_keeps_the_offline_budget() -> None:
+    """What a policy learned about a link carries over, but only steps that cross a network use it:
+    an in-process middle (no round trip beyond its compute) always gets the same, offline budget."""
+    policy = AdaptivePolicy(AUTO)
+    assert _generate(policy, Link(200.0))[-1].budget != policy.offline
+    history: list[StepStats] = []
+    for _ in range(5):
+        assert policy.choose(history) == policy.offline
+        history.append(StepStats(nodes=9, accepted=2, server_ms=40.0, round_trip_ms=40.0, total_ms=60.0, context=50))

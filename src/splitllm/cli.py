@@ -195,6 +195,8 @@ def _serve_on_ray(
         ray_deployment.start(spec, replicas, host, port, address, tls)
         scheme = "wss" if tls else "ws"
         typer.echo(f"serving on {replicas} Ray Serve replica(s) at {scheme}://{host}:{port}/ws", err=True)
+        if tokens_file is None:
+            typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -75,7 +75,8 @@ class _Recorder:
     """A Middle that forwards steps to a real one and records them, for clients replayed on emulated devices."""
 
     def __init__(self, inner: RemoteMiddle) -> None:
-        self.inner, self.calls = inner, []
+        self.inner = inner
+        self.calls: list[_Call] = []
         self._last = time.perf_counter()
 
     def step(

@@ -165,8 +165,10 @@ class _Estimates:
         self.networked = False  # has any step crossed a network?
 
     def fork(self) -> _Estimates:
+        """Estimates for a new generation: what was learned carries over; whether its own steps cross
+        a network, it learns from them (an in-process generation keeps the offline budget)."""
         new = copy.deepcopy(self)
-        new.chosen, new.seen = [], 0
+        new.chosen, new.seen, new.networked = [], 0, False
         return new
 
 
