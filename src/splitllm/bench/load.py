@@ -302,8 +302,8 @@ def _load_server(
     rows = []
     with ServerProcess(*serve_args, log_path=str(log_path)) as server:
         assert server.proc is not None
-        watch = _Watch(server.port, None if kind.ray_replicas else server.proc.pid)
-        rss_idle = watch.rss()
+        pid = None if kind.ray_replicas else server.proc.pid  # behind Ray the replicas are other processes
+        rss_idle = _Watch(server.port, pid).rss()
         progress(f"{kind.label}: server up; solo runs of {len(prompt_ids)} prompts")
         solo = [
             _Solo(run.ids, calls)
@@ -315,9 +315,8 @@ def _load_server(
         netem = _Netem(server.port, s.rtt_ms)
         try:
             for clients in client_counts:
-                watch = _Watch(server.port, watch.pid)
                 progress(f"{kind.label}: {clients} {s.clients_compute} clients x {s.max_new_tokens} tokens at {s.rtt_ms:g} ms")
-                with watch:
+                with _Watch(server.port, pid) as watch:
                     row = _load_once(client, netem.port, prompt_ids, solo, clients, s, watch)
                 row |= {
                     "server": kind.label, "batch_window_ms": kind.batch_window_ms, "ray_replicas": kind.ray_replicas,

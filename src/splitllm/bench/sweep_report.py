@@ -142,30 +142,23 @@ def markdown(summary: dict, command: str) -> str:
     for c in configs:
         cells = [f"{cell[c, p]['tokens_per_second']:.2f} / {cell[c, p]['predicted_cv']:.2f}" for p in points]
         out.append(f"| {c} | " + " | ".join(cells) + f" | {100 * summary['mape'][c]:.1f}% |")
-    out += [
-        "",
-        f"Overall MAPE: **{100 * summary['mape']['overall']:.2f}%** over {len(rows)} runs.",
-        "",
-        "## Fraction of the physical limit",
-        "",
+    def per_point(title: str, caption: str, key: str, digits: int) -> list[str]:
+        """A section with one table: a row per mode, a column per link, each cell one field of the run."""
+        lines = ["", f"## {title}", "", caption, "", "| mode | " + " | ".join(points) + " |",
+                 "| --- |" + " ---: |" * len(points)]
+        return lines + [f"| {c} | " + " | ".join(f"{cell[c, p][key]:.{digits}f}" for p in points) + " |" for c in configs]
+
+    out += ["", f"Overall MAPE: **{100 * summary['mape']['overall']:.2f}%** over {len(rows)} runs."]
+    out += per_point(
+        "Fraction of the physical limit",
         "Measured tok/s over accepted-per-step / (RTT + wire transfer + client compute + server compute).",
-        "",
-        "| mode | " + " | ".join(points) + " |",
-        "| --- |" + " ---: |" * len(points),
-    ]
-    for c in configs:
-        out.append(f"| {c} | " + " | ".join(f"{cell[c, p]['fraction_of_ideal']:.3f}" for p in points) + " |")
-    out += [
-        "",
-        "## Disturbance",
-        "",
+        "fraction_of_ideal", 3,
+    )
+    out += per_point(
+        "Disturbance",
         "Most CPU (cores) other processes used during any generation of the run (the machine has 2).",
-        "",
-        "| mode | " + " | ".join(points) + " |",
-        "| --- |" + " ---: |" * len(points),
-    ]
-    for c in configs:
-        out.append(f"| {c} | " + " | ".join(f"{cell[c, p]['other_cores_max']:.2f}" for p in points) + " |")
+        "other_cores_max", 2,
+    )
     out += ["", "## auto against the best fixed mode", "", "| link | auto tok/s | best fixed | its tok/s | ratio |",
             "| --- | ---: | --- | ---: | ---: |"]
     for v in summary["auto_vs_best_fixed"]:

@@ -57,7 +57,8 @@ class MiddleReplica:
         configure(spec.log_format)
         torch.set_num_threads(spec.threads)
         tokens = TokenTable.load(spec.tokens_file) if spec.tokens_file else None
-        self.server = MiddleServer(spec.model, spec.settings, tokens)
+        settings = fit_to_proxy(spec.settings, ModelFiles(spec.model).config.hidden_size)
+        self.server = MiddleServer(spec.model, settings, tokens)
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.server)
@@ -78,21 +79,24 @@ def fit_to_proxy(settings: ServerSettings, hidden_size: int) -> ServerSettings:
 
 
 def application(spec: ReplicaSpec, replicas: int, cpus_per_replica: float | None = None) -> Any:
-    """The Serve application: `replicas` copies of MiddleReplica, each taking `threads` CPUs by default."""
+    """The Serve application: `replicas` copies of MiddleReplica, each taking `threads` CPUs by default.
+
+    The model is only read on the replicas (each caps its steps to the proxy's frame size for its
+    model's width), so the machine that deploys needs no copy of it.
+    """
     if replicas < 1:
         raise ValueError("a deployment needs at least one replica")
-    settings = fit_to_proxy(spec.settings, ModelFiles(spec.model).config.hidden_size)
     deployment = serve.deployment(
         MiddleReplica,
         name=DEPLOYMENT,
         num_replicas=replicas,
         # Each connection is one ongoing request for its lifetime: allow as many as a replica accepts.
-        max_ongoing_requests=settings.max_connections,
+        max_ongoing_requests=spec.settings.max_connections,
         ray_actor_options={"num_cpus": spec.threads if cpus_per_replica is None else cpus_per_replica},
         health_check_period_s=5,
         graceful_shutdown_timeout_s=5,
     )
-    return deployment.bind(dataclasses.replace(spec, settings=settings))
+    return deployment.bind(spec)
 
 
 def app_builder(args: dict[str, str]) -> Any:
