@@ -1,0 +1,71 @@
+"""An EAGLE-style draft head: one decoder layer that predicts the target's next top-layer feature.
+
+Input at committed position t is [f_t, e(x_{t+1})]: the target's feature of token t (the output of the
+last decoder layer, before the final norm) and the embedding of the token that followed it. `fc` fuses
+the pair into one hidden state, one decoder layer of the target's shape (with its own KV cache, masks
+and rotary from `Stage`) turns it into a guess of f_{t+1}, and the target's own final norm and LM head,
+restricted to a reduced draft vocabulary, turn that guess into the distribution of x_{t+2}.
+Deeper guesses feed predicted features back in place of real ones. Only `fc`, the layer and the
+vocabulary are learned and shipped; the embedding, norm and LM head are the client's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from splitllm.kv import KVCache
+from splitllm.model.config import ModelConfig
+from splitllm.model.stage import Stage
+from splitllm.visibility import Visibility
+
+
+def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
+    """The one-layer config of a draft head for `target`: same width, heads and rotary, full attention."""
+    return replace(
+        target,
+        num_layers=1,
+        layer_windows=(None,),
+        intermediate_size=intermediate_size or target.intermediate_size,
+    )
+
+
+class DraftHead(nn.Module):
+    """fc([feature, next embedding]) -> one decoder layer -> predicted next feature.
+
+    `vocab` holds the target token ids the head may propose (most frequent first); logits are over
+    those ids only, in that order.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if cfg.num_layers != 1:
+            raise ValueError("a draft head has exactly one decoder layer; build its config with head_config()")
+        d = cfg.hidden_size
+        self.cfg, self.dtype = cfg, dtype
+        self.fc = nn.Linear(2 * d, d, bias=True, dtype=dtype)
+        self.stage = Stage(cfg, 0, 1, dtype)
+        self.register_buffer("vocab", torch.as_tensor(vocab, dtype=torch.long), persistent=True)
+
+    def new_cache(self, max_context: int) -> KVCache:
+        return self.stage.new_cache(max_context)
+
+    def fuse(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """(n, d) features and (n, d) next-token embeddings -> (n, d) inputs of the layer."""
+        return self.fc(torch.cat([features.to(self.dtype), embeddings.to(self.dtype)], dim=-1))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        positions: torch.Tensor,
+        vis: Visibility,
+        keep: Sequence[int],
+    ) -> torch.Tensor:
+        """Predicted next features (n, d) for n new entries, with the cache contract of `Stage.forward`."""
+        return self.stage(cache, self.fuse(features, embeddings), positions, vis, keep)
