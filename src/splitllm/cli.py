@@ -45,6 +45,7 @@ def _client(
     client_key: Annotated[Optional[str], typer.Option(help="PEM key of --client-cert")] = None,
     fallback: Annotated[Optional[list[str]], typer.Option(help="another server to fail over to (repeatable)")] = None,
     reconnect_deadline: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
+    draft_head: Annotated[Optional[str], typer.Option(help="draft head folder (`splitllm draft train`); default: the shipped one")] = None,
 ) -> Any:
     """The SplitClient that the model and connection options of every client command describe."""
     from splitllm.client.connection import ConnectionOptions, read_token
@@ -55,7 +56,9 @@ def _client(
         read_token(token_file), ca, insecure, client_cert, client_key, tuple(fallback or ()),
         deadline_s=reconnect_deadline,
     )
-    return SplitClient(model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype), connection=options)
+    return SplitClient(
+        model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype), connection=options, draft_head=draft_head
+    )
 
 
 def _sampling(

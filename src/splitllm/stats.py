@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -19,6 +19,8 @@ class StepStats:
     drafted: int = 0  # candidate-tree nodes among `nodes` (speculative decoding)
     window: int = 0  # lookahead-window nodes among `nodes`
     proposer: str = ""  # whose draft the accepted path came from ("" if no draft token was accepted)
+    sources: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by their node's sources ("a+b": both)
+    draft_ms: float = 0.0  # the draft head's share of decode_ms (syncing its cache, growing the tree)
     head_ms: float = 0.0
     serialize_ms: float = 0.0
     round_trip_ms: float = 0.0
@@ -55,6 +57,6 @@ def mean_stats(steps: list[StepStats]) -> dict[str, float]:
     """Per-field means over steps (empty dict for no steps)."""
     if not steps:
         return {}
-    keys = [f.name for f in fields(StepStats) if f.type != "str"] + ["network_ms", "client_ms", "other_ms"]
+    keys = [f.name for f in fields(StepStats) if f.type in ("int", "float")] + ["network_ms", "client_ms", "other_ms"]
     rows = [s.as_dict() for s in steps]
     return {k: sum(r[k] for r in rows) / len(rows) for k in keys}  # type: ignore[misc]

@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from splitllm.draft.model import DraftHead
+from splitllm.draft.store import load_head
 from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
 from splitllm.model.stage import Stage
@@ -27,7 +30,14 @@ class LocalCaches:
 class LocalModel:
     """Everything that never leaves the trusted device; reads none of the server's layers."""
 
-    def __init__(self, files: ModelFiles, head: int, tail: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        files: ModelFiles,
+        head: int,
+        tail: int,
+        dtype: torch.dtype = torch.float32,
+        draft_head: str | Path | None = None,
+    ) -> None:
         cfg = files.config
         cfg.check_split(head, tail)
         self.files, self.cfg, self.dtype = files, cfg, dtype
@@ -41,6 +51,15 @@ class LocalModel:
         self.norm = w["model.norm.weight"]
         self.head = Stage.load(files, 0, head, dtype)
         self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, dtype) if tail else None
+        self.draft_head_path = draft_head
+        if draft_head is not None:
+            self.draft_head  # a head folder that does not fit is refused now, not at the first generation
+
+    @cached_property
+    def draft_head(self) -> DraftHead | None:
+        """The draft head of `draft_head_path`, else the one shipped for this model, else None (drafting
+        then uses n-gram sources only). Loaded on first use; assign to swap it."""
+        return load_head(self.files, self.draft_head_path)
 
     def new_caches(self, max_context: int) -> LocalCaches:
         return LocalCaches(self.head.new_cache(max_context), self.tail.new_cache(max_context) if self.tail else None)
@@ -49,7 +68,15 @@ class LocalModel:
     def run_head(
         self, caches: LocalCaches, tokens: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
     ) -> torch.Tensor:
-        return self.head(caches.head, self.embed_weight[tokens], positions, vis, keep)
+        return self.head(caches.head, self.embed(tokens), positions, vis, keep)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the head stage receives for these tokens (the draft head's next-token input too)."""
+        return self.embed_weight[tokens]
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm: what the LM head multiplies."""
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def run_tail(
@@ -68,7 +95,7 @@ class LocalModel:
         matrix product. A transposed contiguous copy of the head runs one row 1.8x faster, but
         rounds differently from the reference, so it is not used.
         """
-        x = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        x = self.normed(hidden)
         if not 0 < x.shape[0] <= ROW_BY_ROW:
             return x @ self.lm_head.T
         return torch.cat([row @ self.lm_head.T for row in x.split(1)])
@@ -76,7 +103,7 @@ class LocalModel:
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Approximate logits (bfloat16 LM head) for guesses that are never committed unverified."""
-        x = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        x = self.normed(hidden)
         return F.linear(x.to(torch.bfloat16), self._draft_head).float()
 
     @cached_property

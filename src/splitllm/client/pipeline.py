@@ -20,6 +20,9 @@ from splitllm.visibility import Visibility
 
 
 class Middle(Protocol):
+    max_context: int  # positions its cache holds (a server may grant less than asked)
+    max_nodes: int  # positions one step may send
+
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
     ) -> torch.Tensor: ...
@@ -31,6 +34,7 @@ class LocalMiddle:
     def __init__(self, stage: Stage, max_context: int) -> None:
         self.stage = stage
         self.cache: KVCache = stage.new_cache(max_context)
+        self.max_context = self.max_nodes = max_context
 
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
@@ -60,6 +64,16 @@ class SplitPipeline:
     @property
     def pending(self) -> int:
         return self.caches.head.pending
+
+    @property
+    def max_context(self) -> int:
+        """Positions every cache holds, within the model's maximum position."""
+        return min(self.caches.head.max_context, self.middle.max_context, self.local.cfg.max_position)
+
+    def room(self, start: int) -> int:
+        """How many positions a step starting at absolute position `start` may send: what the caches
+        have left (and the model's last position) and the middle's per-step cap both bound it."""
+        return max(min(self.max_context - start, self.middle.max_nodes), 0)
 
     def score(
         self,

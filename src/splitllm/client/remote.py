@@ -118,7 +118,7 @@ class RemoteMiddle:
                 reply = self._call(self._open_header).header
                 self.session: str = reply["session"]
                 self.max_context: int = reply["max_context"]
-                self._max_nodes: int = reply.get("max_nodes") or self.max_context
+                self.max_nodes: int = reply.get("max_nodes") or self.max_context
                 self.url = url
                 self._replay()
                 return
@@ -146,8 +146,8 @@ class RemoteMiddle:
         if record is None:
             return
         hidden, positions = record
-        for start in range(0, hidden.shape[0], self._max_nodes):
-            chunk = hidden[start : start + self._max_nodes]
+        for start in range(0, hidden.shape[0], self.max_nodes):
+            chunk = hidden[start : start + self.max_nodes]
             n = chunk.shape[0]
             header = {
                 "op": "step",

@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -15,7 +16,7 @@ from splitllm.client.pipeline import LocalMiddle, Middle, SplitPipeline
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.stopping import StopRule
-from splitllm.decoding.budget import AdaptivePolicy
+from splitllm.decoding.budget import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import MODES as SPECULATIVE_MODES
@@ -31,7 +32,8 @@ Decoder = Callable[..., Iterator[StepOutput]]
 DECODERS = {
     "sequential": decode_sequential,
     **{mode: SpeculativeDecoder(mode) for mode in SPECULATIVE_MODES},
-    "auto": SpeculativeDecoder("auto", AdaptivePolicy()),  # sizes each step for the link it measures
+    # sizes each step for the link it measures; with a draft head, keeps the tree's nodes worth verifying
+    "auto": SpeculativeDecoder("auto", AdaptivePolicy(), head_policy=ValuePolicy()),
 }
 
 
@@ -78,7 +80,8 @@ class SplitClient:
     """Tokenizer and local layers of a split model, talking to a server (or an in-process middle).
 
     `server=None` runs the middle layers in this process: the same code path minus the network,
-    for tests and offline measurements.
+    for tests and offline measurements. `draft_head`: a head folder from `splitllm draft train`
+    (default: the head shipped for this model, if any).
     """
 
     def __init__(
@@ -91,10 +94,11 @@ class SplitClient:
         max_context: int = 4096,
         dtype: torch.dtype = torch.float32,
         connection: ConnectionOptions | None = None,
+        draft_head: str | Path | None = None,
     ) -> None:
         self.files = ModelFiles(model)
         self.connection = connection  # TLS, token, reconnection deadline and fallback servers
-        self.local = LocalModel(self.files, head, tail, dtype)
+        self.local = LocalModel(self.files, head, tail, dtype, draft_head)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype, self.max_context, self.dtype = server, wire_dtype, max_context, dtype
         self._local_middle: Stage | None = None

@@ -19,13 +19,13 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from splitllm.decoding.policy import DEFAULT_BUDGETS, SpecBudget
+from splitllm.decoding.policy import DEFAULT_BUDGETS, NodeCost, SpecBudget
 from splitllm.latency import Breakdown, LatencyProfile, Link, StepShape
 from splitllm.stats import StepStats
 
@@ -266,3 +266,27 @@ class AdaptivePolicy:
             else:
                 est.gain.fade()
         est.seen = len(steps)
+
+
+class ValuePolicy:
+    """A `BudgetPolicy` for trees sized by value: a generous budget whose `NodeCost` comes from the
+    adaptive policy's live link and compute estimates, so the tree keeps exactly the nodes whose
+    estimated acceptance chance pays for their verification on the link measured so far.
+
+    The node cost is the slope of the predicted step time between two tree sizes, and the step
+    cost the same line at no tree (a multi-row step, so the cheaper one-row kernel does not skew it).
+    """
+
+    def __init__(self, adaptive: AdaptivePolicy | None = None, budget: SpecBudget = DEFAULT_BUDGETS["value"]) -> None:
+        self.adaptive = adaptive or AdaptivePolicy()
+        self.budget = budget
+
+    def choose(self, steps: Sequence[StepStats]) -> SpecBudget:
+        self.adaptive.choose(steps)  # learn from the new steps
+        return replace(self.budget, cost=self.cost(steps[-1].context + steps[-1].accepted if steps else 0))
+
+    def cost(self, context: float) -> NodeCost:
+        small, large = 8, 32
+        ms = [self.adaptive.predict(Candidate(self.budget, 1 + n, 1.0), context).total for n in (small, large)]
+        node_ms = max((ms[1] - ms[0]) / (large - small), 1e-3)
+        return NodeCost(max(ms[0] - small * node_ms, 0.0), node_ms)

@@ -16,6 +16,30 @@ from splitllm.stats import StepStats
 
 
 @dataclass(frozen=True)
+class NodeCost:
+    """What verifying tree nodes costs at the current link, to size trees by value.
+
+    step_ms: a step's time with no tree (round trip, server and client compute of the fixed part);
+    node_ms: what each tree node adds (client head and tail rows, server rows, bytes on the wire).
+    A node with an estimated acceptance chance s raises a step's expected tokens A by s and its
+    time T by node_ms, which raises tokens per second A / T exactly when s * T / A > node_ms: its
+    chance times what a token is worth at this link (T / A ms) must exceed what it costs.
+    """
+
+    step_ms: float
+    node_ms: float
+
+    def worth(self, scores: Sequence[float]) -> int:
+        """How many of the nodes, best first (descending `scores`), to verify."""
+        accepted, ms = 1.0, self.step_ms
+        for i, s in enumerate(scores):
+            if s * ms <= accepted * self.node_ms:
+                return i
+            accepted, ms = accepted + s, ms + self.node_ms
+        return len(scores)
+
+
+@dataclass(frozen=True)
 class SpecBudget:
     """Limits of one step.
 
@@ -24,6 +48,7 @@ class SpecBudget:
         it harvests n-grams of `levels + 1` tokens and costs `window * levels - 1` nodes a step.
     guesses: candidates each proposer may offer per step (lookahead's G; context-lookup matches).
     depth: longest candidate continuation, in tokens.
+    cost: when set, the tree keeps only the nodes worth verifying (up to max_nodes).
     """
 
     max_nodes: int = 8
@@ -31,6 +56,7 @@ class SpecBudget:
     levels: int = 0
     guesses: int = 2
     depth: int = 8
+    cost: NodeCost | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_nodes, self.window, self.levels, self.guesses, self.depth) < 0:
@@ -64,4 +90,6 @@ DEFAULT_BUDGETS: dict[str, SpecBudget] = {
     "lookup": SpecBudget(max_nodes=8, guesses=3, depth=8),
     "lookahead": SpecBudget(max_nodes=8, window=4, levels=2, guesses=4, depth=2),
     "auto": SpecBudget(max_nodes=8, window=2, levels=2, guesses=3, depth=8),
+    "draft": SpecBudget(max_nodes=24, guesses=3, depth=8),
+    "value": SpecBudget(max_nodes=64, guesses=3, depth=10),  # the cap under trees sized by value
 }

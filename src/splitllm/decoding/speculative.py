@@ -11,30 +11,35 @@ accepted nodes, so every stage compacts its cache without an extra round trip.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from splitllm.client.pipeline import SplitPipeline
 from splitllm.decoding.calibration import Calibration
-from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, StaticPolicy
+from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, SpecBudget, StaticPolicy
 from splitllm.decoding.proposers import Proposer
+from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
 from splitllm.decoding.proposers.lookup import ContextLookup
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, DraftTree
 from splitllm.decoding.verifier import verify
+from splitllm.draft.model import DraftHead
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
 
 MODES: dict[str, tuple[str, ...]] = {
     "lookahead": ("lookahead",),
     "lookup": ("lookup",),
+    "draft": ("draft", "lookup"),
     "auto": ("lookup", "lookahead"),
 }
+AUTO_WITH_HEAD = ("draft", "lookup")  # auto's sources when the model has a draft head
 
 
 @dataclass
@@ -65,19 +70,27 @@ def plan_step(chain: Sequence[int], start: int, tree: DraftTree, window: WindowL
     return StepPlan(tokens, positions, Visibility.from_matrix(matrix), [c + t + r for r in window.outputs])
 
 
-def default_proposers(mode: str) -> Callable[[], list[Proposer]]:
-    """A factory of fresh proposers (one set per generation: they index its history) for a mode."""
-    if mode not in MODES:
-        raise ValueError(f"unknown speculative mode {mode!r}; choose from {', '.join(MODES)}")
+def ngram_proposers(sources: Sequence[str]) -> list[Proposer]:
+    """Fresh n-gram proposers (one set per generation: they index its history) of these sources."""
     make = {"lookahead": LookaheadWindow, "lookup": ContextLookup}
-    return lambda: [make[name]() for name in MODES[mode]]
+    return [make[name]() for name in sources if name in make]
+
+
+def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
+    """The budget with its lookahead window shrunk to at most `room` nodes (none if even 2 x 2 is too big)."""
+    if budget.window_nodes <= room:
+        return budget
+    sizes = [(w, n) for w in range(budget.window, 1, -1) for n in range(budget.levels, 1, -1) if w * n - 1 <= room]
+    w, n = max(sizes, key=lambda s: (s[0] * s[1], s[0]), default=(0, 0))
+    return replace(budget, window=w, levels=n)
 
 
 class SpeculativeDecoder:
     """A decoder (see `DECODERS`) drafting with the proposers of `mode`, sized by `policy` each step.
 
-    `proposers` overrides the mode's proposer factory; a `LookaheadWindow` among them gets its
-    Jacobi window into every step.
+    Modes with the draft head (`draft`, and `auto` when the model has a head) size steps with
+    `head_policy` instead. `proposers` overrides the mode's n-gram proposer factory; a
+    `LookaheadWindow` among them gets its Jacobi window into every step.
     """
 
     def __init__(
@@ -85,10 +98,25 @@ class SpeculativeDecoder:
         mode: str = "auto",
         policy: BudgetPolicy | None = None,
         proposers: Callable[[], list[Proposer]] | None = None,
+        head_policy: BudgetPolicy | None = None,
     ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown speculative mode {mode!r}; choose from {', '.join(MODES)}")
         self.mode = mode
-        self.proposers = proposers or default_proposers(mode)
+        self.custom = proposers
         self.policy = policy or StaticPolicy(DEFAULT_BUDGETS[mode])
+        self.head_policy = head_policy or StaticPolicy(DEFAULT_BUDGETS["draft"])
+
+    def sources(self, head: DraftHead | None) -> tuple[str, ...]:
+        """What drafts in this mode for a model with (or without) a draft head."""
+        if self.mode == "auto" and head is not None:
+            return AUTO_WITH_HEAD
+        if "draft" in MODES[self.mode] and head is None:
+            raise ValueError(
+                f"decode mode {self.mode!r} needs a draft head for this model: train one with "
+                "`splitllm draft train --model <model> --out <folder>` and pass --draft-head <folder>"
+            )
+        return MODES[self.mode]
 
     def __call__(
         self,
@@ -106,7 +134,11 @@ class SpeculativeDecoder:
         """
         sampler = sampler or Sampler(history=prompt)
         history = sampler.history
-        proposers = self.proposers()
+        head = pipeline.local.draft_head if self.mode in ("auto", "draft") else None
+        sources = self.sources(head)
+        proposers = self.custom() if self.custom else ngram_proposers(sources)
+        drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context) if head and "draft" in sources else None
+        policy = self.head_policy if drafter else self.policy
         window = next((p for p in proposers if isinstance(p, LookaheadWindow)), None)
         calibration = Calibration()
         chain, keep = list(prompt), list(keep)
@@ -114,14 +146,21 @@ class SpeculativeDecoder:
         steps: list[StepStats] = []
         remaining = max_new_tokens
         while remaining > 0:
-            budget = self.policy.choose(steps)
+            budget = policy.choose(steps)
+            room = pipeline.room(start) - len(chain)  # nodes the tree and window may take
             calibration.resolve(history)
             drafts = [d for p in proposers for d in p.propose(history, budget)]
-            tree = DraftTree.build(drafts, budget.max_nodes, remaining - 1, [calibration.rates(d) for d in drafts])
             calibration.track(drafts, len(history))
+            if drafter is not None:
+                drafts += drafter.propose(history, budget)
+            tree = DraftTree.build(
+                drafts, min(budget.max_nodes, room), min(remaining - 1, room), [calibration.rates(d) for d in drafts],
+                budget.cost,
+            )
             layout = None
             if window is not None and budget.window and remaining > 1:  # a last token has no future to guess
-                layout = window.layout(history, budget)
+                fitted = fit_window(budget, room - len(tree))
+                layout = window.layout(history, fitted) if fitted.window else None
             plan = plan_step(chain, start, tree, layout)
             hidden, stats = pipeline.forward(torch.tensor(plan.tokens), torch.tensor(plan.positions), plan.vis, keep)
             c = len(chain)
@@ -134,12 +173,16 @@ class SpeculativeDecoder:
             if layout is not None and window is not None:
                 guesses = pipeline.logits(hidden[plan.window_rows], stats, draft=True).argmax(-1).tolist()
                 window.advance(chain[-1], guesses)
+            keep = [*range(c), *(c + i for i in verdict.path)]
+            if drafter is not None:
+                drafter.observe(start, hidden[keep])
+                stats.draft_ms = drafter.take_draft_ms()
             stats.accepted = len(verdict.tokens)
             stats.drafted = len(tree)
             stats.window = len(layout.tokens) if layout else 0
             stats.proposer = tree.sources[verdict.path[-1]][0] if verdict.path else ""
+            stats.sources = dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path))
             steps.append(stats)
-            keep = [*range(c), *(c + i for i in verdict.path)]
             yield StepOutput(verdict.tokens, stats, keep)
             if verdict.stopped:
                 return

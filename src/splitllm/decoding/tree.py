@@ -2,8 +2,10 @@
 
 A node's score estimates its chance of being accepted: each draft through it adds the chance that
 its tokens are right up to that depth, `first * next ** (depth - 1)` (calibration.py learns the
-rates; by default the draft's confidence and a fixed decay). Scores strictly fall along every path,
-so keeping the best `max_nodes` nodes always keeps a node's ancestors too.
+rates; by default the draft's confidence and a fixed decay); a node a proposer scored itself (the
+draft head's) adds that score. Scores never rise along a path (ties go to the earlier node, a
+parent), so keeping the best nodes always keeps a node's ancestors too. How many: at most
+`max_nodes`, and with a `NodeCost` only those worth their verification (see policy.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from splitllm.decoding.policy import NodeCost
 from splitllm.decoding.proposers import Draft
 
 ROOT = -1
@@ -52,8 +55,10 @@ class DraftTree:
         max_nodes: int,
         max_depth: int,
         rates: Sequence[tuple[float, float]] | None = None,
+        cost: NodeCost | None = None,
     ) -> DraftTree:
-        """The best `max_nodes` nodes of the trie of `drafts`, each cut to `max_depth` tokens.
+        """The best `max_nodes` nodes of the trie of `drafts`, each cut to `max_depth` tokens, fewer
+        when `cost` says the rest would slow the step down more than they are likely to add.
 
         rates[i]: (first, next) acceptance rates of drafts[i], with 0 < first and 0 <= next < 1.
         """
@@ -62,16 +67,21 @@ class DraftTree:
         for i, draft in enumerate(drafts):
             first, nxt = rates[i] if rates is not None else (draft.confidence, DEPTH_DECAY)
             node = ROOT
+            if draft.score is not None and len(draft.tokens) > max_depth:
+                continue
             for depth, token in enumerate(draft.tokens[:max_depth], start=1):
                 child = trie.child(node, token)
                 if child is None:
                     child = trie.add(node, token, ())
                     scores.append(0.0)
-                if draft.source not in trie.sources[child]:
-                    trie.sources[child] += (draft.source,)
-                scores[child] += first * nxt ** (depth - 1)
+                if draft.score is None or depth == len(draft.tokens):
+                    if draft.source not in trie.sources[child]:
+                        trie.sources[child] += (draft.source,)
+                    scores[child] += first * nxt ** (depth - 1) if draft.score is None else draft.score
                 node = child
         best = sorted(range(len(trie)), key=lambda i: (-scores[i], i))[: max(max_nodes, 0)]
+        if cost is not None:
+            best = best[: cost.worth([scores[i] for i in best])]
         tree, renumber = cls(), {ROOT: ROOT}
         for i in sorted(best):  # trie order has parents first
             renumber[i] = tree.add(renumber[trie.parents[i]], trie.tokens[i], trie.sources[i])

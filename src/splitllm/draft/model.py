@@ -19,6 +19,7 @@ from torch import nn
 
 from splitllm.kv import KVCache
 from splitllm.model.config import ModelConfig
+from splitllm.model.blocks import Segment
 from splitllm.model.stage import Stage
 from splitllm.visibility import Visibility
 
@@ -69,3 +70,27 @@ class DraftHead(nn.Module):
     ) -> torch.Tensor:
         """Predicted next features (n, d) for n new entries, with the cache contract of `Stage.forward`."""
         return self.stage(cache, self.fuse(features, embeddings), positions, vis, keep)
+
+    @torch.inference_mode()
+    def grow(
+        self, cache: KVCache, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor
+    ) -> torch.Tensor:
+        """Append n entries after everything in `cache` (the previous call's entries are kept first) and
+        return their predicted next features; `sees` (n, length + n) says which entries each attends to.
+
+        Drafting a tree depth by depth needs this: a node must see its ancestors, which earlier calls
+        appended, but not their siblings, which `Visibility` (new positions only) cannot express.
+        `cache.crop` drops the speculative entries afterwards.
+        """
+        cache.keep(range(cache.pending))
+        n = positions.numel()
+        if sees.shape != (n, cache.length + n):
+            raise ValueError(f"visibility of {n} entries over {cache.length} cached ones must be ({n}, {cache.length + n})")
+        if n and int(positions.max()) >= self.cfg.max_position:
+            raise ValueError(f"draft positions must lie below {self.cfg.max_position}")
+        cache.stage_new(positions)
+        cos, sin = self.stage.rotary(positions, self.dtype)
+        mask = torch.zeros(sees.shape, dtype=self.dtype).masked_fill_(~sees, float("-inf"))[None, None]
+        segment = Segment(slice(0, n), cos, sin, mask, cache.length)
+        x = self.stage.layers[0](self.fuse(features, embeddings)[None], [segment], [cache.layer(0, n)[:2]])
+        return x[0]

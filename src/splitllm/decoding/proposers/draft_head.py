@@ -1,0 +1,203 @@
+"""The draft head's proposer: a token tree grown EAGLE-2 style from the client's own top-layer features.
+
+The head's cache mirrors the committed sequence: after every step the decoder hands over the true
+features (tail output) of the positions it committed, and the next `propose` appends one entry per
+such position t with input (f_t, embed(x_{t+1})), after dropping the previous tree's speculative
+entries. The last entry predicts the feature after the bonus token, whose logits over the draft
+vocabulary give the tree's first level. Each later depth runs the best `beam` frontier nodes at
+once (each sees the committed entries and its own ancestors) and offers every one's `top_k` tokens.
+
+Node scores are estimated acceptance chances: the product along the path of the head's probability,
+recalibrated per probability bin against the tokens actually committed. They depend only on the
+committed history and features, never on the sampler's draws, so greedy output stays sequential's
+and speculative sampling stays exact with the candidates treated as point masses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from splitllm.client.local import LocalModel
+from splitllm.decoding.policy import SpecBudget
+from splitllm.decoding.proposers import Draft
+from splitllm.draft.model import DraftHead
+
+BINS = 10
+PRIOR_WEIGHT = 4.0
+
+
+class BinnedCalibration:
+    """P(a drafted token is right | its draft probability q), per bin of q, shrunk toward q."""
+
+    def __init__(self) -> None:
+        self.hits = torch.zeros(BINS, dtype=torch.float64)
+        self.trials = torch.zeros(BINS, dtype=torch.float64)
+        self.mass = torch.zeros(BINS, dtype=torch.float64)  # sum of q over the trials
+
+    @staticmethod
+    def bins(q: torch.Tensor) -> torch.Tensor:
+        return (q * BINS).long().clamp_(0, BINS - 1)
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        b = self.bins(q)
+        prior = q.double() * PRIOR_WEIGHT
+        return ((self.hits[b] + prior) / (self.trials[b] + PRIOR_WEIGHT)).clamp(1e-4, 0.99).float()
+
+    def record(self, q: Sequence[float], hit: Sequence[bool]) -> None:
+        qt = torch.tensor(q, dtype=torch.float64)
+        b = self.bins(qt)
+        self.trials.index_add_(0, b, torch.ones_like(qt))
+        self.hits.index_add_(0, b, torch.tensor(hit, dtype=torch.float64))
+        self.mass.index_add_(0, b, qt)
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the tree's nodes, -1: the root (the bonus token)
+    depth: int
+    q: float  # the head's probability of this token given its parent
+    score: float  # estimated chance that the whole path is accepted
+    slot: int = -1  # its head-cache entry, once expanded
+    children: list[int] = field(default_factory=list)
+
+
+class DraftHeadProposer:
+    """A Proposer whose drafts are single scored nodes of a tree (see `Draft.score`)."""
+
+    name = "draft"
+
+    def __init__(self, head: DraftHead, local: LocalModel, max_context: int, top_k: int = 6, beam: int = 4) -> None:
+        self.head, self.local, self.top_k, self.beam = head, local, top_k, beam
+        self.cache = head.new_cache(max_context + 32 * beam)
+        self.rows = local.lm_head[head.vocab]
+        self.calibration = BinnedCalibration()
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
+        self.next_position: int | None = None  # position of the next committed entry
+        self.committed = 0  # head-cache entries holding committed positions
+        self.tree: list[_Node] = []
+        self.tree_start = 0  # history index of the tree's depth-1 tokens
+        self.draft_ms = 0.0  # time spent drafting since the last take_draft_ms()
+
+    def observe(self, start: int, features: torch.Tensor) -> None:
+        """True features (tail outputs) of newly committed fed positions start, start + 1, ..."""
+        if self.next_position is None:
+            self.next_position = start
+        self.pending.append((start, features.detach()))
+
+    def take_draft_ms(self) -> float:
+        ms, self.draft_ms = self.draft_ms, 0.0
+        return ms
+
+    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Draft]:
+        t0 = time.perf_counter()
+        try:
+            self._resolve(history)
+            self.tree = []
+            root = self._sync(history)
+            if root is None or not budget.max_nodes or not budget.depth:
+                return []
+            self.tree_start = len(history)
+            self._grow(root, len(history) - 2, budget)
+            return self._drafts()
+        finally:
+            self.draft_ms += (time.perf_counter() - t0) * 1000
+
+    def _sync(self, history: Sequence[int]) -> torch.Tensor | None:
+        """Append the committed entries not in the cache yet; the predicted feature after the last one."""
+        if not self.pending or self.next_position is None:
+            return None
+        features = torch.cat([f for _, f in self.pending])
+        first = self.pending[0][0]
+        self.pending = []
+        if first != self.next_position:
+            raise ValueError(f"draft head fed position {first}, expected {self.next_position}")
+        n = features.shape[0]
+        positions = torch.arange(first, first + n)
+        if first + n >= len(history):
+            raise ValueError("every committed feature needs the token that followed it")
+        self.cache.crop(self.committed)
+        sees = torch.cat([torch.ones(n, self.committed, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+        out = self.head.grow(self.cache, features, self.local.embed(torch.tensor(history[first + 1 : first + n + 1])), positions, sees)
+        self.committed += n
+        self.next_position = first + n
+        return out[-1:]
+
+    def _probs(self, guesses: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary distributions of the tokens after predicted features."""
+        return torch.softmax((self.local.normed(guesses.to(self.rows.dtype)) @ self.rows.T).float(), dim=-1)
+
+    def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
+        """Add the top_k children of each parent (-1: root), given its head output."""
+        q, idx = self._probs(outputs).topk(min(self.top_k, self.rows.shape[0]), dim=-1)
+        cal = self.calibration(q)
+        tokens = self.head.vocab[idx]
+        for row, parent in enumerate(parents):
+            base = 1.0 if parent < 0 else self.tree[parent].score
+            for j in range(q.shape[1]):
+                self.tree.append(_Node(int(tokens[row, j]), parent, depth, float(q[row, j]), base * float(cal[row, j])))
+                if parent >= 0:
+                    self.tree[parent].children.append(len(self.tree) - 1)
+
+    def _grow(self, root_out: torch.Tensor, last: int, budget: SpecBudget) -> None:
+        """Grow the tree after the bonus token; `last`: the position of the last committed entry."""
+        max_depth = min(budget.depth, self.head.cfg.max_position - last)
+        self._offer([-1], root_out, 1)
+        outputs: dict[int, torch.Tensor] = {}
+        for depth in range(1, max_depth):
+            level = [i for i, nd in enumerate(self.tree) if nd.depth == depth]
+            chosen = sorted(sorted(level, key=lambda i: -self.tree[i].score)[: self.beam])
+            room = self.cache.max_context - self.cache.length - self.cache.pending
+            chosen = chosen[:room]
+            if not chosen:
+                return
+            offset = self.cache.length + self.cache.pending
+            n = len(chosen)
+            sees = torch.zeros(n, offset + n, dtype=torch.bool)
+            sees[:, : self.committed] = True
+            for row, i in enumerate(chosen):
+                self.tree[i].slot = offset + row
+                a = self.tree[i].parent
+                while a >= 0:
+                    sees[row, self.tree[a].slot] = True
+                    a = self.tree[a].parent
+                sees[row, offset + row] = True
+            features = torch.cat([outputs[self.tree[i].parent] if self.tree[i].parent >= 0 else root_out for i in chosen])
+            tokens = torch.tensor([self.tree[i].token for i in chosen])
+            out = self.head.grow(self.cache, features, self.local.embed(tokens), torch.full((n,), last + depth), sees)
+            outputs.update(zip(chosen, out[:, None]))
+            self._offer(chosen, out, depth + 1)
+        self.cache.keep(list(range(self.cache.pending)))
+
+    def _drafts(self) -> list[Draft]:
+        drafts = []
+        for i, nd in enumerate(self.tree):
+            path, a = [], i
+            while a >= 0:
+                path.append(self.tree[a].token)
+                a = self.tree[a].parent
+            drafts.append(Draft(tuple(reversed(path)), self.name, nd.q, nd.score))
+        return drafts
+
+    def _resolve(self, history: Sequence[int]) -> None:
+        """Score the last tree's offers against the tokens committed since: every child of a node on
+        the committed path is one trial of its probability bin."""
+        q: list[float] = []
+        hit: list[bool] = []
+        siblings = [i for i, nd in enumerate(self.tree) if nd.parent < 0]
+        for d in range(len(history) - self.tree_start):
+            token = history[self.tree_start + d]
+            q += [self.tree[i].q for i in siblings]
+            hit += [self.tree[i].token == token for i in siblings]
+            match = next((i for i in siblings if self.tree[i].token == token), None)
+            if match is None:
+                break
+            siblings = self.tree[match].children
+            if not siblings:
+                break
+        if q:
+            self.calibration.record(q, hit)
