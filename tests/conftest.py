@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTr
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
+from splitllm.draft.model import DraftHead, head_config
 from splitllm.launch import ServerThread
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
@@ -66,6 +67,17 @@ def _build_tiny(name: str, folder: Path) -> Path:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return folder
+
+
+def random_head(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0) -> DraftHead:
+    """An untrained draft head over the whole vocabulary: drafts are noise, which exactness must survive."""
+    head = DraftHead(head_config(files.config), range(files.config.vocab_size), dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            noise = torch.rand(p.shape, generator=g, dtype=p.dtype)
+            p.copy_(noise + 0.5 if "norm" in name else (noise - 0.5) * 0.4)
+    return head
 
 
 def _folder(model: str | Path | None) -> Path:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import random_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,7 +59,9 @@ def f64(tiny_models) -> dict[str, Float64Model]:  # type: ignore[no-untyped-def]
     for name in ("llama", "mistral"):  # mistral: sliding window 8, so trees cross window edges
         files = ModelFiles(tiny_models[name])
         end = files.config.num_layers - 1
-        models[name] = Float64Model(LocalModel(files, 1, 1, torch.float64), Stage.load(files, 1, end, torch.float64))
+        local = LocalModel(files, 1, 1, torch.float64)
+        local.draft_head = random_head(files, torch.float64)  # `draft` and `auto` draft with it too
+        models[name] = Float64Model(local, Stage.load(files, 1, end, torch.float64))
     return models
 
 
@@ -139,7 +142,7 @@ def test_speculative_equals_sequential_and_caches_match(
         found: list[Proposer] = [Scripted(truth, seed), LookaheadWindow(seed=seed)]
         return found + [ContextLookup()] if with_lookup else found
 
-    decoder = SpeculativeDecoder(policy=StaticPolicy(budget), proposers=proposers)
+    decoder = SpeculativeDecoder(policy=StaticPolicy(budget), proposers=proposers, head_policy=StaticPolicy(budget))
     pipeline = model.pipeline()
     outs = list(decoder(pipeline, prompt, max_new_tokens, stop_ids))
     ids = [t for out in outs for t in out.tokens]
@@ -163,12 +166,11 @@ def test_modes_match_sequential_on_a_repetitive_prompt(f64, mode: str) -> None: 
     assert_caches_match_recomputation(model, pipeline, outs[-1].path, prompt + expected)
 
 
-def test_speculation_over_a_server_matches_sequential(  # type: ignore[no-untyped-def]
-    tiny_models, local_model, server
-) -> None:
+def test_speculation_over_a_server_matches_sequential(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
     """Over a real socket (float32 on the wire and in compute): trees and windows travel and compact there too."""
     folder = tiny_models["qwen2"]
-    local = local_model(folder, 1, 1)
+    local = LocalModel(ModelFiles(folder), 1, 1)
+    local.draft_head = random_head(local.files)
     url = server(folder, 1, 1).url
     prompt = [3, 4, 5, 6] * 5
 

@@ -105,6 +105,7 @@ class DraftHeadProposer:
             self._grow(root, len(history) - 2, budget)
             return self._drafts()
         finally:
+            self.cache.keep(list(range(self.cache.pending)))  # so the next crop finds every entry committed
             self.draft_ms += (time.perf_counter() - t0) * 1000
 
     def _sync(self, history: Sequence[int]) -> torch.Tensor | None:
@@ -171,7 +172,6 @@ class DraftHeadProposer:
             out = self.head.grow(self.cache, features, self.local.embed(tokens), torch.full((n,), last + depth), sees)
             outputs.update(zip(chosen, out[:, None]))
             self._offer(chosen, out, depth + 1)
-        self.cache.keep(list(range(self.cache.pending)))
 
     def _drafts(self) -> list[Draft]:
         drafts = []

@@ -1,0 +1,131 @@
+"""Drafting with the draft head: the proposer's cache bookkeeping, exactness of the modes that use it,
+and steps that shrink to the room left near the end of the context.
+
+A random head drafts noise over a 16-token vocabulary, so its top-k children are often right by
+chance: head nodes get accepted and rejected at every depth, which is what exactness must survive.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_head
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from splitllm.client.local import LocalModel
+from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.remote import RemoteMiddle
+from splitllm.decoding.policy import SpecBudget, StaticPolicy
+from splitllm.decoding.proposers.draft_head import DraftHeadProposer
+from splitllm.decoding.sequential import decode_sequential
+from splitllm.decoding.speculative import SpeculativeDecoder
+from splitllm.model.stage import Stage
+from splitllm.model.weights import ModelFiles
+from splitllm.visibility import Visibility
+
+VOCAB = 16
+CONTEXT = 64
+BIG = SpecBudget(max_nodes=40, window=4, levels=3, guesses=3, depth=8)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalModel, Stage]:
+    """A 16-token Llama in float64 split 1 + 1 + 1, with a random draft head."""
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=3, max_position_embeddings=CONTEXT, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    folder: Path = tmp_path_factory.mktemp("draft-vocab16")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    files = ModelFiles(str(folder))
+    local = LocalModel(files, 1, 1, torch.float64)
+    local.draft_head = random_head(files, torch.float64)
+    return local, Stage.load(files, 1, 2, torch.float64)
+
+
+def _pipeline(model: tuple[LocalModel, Stage], context: int = CONTEXT) -> SplitPipeline:
+    local, stage = model
+    return SplitPipeline(local, LocalMiddle(stage, context), context)
+
+
+def _ids(decoder, pipeline: SplitPipeline, prompt: list[int], n: int) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
+    outs = list(decoder(pipeline, prompt, n, frozenset()))
+    return [t for o in outs for t in o.tokens], outs
+
+
+@pytest.mark.parametrize("mode", ["draft", "auto"])
+def test_draft_modes_match_sequential(model, mode: str) -> None:  # type: ignore[no-untyped-def]
+    accepted_from_head = 0
+    for seed in range(4):
+        prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected, _ = _ids(decode_sequential, _pipeline(model), prompt, 40)
+        ids, outs = _ids(SpeculativeDecoder(mode, head_policy=StaticPolicy(BIG)), _pipeline(model), prompt, 40)
+        assert ids == expected, seed
+        accepted_from_head += sum(n for o in outs for src, n in o.stats.sources.items() if "draft" in src)
+        assert all(o.stats.draft_ms > 0 for o in outs[1:])
+    assert accepted_from_head > 20  # the head's nodes were accepted (and so its cache kept in step)
+
+
+def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ignore[no-untyped-def]
+    local = local_model(tiny_models["llama"], 1, 1)
+    pipeline = SplitPipeline(local, LocalMiddle(Stage.load(local.files, 1, 3, torch.float32), 32), 32)
+    with pytest.raises(ValueError, match="needs a draft head"):
+        next(SpeculativeDecoder("draft")(pipeline, [1, 2, 3], 4, frozenset()))
+
+
+def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: ignore[no-untyped-def]
+    """Fed step by step (features of each step's committed nodes, trees grown in between), the head's
+    cache holds exactly what one sync of the whole sequence computes, and drafts the same tree given
+    the same calibration (what the stepped proposer learned from the tokens it saw)."""
+    local, _ = model
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    features, _ = _pipeline(model).forward(torch.tensor(ids[:-1]), torch.arange(29), Visibility.chain(29), [])
+    budget = SpecBudget(max_nodes=30, depth=5)
+    stepped = DraftHeadProposer(local.draft_head, local, CONTEXT)
+    start = 0
+    for end in (7, 8, 11, 12, 13, 18, 25, 29):
+        stepped.observe(start, features[start:end])
+        drafts = stepped.propose(ids[: end + 1], budget)
+        start = end
+    whole = DraftHeadProposer(local.draft_head, local, CONTEXT)
+    whole.observe(0, features)
+    whole.calibration = stepped.calibration
+    assert whole.propose(ids, budget) == drafts and len(drafts) > 20
+    assert stepped.committed == whole.committed == 29
+    for a, b in ((stepped.cache.k, whole.cache.k), (stepped.cache.v, whole.cache.v)):
+        torch.testing.assert_close(a[..., :29, :], b[..., :29, :], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "auto", "draft"])
+def test_steps_shrink_to_the_context_left(model, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """A prompt that leaves room for just the new tokens: trees and windows shrink to fit, positions
+    stay below the model's maximum (CONTEXT here), and the output is sequential's."""
+    prompt = [3, 4, 5, 6] * 12 + [3, 4]  # repetitive, so every source has drafts to offer
+    for context, n in ((60, 11), (CONTEXT + 8, 15)):  # the caches' room runs out, then the model's positions
+        assert len(prompt) + n - 1 == min(context, CONTEXT)  # the last token is never fed
+        expected, _ = _ids(decode_sequential, _pipeline(model, context), prompt, n)
+        decoder = SpeculativeDecoder(mode, policy=StaticPolicy(BIG), head_policy=StaticPolicy(BIG))
+        ids, outs = _ids(decoder, _pipeline(model, context), prompt, n)
+        assert ids == expected
+        assert len(outs) < n  # still speculating until the very end
+
+
+def test_steps_shrink_to_what_the_server_grants(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
+    """The server grants a shorter context than asked: the client sizes its steps to it."""
+    folder = tiny_models["llama"]
+    local = LocalModel(ModelFiles(folder), 1, 1)
+    url = server(folder, 1, 1, max_context=40).url
+    prompt = [7, 8, 9, 10] * 7
+
+    def run(decoder) -> list[int]:  # type: ignore[no-untyped-def]
+        middle = RemoteMiddle(url, local.files.fingerprint, local.middle_range, "float32", 96)
+        try:
+            return _ids(decoder, SplitPipeline(local, middle, 96), prompt, 12)[0]
+        finally:
+            middle.close()
+
+    assert run(SpeculativeDecoder("lookahead", StaticPolicy(BIG))) == run(decode_sequential)
