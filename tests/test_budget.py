@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from splitllm.client.session import SplitClient
-from splitllm.decoding.budget import CANDIDATE_BUDGETS, AdaptivePolicy, AutoProfile, Candidate
-from splitllm.decoding.policy import SpecBudget
+from splitllm.decoding.budget import CANDIDATE_BUDGETS, AdaptivePolicy, AutoProfile, Candidate, ValuePolicy
+from splitllm.decoding.policy import NodeCost, SpecBudget
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, Linear, Link
 from splitllm.netem import LinkProfile, ProxyThread
@@ -161,3 +161,26 @@ def test_an_in_process_generation_after_a_networked_one_keeps_the_offline_budget
     for _ in range(5):
         assert policy.choose(history) == policy.offline
         history.append(StepStats(nodes=9, accepted=2, server_ms=40.0, round_trip_ms=40.0, total_ms=60.0, context=50))
+
+
+def test_node_cost_keeps_nodes_while_they_raise_tokens_per_second() -> None:
+    # 0.5 * 100 > 1 * 10: kept; 0.2 * 110 > 1.5 * 10: kept; 0.1 * 120 < 1.7 * 10: the rest would slow it down
+    assert NodeCost(100.0, 10.0).worth([0.5, 0.2, 0.1, 0.05]) == 2
+    assert NodeCost(100.0, 10.0).worth([0.05]) == 0 and NodeCost(100.0, 0.01).worth([0.5, 0.2]) == 2
+
+
+def test_trees_sized_by_value_grow_with_the_link() -> None:
+    """The node cost comes from the live estimates: the same scores buy more nodes over a slower link."""
+    scores = [0.9, 0.7, 0.5, 0.35, 0.25, 0.15, 0.1, 0.06, 0.04, 0.02, 0.01]
+    kept, costs = {}, {}
+    for rtt in (0.0, 80.0, 200.0):
+        adaptive = AdaptivePolicy(AUTO)
+        _generate(adaptive, Link(rtt))
+        policy = ValuePolicy(adaptive)
+        costs[rtt] = policy.cost(60)
+        kept[rtt] = costs[rtt].worth(scores)
+    assert costs[200.0].step_ms - costs[0.0].step_ms == pytest.approx(200.0, rel=0.05)
+    assert costs[0.0].node_ms == pytest.approx(costs[200.0].node_ms, rel=0.05)  # compute and bytes, not the RTT
+    assert 0 < kept[0.0] < kept[80.0] <= kept[200.0]
+    budget = policy.choose([])
+    assert budget.cost is not None and budget.max_nodes >= kept[200.0]

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_head
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -22,6 +24,8 @@ from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import DECODERS, SplitClient
 from splitllm.client.stopping import StopRule
 from splitllm.decoding.sampling import Sampler, SamplingParams
+from splitllm.decoding.tree import ROOT, DraftTree
+from splitllm.decoding.verifier import verify
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -136,16 +140,17 @@ def _exact_pairs(model: tuple[LocalModel, Stage]) -> dict[tuple[int, int], float
     }
 
 
-def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler) -> tuple[list[tuple[int, ...]], float]:  # type: ignore[no-untyped-def]
-    """SAMPLES two-token continuations of PROMPT (seeds 0..SAMPLES-1) and the mean tokens per step."""
-    samples, tokens, steps = [], 0, 0
+def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler, tokens: int = 2) -> tuple[list[tuple[int, ...]], float]:  # type: ignore[no-untyped-def]
+    """SAMPLES continuations of PROMPT (seeds 0..SAMPLES-1), two tokens long by default, and the mean
+    tokens per step."""
+    samples, emitted, steps = [], 0, 0
     for seed in range(SAMPLES):
         sampler = sampler_class(replace(PARAMS, seed=seed), PROMPT)
-        out = list(DECODERS[mode](_pipeline(model), PROMPT, 2, frozenset(), sampler=sampler))
-        ids = [t for o in out for t in o.tokens][:2]
+        out = list(DECODERS[mode](_pipeline(model), PROMPT, tokens, frozenset(), sampler=sampler))
+        ids = [t for o in out for t in o.tokens][:tokens]
         samples.append(tuple(ids))
-        tokens, steps = tokens + len(ids), steps + len(out)
-    return samples, tokens / steps
+        emitted, steps = emitted + len(ids), steps + len(out)
+    return samples, emitted / steps
 
 
 def test_speculative_sampling_keeps_the_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
@@ -212,3 +217,122 @@ def test_stop_rule_clips_overshooting_steps() -> None:
     assert rule.clip([0, 1], [0, 1, 0, 1, 0]) == ([0, 1, 0, 1], "length")
     assert rule.clip([0], [1]) == ([1], None)
     assert rule.stable("ab</") == "ab" and rule.stable("ab/") == "ab/" and rule.stable("ab\ufffd") == "ab"
+
+
+class NoRenormalisation(Sampler):
+    """A wrong rule: after a rejected sibling, the next one is accepted with its unrenormalised p(x)."""
+
+    def _accept(self, p: torch.Tensor, candidates: Sequence[int]) -> int:
+        p = p.clone()
+        for x in candidates:
+            if float(torch.rand((), generator=self.generator, dtype=torch.float64)) < float(p[x]):
+                return int(x)
+            p[x] = 0.0
+        return int(torch.multinomial(p, 1, generator=self.generator))
+
+
+TREE_VOCAB = 6
+TREE_PARAMS = SamplingParams(do_sample=True, temperature=0.9, top_k=5, seed=0)
+TREE_TOKENS = 3
+
+
+@cache
+def _synthetic_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    """Fixed, peaked logits for every prefix: a stand-in model that makes siblings matter."""
+    seed = sum((t + 1) * 7**i for i, t in enumerate(prefix))
+    return torch.randn(TREE_VOCAB, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1.5
+
+
+@cache
+def _synthetic_tree(prefix: tuple[int, ...]) -> DraftTree:
+    """A depth-3 tree, a deterministic function of the prefix: the 3 likeliest tokens first, then 2, then
+    3 children per node, likeliest first (so a wrong rule for later siblings shows)."""
+    tree = DraftTree()
+    frontier = [(ROOT, prefix)]
+    for width in (3, 2, 3):
+        frontier = [
+            (tree.add(node, int(t), ("test",)), (*path, int(t)))
+            for node, path in frontier
+            for t in _synthetic_logits(path).topk(width).indices
+        ]
+    return tree
+
+
+def _sample_tree_walks(sampler_class: type[Sampler], samples: int) -> list[tuple[int, ...]]:
+    """TREE_TOKENS tokens per sample, drafted by depth-3 trees and verified by `verify` with the rule."""
+    drawn = []
+    for seed in range(samples):
+        sampler, out = sampler_class(replace(TREE_PARAMS, seed=seed)), []
+        while len(out) < TREE_TOKENS:
+            prefix, tree = tuple(out), _synthetic_tree(tuple(out))
+
+            def choose(node: int, candidates: list[int]) -> int:
+                path = prefix + tuple(tree.tokens[i] for i in _ancestry(tree, node))
+                return sampler.choose(_synthetic_logits(path), candidates)
+
+            out += verify(tree, choose, TREE_TOKENS - len(out), frozenset()).tokens
+        drawn.append(tuple(out))
+    return drawn
+
+
+def _ancestry(tree: DraftTree, node: int) -> list[int]:
+    path = []
+    while node != ROOT:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]
+
+
+def test_tree_acceptance_is_exact_at_depth_three_with_siblings() -> None:
+    """Depth-3 trees with 2-3 siblings per level: the walk's tokens are distributed exactly as plain
+    sampling; a rule that forgets to renormalise after a rejected sibling fails the same test."""
+    probs = lambda path: Sampler(TREE_PARAMS).probs(_synthetic_logits(path)).tolist()  # noqa: E731
+    exact = {
+        (a, b, c): pa * pb * pc
+        for a, pa in enumerate(probs(()))
+        for b, pb in enumerate(probs((a,)))
+        for c, pc in enumerate(probs((a, b)))
+        if pa * pb * pc > 0
+    }
+    depths = [len(_ancestry(_synthetic_tree(()), i)) for i in range(len(_synthetic_tree(())))]
+    assert max(depths) == 3 and len(_synthetic_tree(())) == 3 + 6 + 18
+    p_right = _chi_square_p(_sample_tree_walks(Sampler, 3000), exact)
+    p_wrong = _chi_square_p(_sample_tree_walks(NoRenormalisation, 3000), exact)
+    print(f"chi-square p: right rule {p_right:.3g}, no renormalisation {p_wrong:.3g}")
+    assert p_right > PASS_P
+    assert p_wrong < FAIL_P
+
+
+def _exact_triples(model: tuple[LocalModel, Stage]) -> dict[tuple[int, ...], float]:
+    """P(first three tokens) under PARAMS: one step scores the prompt and every one- and two-token
+    continuation as a tree."""
+    n, firsts = len(PROMPT), list(range(VOCAB))
+    pairs = [(a, b) for a in firsts for b in firsts]
+    tokens = torch.tensor(PROMPT + firsts + [b for _, b in pairs])
+    positions = torch.tensor(list(range(n)) + [n] * VOCAB + [n + 1] * len(pairs))
+    vis = Visibility.from_parents([*range(-1, n - 1), *[n - 1] * VOCAB, *(n + a for a, _ in pairs)])
+    local, stage = model
+    logits, _ = SplitPipeline(local, LocalMiddle(stage, 300), 300).score(tokens, positions, vis, [])
+    probs = lambda prefix, row: Sampler(PARAMS, PROMPT + prefix).probs(logits[row]).tolist()  # noqa: E731
+    exact = {}
+    for a, pa in enumerate(probs([], n - 1)):
+        for b, pb in enumerate(probs([a], n + a) if pa > 0 else []):
+            for c, pc in enumerate(probs([a, b], n + VOCAB + a * VOCAB + b) if pb > 0 else []):
+                if pc > 0:
+                    exact[(a, b, c)] = pa * pb * pc
+    return exact
+
+
+def test_draft_head_sampling_keeps_the_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
+    """Three tokens: the prefill, then a step whose tree holds the draft head's top-k siblings (random
+    weights), point masses like any candidate."""
+    local, stage = small_vocab
+    drafting = LocalModel(local.files, 1, 1, torch.float64)
+    drafting.draft_head = random_head(local.files, torch.float64)
+    exact = _exact_triples(small_vocab)
+    assert abs(sum(exact.values()) - 1) < 1e-9
+    spec, per_step = _sample_pairs((drafting, stage), "draft", tokens=3)
+    p_spec = _chi_square_p(spec, exact)
+    print(f"chi-square p: draft {p_spec:.3g} ({per_step:.2f} tok/step)")
+    assert per_step > 1.2
+    assert p_spec > PASS_P

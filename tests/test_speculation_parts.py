@@ -114,3 +114,16 @@ def test_tree_ranks_nodes_by_rates() -> None:
     assert deep.tokens == [1, 2, 3]
     wide = DraftTree.build(drafts, max_nodes=3, max_depth=8, rates=[(0.9, 0.1), (0.5, 0.5)])
     assert wide.tokens == [1, 4, 5]
+
+
+def test_scored_drafts_stand_for_one_node_each() -> None:
+    """The draft head's nodes carry their own scores; n-gram drafts add theirs along their paths."""
+    head = [Draft((1,), "draft", 0.8, 0.8), Draft((1, 2), "draft", 0.5, 0.4), Draft((3,), "draft", 0.1, 0.1),
+            Draft((1, 2, 6), "draft", 0.2, 0.08)]
+    drafts = [*head, Draft((1, 4), "lookup", 0.3)]
+    rates = [(0.5, 0.5)] * 4 + [(0.3, 0.5)]  # unused by scored drafts
+    tree = DraftTree.build(drafts, max_nodes=3, max_depth=8, rates=rates)
+    # scores: 1: 0.8 + 0.3, (1, 2): 0.4, (1, 4): 0.3 * 0.5, 3: 0.1, (1, 2, 6): 0.08
+    assert (tree.tokens, tree.parents) == ([1, 2, 4], [ROOT, 0, 0])
+    assert tree.sources == [("draft", "lookup"), ("draft",), ("lookup",)]
+    assert DraftTree.build(drafts, max_nodes=10, max_depth=2, rates=rates).tokens == [1, 2, 3, 4]

@@ -383,15 +383,18 @@ def bench_speculation(
     rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
     modes: Annotated[
         str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget)")
-    ] = "sequential,lookup,lookahead,auto,auto-static",
+    ] = "sequential,lookup,lookahead,draft,auto,auto-static",
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
+    wire_dtype: Annotated[str, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",
+    draft_head: Annotated[Optional[str], typer.Option(help="draft head folder (default: the shipped one)")] = None,
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
     from splitllm.bench.speculation import run_speculation
 
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt, tuple(m.strip() for m in modes.split(",") if m.strip()), out,
-        progress=lambda line: typer.echo(line, err=True), sampling=sampling,
+        progress=lambda line: typer.echo(line, err=True), sampling=sampling, wire_dtype=wire_dtype,
+        draft_head=draft_head,
     )
     typer.echo(result["markdown"])
 

@@ -24,7 +24,7 @@ from splitllm.launch import ServerProcess
 from splitllm.model.stage import Stage
 from splitllm.netem import LinkProfile, ProxyThread
 
-MODES = ("sequential", "lookup", "lookahead", "auto", "auto-static")
+MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
 # adaptive policy, to show what adapting to the link adds.
 EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {"auto-static": lambda: SpeculativeDecoder("auto")}
@@ -44,6 +44,8 @@ class Tally:
     bytes_down: int = 0
     won: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> steps its draft won
     drafted: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> draft tokens accepted
+    sources: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # node sources -> draft tokens accepted
+    draft_ms: float = 0.0  # the draft head's time (part of the client's critical path)
 
     def add(self, run: dict, identical: bool) -> None:
         self.prompts += 1
@@ -58,6 +60,9 @@ class Tally:
             if s["proposer"]:
                 self.won[s["proposer"]] += 1
                 self.drafted[s["proposer"]] += s["accepted"] - 1
+            for source, n in s.get("sources", {}).items():
+                self.sources[source] += n
+            self.draft_ms += s.get("draft_ms", 0.0)
 
     def summary(self, sequential: Tally | None) -> dict:
         tps = self.tokens / self.ms * 1000 if self.ms else 0.0
@@ -75,8 +80,14 @@ class Tally:
             "nodes_per_step": per_step(self.nodes),
             "bytes_up_per_step": per_step(self.bytes_up),
             "bytes_down_per_step": per_step(self.bytes_down),
+            "draft_ms_per_step": per_step(self.draft_ms),
             "proposers": {
                 p: {"steps_won": self.won[p], "draft_tokens_accepted": self.drafted[p]} for p in sorted(self.won)
+            },
+            # share of all emitted tokens that were draft tokens of nodes with these sources ("a+b": both)
+            "sources": {
+                src: {"draft_tokens_accepted": n, "share": n / self.tokens if self.tokens else 0.0}
+                for src, n in sorted(self.sources.items())
             },
         }
 
@@ -129,18 +140,20 @@ def markdown(summary: dict, settings: dict) -> str:
     lines = [
         f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, default model split "
         f"{settings['head']}+{settings['tail']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
-        f"{settings['prompts_per_category']} prompts per category, one thread each side, sampling "
-        f"{settings.get('sampling') or 'greedy'}.",
+        f"{settings['prompts_per_category']} prompts per category, one thread each side, "
+        f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
+        f"{', draft head ' + settings['draft_head'] if settings.get('draft_head') else ''}.",
         "",
-        "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
+        "| draft ms/step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for group, modes in summary.items():
         for mode, s in modes.items():
             lines.append(
                 f"| {group} | {mode} | {s['tokens_per_step']:.2f} | {s['tokens_per_second']:.2f} | "
                 f"{s['speedup']:.2f}x | {s['identical']}/{s['prompts']} | {s['nodes_per_step']:.1f} | "
-                f"{s['bytes_up_per_step']:.0f} |"
+                f"{s['bytes_up_per_step']:.0f} | {s.get('draft_ms_per_step', 0.0):.1f} |"
             )
     lines += [
         "",
@@ -153,6 +166,18 @@ def markdown(summary: dict, settings: dict) -> str:
         for proposer, p in s["proposers"].items():
             share = p["draft_tokens_accepted"] / s["tokens"] if s["tokens"] else 0.0
             lines.append(f"| {mode} | {proposer} | {p['steps_won']} | {p['draft_tokens_accepted']} | {share:.1%} |")
+    lines += [
+        "",
+        "Share of emitted tokens that were accepted draft tokens, by the sources of their tree node "
+        "(a+b: both proposed it; the rest of the tokens are each step's bonus token):",
+        "",
+        "| category | mode | source | draft tokens accepted | share of tokens |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for group, modes in summary.items():
+        for mode, s in modes.items():
+            for source, p in s.get("sources", {}).items():
+                lines.append(f"| {group} | {mode} | {source} | {p['draft_tokens_accepted']} | {p['share']:.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -166,15 +191,25 @@ def run_speculation(
     tail: int = 2,
     progress: Callable[[str], None] = lambda _: None,
     sampling: SamplingParams | None = None,
+    wire_dtype: str = "float32",
+    draft_head: str | None = None,
 ) -> dict:
-    """The benchmark end to end; writes OUT/speculation.json and OUT/speculation.md."""
+    """The benchmark end to end; writes OUT/speculation.json and OUT/speculation.md.
+
+    `draft_head`: a head folder (default: the one shipped for the model); without any head the
+    `draft` mode is left out and `auto` drafts with n-gram sources only.
+    """
     if "sequential" not in modes:
         modes = ("sequential", *modes)
     torch.set_num_threads(1)
+    client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, draft_head=draft_head)
+    if client.local.draft_head is None and "draft" in modes:
+        progress("no draft head for this model: the draft mode is left out")
+        modes = tuple(m for m in modes if m != "draft")
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
     settings = {"rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens, "prompts_per_category": prompts_per_category,
-                "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams())}
-    client = SplitClient(None, head=head, tail=tail)
+                "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
+                "wire_dtype": wire_dtype, "draft_head": draft_head or ("shipped" if client.local.draft_head else "")}
     with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1") as server:
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"

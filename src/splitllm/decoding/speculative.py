@@ -146,16 +146,16 @@ class SpeculativeDecoder:
         steps: list[StepStats] = []
         remaining = max_new_tokens
         while remaining > 0:
-            budget = policy.choose(steps)
             room = pipeline.room(start) - len(chain)  # nodes the tree and window may take
+            budget = policy.choose(steps)
+            budget = replace(budget, depth=min(budget.depth, remaining - 1, room))
             calibration.resolve(history)
             drafts = [d for p in proposers for d in p.propose(history, budget)]
             calibration.track(drafts, len(history))
             if drafter is not None:
                 drafts += drafter.propose(history, budget)
             tree = DraftTree.build(
-                drafts, min(budget.max_nodes, room), min(remaining - 1, room), [calibration.rates(d) for d in drafts],
-                budget.cost,
+                drafts, min(budget.max_nodes, room), budget.depth, [calibration.rates(d) for d in drafts], budget.cost
             )
             layout = None
             if window is not None and budget.window and remaining > 1:  # a last token has no future to guess

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from splitllm.client.local import LocalModel
 from splitllm.decoding.policy import SpecBudget
@@ -27,6 +28,7 @@ from splitllm.decoding.proposers import Draft
 from splitllm.draft.model import DraftHead
 
 BINS = 10
+MIN_SCORE = 0.01  # nodes less likely than this are not expanded when no link cost says otherwise
 PRIOR_WEIGHT = 4.0
 
 
@@ -74,7 +76,7 @@ class DraftHeadProposer:
     def __init__(self, head: DraftHead, local: LocalModel, max_context: int, top_k: int = 6, beam: int = 4) -> None:
         self.head, self.local, self.top_k, self.beam = head, local, top_k, beam
         self.cache = head.new_cache(max_context + 32 * beam)
-        self.rows = local.lm_head[head.vocab]
+        self.rows = local.lm_head[head.vocab].to(torch.bfloat16)  # guesses only: 4x faster than float32 here
         self.calibration = BinnedCalibration()
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
@@ -130,7 +132,7 @@ class DraftHeadProposer:
 
     def _probs(self, guesses: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary distributions of the tokens after predicted features."""
-        return torch.softmax((self.local.normed(guesses.to(self.rows.dtype)) @ self.rows.T).float(), dim=-1)
+        return torch.softmax(F.linear(self.local.normed(guesses.to(self.local.dtype)).to(self.rows.dtype), self.rows).float(), dim=-1)
 
     def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
         """Add the top_k children of each parent (-1: root), given its head output."""
@@ -147,10 +149,12 @@ class DraftHeadProposer:
     def _grow(self, root_out: torch.Tensor, last: int, budget: SpecBudget) -> None:
         """Grow the tree after the bonus token; `last`: the position of the last committed entry."""
         max_depth = min(budget.depth, self.head.cfg.max_position - last)
+        # A node less likely than this is not worth verifying even first (see NodeCost): nor expanding.
+        floor = budget.cost.node_ms / budget.cost.step_ms if budget.cost and budget.cost.step_ms > 0 else MIN_SCORE
         self._offer([-1], root_out, 1)
         outputs: dict[int, torch.Tensor] = {}
         for depth in range(1, max_depth):
-            level = [i for i, nd in enumerate(self.tree) if nd.depth == depth]
+            level = [i for i, nd in enumerate(self.tree) if nd.depth == depth and nd.score >= floor]
             chosen = sorted(sorted(level, key=lambda i: -self.tree[i].score)[: self.beam])
             room = self.cache.max_context - self.cache.length - self.cache.pending
             chosen = chosen[:room]
