@@ -13,7 +13,7 @@ import shlex
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -80,15 +80,17 @@ def _answers(files: ModelFiles, tok, settings: DataSettings, work: Path, bar: _B
 
 
 def _features(files: ModelFiles, sequences: list[list[int]], work: Path, bar: _Bar, name: str) -> data.Features:
-    """Features of `sequences`, cached under the digest of the model and the token ids."""
-    path = work / f"features-{_digest([files.fingerprint, sequences])}.pt"
-    if path.is_file():
-        saved = torch.load(path)
-        return data.Features([torch.tensor(s) for s in sequences], [f.float() for f in saved])
-    with bar.phase(f"features of {name}", len(sequences)) as advance:
-        feats = data.features(files, sequences, advance)
-    torch.save([f.to(torch.float16) for f in feats.features], path)
-    return feats
+    """Features of `sequences`, each cached under the digest of the model and its token ids."""
+    folder = work / "features"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{_digest([files.fingerprint, s])}.pt" for s in sequences]
+    missing = [i for i, p in enumerate(paths) if not p.is_file()]
+    with bar.phase(f"features of {name}", len(missing)) as advance:
+        extract = data.Extractor(files) if missing else None
+        for i in missing:
+            torch.save(extract(sequences[i]).to(torch.float16), paths[i])
+            advance()
+    return data.Features([torch.tensor(s) for s in sequences], [torch.load(p).float() for p in paths])
 
 
 def _split(seqs: list[train.Sequence_], share: float, seed: int) -> tuple[list[train.Sequence_], list[train.Sequence_]]:
@@ -130,8 +132,11 @@ def build_head(
         t2 = time.perf_counter()
         local = LocalModel(files, 1, 0)
         target = train.Target(local)
-        parts = {name: train.prepare(f, target) for name, f in feats.items()}
-        splits = {name: _split(seqs, train_settings.validation_share, train_settings.seed) for name, seqs in parts.items()}
+        splits = {
+            name: _split(train.prepare(f), train_settings.validation_share, train_settings.seed)
+            for name, f in feats.items()
+        }
+        splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name, (tr, val) in splits.items()}
         train_seqs = [s for tr, _ in splits.values() for s in tr]
         vocab = train.draft_vocabulary(train_seqs, train_settings.vocab, files.config.vocab_size)
         head = train.new_head(local, vocab)

@@ -15,7 +15,6 @@ distribution at every position (`features`), so any text teaches the target's be
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -162,24 +161,31 @@ class Features:
         return sum(int(x.numel()) for x in self.ids)
 
 
+class Extractor:
+    """Our own decoder over all layers: the features the split client's tail hands the head."""
+
+    def __init__(self, files: ModelFiles) -> None:
+        self.stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
+        self.embed = files.read(["model.embed_tokens.weight"], torch.float32)["model.embed_tokens.weight"]
+
+    def __call__(self, sequence: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(sequence), dtype=torch.long)
+        n = ids.numel()
+        cache: KVCache = self.stage.new_cache(n)
+        return self.stage(cache, self.embed[ids], torch.arange(n), Visibility.chain(n), []).clone()
+
+
 def features(
     files: ModelFiles, sequences: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None
 ) -> Features:
-    """Run our own decoder over every sequence: the features the split client's tail hands the head."""
-    cfg = files.config
-    stage = Stage.load(files, 0, cfg.num_layers, torch.float32)
-    embed = files.read(["model.embed_tokens.weight"], torch.float32)["model.embed_tokens.weight"]
-    ids_out, feats = [], []
+    """Token ids and features of every sequence."""
+    extract = Extractor(files)
+    feats = []
     for seq in sequences:
-        ids = torch.tensor(list(seq), dtype=torch.long)
-        n = ids.numel()
-        cache: KVCache = stage.new_cache(n)
-        f = stage(cache, embed[ids], torch.arange(n), Visibility.chain(n), [])
-        ids_out.append(ids)
-        feats.append(f.clone())
+        feats.append(extract(seq))
         if progress:
             progress(1)
-    return Features(ids_out, feats)
+    return Features([torch.tensor(list(s), dtype=torch.long) for s in sequences], feats)
 
 
 def evaluation_prompts(tokenizer: PreTrainedTokenizerBase) -> dict[str, list[list[int]]]:
@@ -227,9 +233,3 @@ def drop_overlapping(
 
 def load_tokenizer(files: ModelFiles) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(files.path)
-
-
-def timed(fn: Callable[[], object]) -> tuple[object, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0

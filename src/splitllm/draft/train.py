@@ -51,7 +51,7 @@ class Sequence_:
 
     ids: torch.Tensor  # (T,)
     feats: torch.Tensor  # (T, d)
-    greedy: torch.Tensor  # (T,) target's greedy token after each position (full vocabulary)
+    greedy: torch.Tensor | None = None  # (T,) target's greedy token after each position (validation only)
 
 
 class Target:
@@ -73,10 +73,10 @@ class Target:
 
 
 def draft_vocabulary(data: Sequence[Sequence_], size: int, vocab_size: int) -> list[int]:
-    """The `size` most frequent target tokens (greedy choices and text tokens), most frequent first."""
+    """The `size` most frequent tokens of the data (mostly the target's own answers), most frequent first,
+    then the lowest unseen ids (a BPE vocabulary lists its common pieces first)."""
     counts: Counter[int] = Counter()
     for s in data:
-        counts.update(s.greedy.tolist())
         counts.update(s.ids.tolist())
     ids = [t for t, _ in counts.most_common(size)]
     seen = set(ids)
@@ -95,17 +95,21 @@ def _visibility(n: int, k: int) -> torch.Tensor:
     return mask[None, None]
 
 
-def unrolled(head: DraftHead, target: Target, batch: Sequence[Sequence_], passes: int) -> list[torch.Tensor]:
+def unrolled(
+    head: DraftHead, target: Target, batch: Sequence[Sequence_], passes: int, greedy: bool = False
+) -> list[torch.Tensor]:
     """Predicted features of every pass, rows of all sequences stacked: [(rows, d)] * passes.
 
     Row t of a sequence of length T (t < T-1) guesses f_{t+1}; pass k's rows t < k have no full chain.
+    Deeper passes take the token x_{t+1} of the data (teacher forcing: the answers are the target's own
+    greedy choices), or with `greedy` the target's greedy token, as greedy drafting meets it.
     """
     layer, rotary = head.stage.layers[0], head.stage.rotary
     cfg = head.cfg
     lens = [int(s.ids.numel()) - 1 for s in batch]
     feats_in = torch.cat([s.feats[:-1] for s in batch])
     tokens = torch.cat([s.ids[1:] for s in batch])
-    greedy_tok = torch.cat([s.greedy[:-1] for s in batch])
+    deep_tokens = torch.cat([s.greedy[:-1] for s in batch]) if greedy else tokens
     rope = [rotary(torch.arange(n), torch.float32) for n in lens]
     kv = [
         (torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim), torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim))
@@ -116,7 +120,7 @@ def unrolled(head: DraftHead, target: Target, batch: Sequence[Sequence_], passes
         if k:
             prev = outs[-1]
             shifted = torch.cat([torch.cat([f[:1], p[:-1]]) for f, p in zip(feats_in.split(lens), prev.split(lens))])
-            x = head.fuse(shifted, target.embed[greedy_tok])
+            x = head.fuse(shifted, target.embed[deep_tokens])
         else:
             x = head.fuse(feats_in, target.embed[tokens])
         segments, bufs, row = [], [], 0
@@ -130,14 +134,12 @@ def unrolled(head: DraftHead, target: Target, batch: Sequence[Sequence_], passes
     return outs
 
 
-def _labels(batch: Sequence[Sequence_], target: Target, rows: torch.Tensor, vocab_index: torch.Tensor):
-    """Per row t: the real f_{t+1}, the target's draft-vocabulary distribution of x_{t+2}, its greedy token
-    as a draft-vocabulary index (-1 when outside the draft vocabulary)."""
+def _labels(batch: Sequence[Sequence_], target: Target, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row t: the real f_{t+1} and the target's draft-vocabulary distribution of x_{t+2}."""
     feats = torch.cat([s.feats[1:] for s in batch])
     with torch.no_grad():
         probs = F.softmax(target.draft_logits(feats, rows), dim=-1)
-    greedy = vocab_index[torch.cat([s.greedy[1:] for s in batch])]
-    return feats, probs, greedy
+    return feats, probs
 
 
 def _valid_rows(batch: Sequence[Sequence_], k: int) -> torch.Tensor:
@@ -157,8 +159,13 @@ def batches(data: Sequence[Sequence_], tokens: int, rng: random.Random) -> list[
     return out + ([cur] if cur else [])
 
 
-def prepare(feats: Features, target: Target) -> list[Sequence_]:
-    return [Sequence_(ids, f, target.greedy(f)) for ids, f in zip(feats.ids, feats.features) if ids.numel() > 2]
+def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
+    """Training sequences; with `target`, also its greedy tokens (a full LM-head pass: validation only)."""
+    return [
+        Sequence_(ids, f, target.greedy(f) if target else None)
+        for ids, f in zip(feats.ids, feats.features)
+        if ids.numel() > 2
+    ]
 
 
 def new_head(local: LocalModel, vocab: Sequence[int]) -> DraftHead:
@@ -193,8 +200,8 @@ def validate(head: DraftHead, target: Target, data: Sequence[Sequence_], depth: 
     reached = [0] * (depth + 1)
     total_accepted = 0
     for batch in batches(data, tokens, random.Random(0)):
-        outs = unrolled(head, target, batch, depth)
-        _, _, greedy = _labels(batch, target, rows, vocab_index)
+        outs = unrolled(head, target, batch, depth, greedy=True)
+        greedy = vocab_index[torch.cat([s.greedy[1:] for s in batch])]  # -1: outside the draft vocabulary
         hits = torch.stack([target.draft_logits(o, rows).argmax(-1) == greedy for o in outs])  # (depth, rows)
         lens = [int(s.ids.numel()) - 1 for s in batch]
         for h in hits.split(lens, dim=1):
@@ -229,7 +236,6 @@ def train(
     """Train in place; returns the loss history. `progress(tokens, loss)` after every step."""
     rng = random.Random(settings.seed)
     torch.manual_seed(settings.seed)
-    vocab_index = _vocab_index(head, target)
     rows = target.lm_head[head.vocab]
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -243,7 +249,7 @@ def train(
     head.train()
     for epoch in plan:
         for batch in epoch:
-            feats, probs, _ = _labels(batch, target, rows, vocab_index)
+            feats, probs = _labels(batch, target, rows)
             outs = unrolled(head, target, batch, settings.passes)
             loss = torch.zeros(())
             for k, pred in enumerate(outs):
