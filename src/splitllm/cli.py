@@ -513,7 +513,7 @@ def draft_train(
     passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 2,
     seed: int = 0,
     work: Annotated[Optional[str], typer.Option(help="folder caching answers and features [default: under the cache]")] = None,
-    threads: Annotated[int, typer.Option(help="compute threads")] = 2,
+    threads: Annotated[int, typer.Option(help="compute threads")] = 1,
 ) -> None:
     """Train an EAGLE-style draft head on the model's own answers and features; write weights and metadata."""
     from splitllm.draft.build import DataSettings, build_head

@@ -31,7 +31,7 @@ class DataSettings:
     max_new_tokens: int = 160
     texts: int = 48  # passages of standard-library prose and code
     text_length: int = 256
-    generate_batch: int = 64
+    generate_batch: int = 32
     seed: int = 0
 
 

@@ -35,10 +35,11 @@ class TrainSettings:
     vocab: int = 8192  # draft vocabulary: the most frequent target tokens of the data
     epochs: int = 2
     passes: int = 2  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
-    batch_tokens: int = 2048
+    batch_tokens: int = 512
     lr: float = 1e-3
     feature_weight: float = 1.0
-    token_weight: float = 0.3
+    token_weight: float = 1.0
+    scale_features: bool = True  # feature loss on features divided by their RMS over the data
     pass_decay: float = 0.8  # loss weight of pass k is decay**k
     validation_share: float = 0.06
     validation_depth: int = 5
@@ -220,6 +221,12 @@ def validate(head: DraftHead, target: Target, data: Sequence[Sequence_], depth: 
     return Validation(acceptance, reached, total_accepted / max(reached[0], 1), reached[0])
 
 
+def feature_rms(data: Sequence[Sequence_]) -> float:
+    """Root mean square of the target's features: their scale (tens, with outlier dimensions in the thousands)."""
+    total = sum(float(s.feats.pow(2).sum()) for s in data)
+    return math.sqrt(total / max(sum(s.feats.numel() for s in data), 1))
+
+
 def _vocab_index(head: DraftHead, target: Target) -> torch.Tensor:
     index = torch.full((target.lm_head.shape[0],), -1, dtype=torch.long)
     index[head.vocab] = torch.arange(head.vocab.numel())
@@ -237,6 +244,7 @@ def train(
     rng = random.Random(settings.seed)
     torch.manual_seed(settings.seed)
     rows = target.lm_head[head.vocab]
+    scale = feature_rms(data) if settings.scale_features else 1.0
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
     plan = [batches(data, settings.batch_tokens, rng) for _ in range(settings.epochs)]
@@ -254,7 +262,7 @@ def train(
             loss = torch.zeros(())
             for k, pred in enumerate(outs):
                 ok = _valid_rows(batch, k)
-                feat_loss = F.smooth_l1_loss(pred[ok], feats[ok])
+                feat_loss = F.smooth_l1_loss(pred[ok] / scale, feats[ok] / scale)
                 logp = F.log_softmax(target.draft_logits(pred[ok], rows), dim=-1)
                 token_loss = -(probs[ok] * logp).sum(-1).mean()
                 w = settings.pass_decay**k
