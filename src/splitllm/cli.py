@@ -503,5 +503,44 @@ def privacy_audit(
     typer.echo(f"wrote {out}/report.json, report.md, leakage.png", err=True)
 
 
+draft_app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train a draft head for a model.")
+app.add_typer(draft_app, name="draft")
+
+
+@draft_app.command("train")
+def draft_train(
+    out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
+    model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
+    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
+    texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 48,
+    vocab: Annotated[int, typer.Option(help="draft vocabulary: the most frequent target tokens")] = 8192,
+    epochs: Annotated[int, typer.Option(help="passes over the training data")] = 2,
+    passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 2,
+    seed: int = 0,
+    work: Annotated[Optional[str], typer.Option(help="folder caching answers and features [default: under the cache]")] = None,
+    threads: Annotated[int, typer.Option(help="compute threads")] = 1,
+) -> None:
+    """Train an EAGLE-style draft head on the model's own answers and features; write weights and metadata."""
+    from splitllm.draft.build import DataSettings, build_head
+    from splitllm.draft.train import TrainSettings
+
+    _threads(threads)
+    try:
+        meta = build_head(
+            model,
+            out,
+            DataSettings(prompts=prompts, max_new_tokens=max_new_tokens, texts=texts, seed=seed),
+            TrainSettings(vocab=vocab, epochs=epochs, passes=passes, seed=seed),
+            work=work,
+            command=["splitllm", *sys.argv[1:]],
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({k: meta[k] for k in ("validation", "seconds", "size_bytes")}, indent=1))
+    typer.echo(f"wrote {out}/head.safetensors and head.json", err=True)
+
+
 if __name__ == "__main__":
     app()
