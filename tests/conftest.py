@@ -93,6 +93,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def vocab16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with 16 tokens (max position 64), peaked enough that speculative candidates are
+    accepted often and rejected often, even a random draft head's."""
+    cfg = LlamaConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=3, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder: Path = tmp_path_factory.mktemp("vocab16")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def default_files() -> ModelFiles:
     return ModelFiles(None)
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 from conftest import random_head
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
@@ -103,18 +102,9 @@ def test_acceptance_rule_reproduces_the_distribution() -> None:
 
 
 @pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalModel, Stage]:
-    """A tiny Llama with 16 tokens in float64, split 1 + 1 + 1, peaked enough that candidates are
-    accepted often and rejected often."""
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=3, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder: Path = tmp_path_factory.mktemp("small-vocab")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    files = ModelFiles(str(folder))
+def small_vocab(vocab16_model: Path) -> tuple[LocalModel, Stage]:
+    """The 16-token Llama in float64, split 1 + 1 + 1."""
+    files = ModelFiles(str(vocab16_model))
     return LocalModel(files, 1, 1, torch.float64), Stage.load(files, 1, 2, torch.float64)
 
 

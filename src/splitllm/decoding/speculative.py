@@ -88,9 +88,11 @@ def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
 class SpeculativeDecoder:
     """A decoder (see `DECODERS`) drafting with the proposers of `mode`, sized by `policy` each step.
 
-    Modes with the draft head (`draft`, and `auto` when the model has a head) size steps with
-    `head_policy` instead. `proposers` overrides the mode's n-gram proposer factory; a
-    `LookaheadWindow` among them gets its Jacobi window into every step.
+    Steps that draft with the head size themselves with `head_policy` instead: always in `draft`
+    mode (a static budget by default), and in `auto` when it is given one and the model has a head
+    (`SpeculativeDecoder("auto")` alone keeps to n-gram sources, as the budget sweep needs).
+    `proposers` overrides the mode's n-gram proposer factory; a `LookaheadWindow` among them gets
+    its Jacobi window into every step.
     """
 
     def __init__(
@@ -105,7 +107,7 @@ class SpeculativeDecoder:
         self.mode = mode
         self.custom = proposers
         self.policy = policy or StaticPolicy(DEFAULT_BUDGETS[mode])
-        self.head_policy = head_policy or StaticPolicy(DEFAULT_BUDGETS["draft"])
+        self.head_policy = head_policy or (StaticPolicy(DEFAULT_BUDGETS["draft"]) if mode == "draft" else None)
 
     def sources(self, head: DraftHead | None) -> tuple[str, ...]:
         """What drafts in this mode for a model with (or without) a draft head."""
@@ -134,11 +136,11 @@ class SpeculativeDecoder:
         """
         sampler = sampler or Sampler(history=prompt)
         history = sampler.history
-        head = pipeline.local.draft_head if self.mode in ("auto", "draft") else None
+        head = pipeline.local.draft_head if self.head_policy is not None else None
         sources = self.sources(head)
         proposers = self.custom() if self.custom else ngram_proposers(sources)
         drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context) if head and "draft" in sources else None
-        policy = self.head_policy if drafter else self.policy
+        policy = self.head_policy if drafter and self.head_policy else self.policy
         window = next((p for p in proposers if isinstance(p, LookaheadWindow)), None)
         calibration = Calibration()
         chain, keep = list(prompt), list(keep)
