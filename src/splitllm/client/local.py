@@ -58,8 +58,9 @@ class LocalModel:
     @cached_property
     def draft_head(self) -> DraftHead | None:
         """The draft head of `draft_head_path`, else the one shipped for this model, else None (drafting
-        then uses n-gram sources only). Loaded on first use; assign to swap it."""
-        return load_head(self.files, self.draft_head_path)
+        then uses n-gram sources only). Loaded on first use; assign to swap it. It runs in bfloat16:
+        half the drafting time of float32 on this CPU, and drafts are only ever verified."""
+        return load_head(self.files, self.draft_head_path, torch.bfloat16)
 
     def new_caches(self, max_context: int) -> LocalCaches:
         return LocalCaches(self.head.new_cache(max_context), self.tail.new_cache(max_context) if self.tail else None)
