@@ -61,8 +61,8 @@ def test_chat_completion_matches_the_client(api: openai.OpenAI, split_client: Sp
     assert reply.usage.prompt_tokens == len(ref.prompt_ids) and reply.usage.completion_tokens == len(ref.ids)
     assert reply.usage.total_tokens == len(ref.prompt_ids) + len(ref.ids)
     ext = reply.model_extra["splitllm"]
-    assert ext["decode"] == "sequential" and ext["tokens_per_step"] == 1.0 and ext["tokens_per_second"] > 0
-    assert ext["steps"] == len(ref.ids) and ext["mean_step"]["round_trip_ms"] > 0
+    assert ext["decode"] == "auto" and ext["tokens_per_step"] >= 1.0 and ext["tokens_per_second"] > 0
+    assert ext["steps"] <= len(ref.ids) and ext["mean_step"]["round_trip_ms"] > 0
 
 
 def test_chat_streaming_equals_non_streaming(api: openai.OpenAI) -> None:

@@ -141,7 +141,7 @@ def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler) -> t
     samples, tokens, steps = [], 0, 0
     for seed in range(SAMPLES):
         sampler = sampler_class(replace(PARAMS, seed=seed), PROMPT)
-        out = list(DECODERS[mode](_pipeline(model), PROMPT, 2, frozenset(), sampler=sampler))
+        out = list(DECODERS[mode]()(_pipeline(model), PROMPT, 2, frozenset(), sampler=sampler))
         ids = [t for o in out for t in o.tokens][:2]
         samples.append(tuple(ids))
         tokens, steps = tokens + len(ids), steps + len(out)

@@ -256,7 +256,7 @@ def test_concurrent_sessions_do_not_interfere(default_url) -> None:
         "What is the boiling point of water?",
     ]
     prompts = [client.encode_prompt(t) for t in texts]  # token ids: the threads share no tokenizer state
-    solo = [client.generate(p, 20).ids for p in prompts]
+    solo = [client.generate(p, 20, "sequential").ids for p in prompts]
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(prompts))
@@ -264,7 +264,7 @@ def test_concurrent_sessions_do_not_interfere(default_url) -> None:
     def run(i: int) -> None:
         try:
             barrier.wait()
-            results[i] = client.generate(prompts[i], 20).ids
+            results[i] = client.generate(prompts[i], 20, "sequential").ids
         except BaseException as exc:  # surfaced below: a thread's failure must fail the test
             errors.append(exc)
 

@@ -43,6 +43,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.launch import ServerProcess, free_port
 from splitllm.stats import StepStats
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
@@ -339,7 +340,7 @@ def run_load(
     progress: Progress = print,
 ) -> dict[str, Any]:
     """Every server kind at every client count; writes load.json, load.md and load.png into `out`."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     s = settings
     client = SplitClient(
         None, None, s.head, s.tail, s.wire_dtype, s.context, connection=ConnectionOptions(deadline_s=120.0)

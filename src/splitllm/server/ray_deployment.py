@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings, create_app
 from splitllm.server.auth import TokenTable
 from splitllm.server.logs import configure
 from splitllm.server.transport import TlsFiles
+from splitllm.threads import set_compute_threads
 
 try:
     import ray
@@ -55,7 +55,7 @@ class MiddleReplica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         configure(spec.log_format)
-        torch.set_num_threads(spec.threads)
+        set_compute_threads(spec.threads)
         tokens = TokenTable.load(spec.tokens_file) if spec.tokens_file else None
         settings = fit_to_proxy(spec.settings, ModelFiles(spec.model).config.hidden_size)
         self.server = MiddleServer(spec.model, settings, tokens)
