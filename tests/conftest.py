@@ -142,7 +142,7 @@ def server() -> Iterator[Callable[..., ServerThread]]:
         def start(model: str | Path | None, head: int, tail: int, **settings: object) -> ServerThread:
             key = (_folder(model), head, tail, tuple(sorted(settings.items())))
             if key not in started:
-                middle = MiddleServer(str(key[0]), ServerSettings(head, tail, **settings))
+                middle = MiddleServer(str(key[0]), ServerSettings(head=head, tail=tail, **settings))
                 started[key] = stack.enter_context(ServerThread(middle))
             return started[key]
 

@@ -145,7 +145,9 @@ class _Netem:
 
     def __init__(self, target_port: int, rtt_ms: float) -> None:
         self.port = free_port()
-        args = ["netem", "--listen", str(self.port), "--target", f"127.0.0.1:{target_port}", "--rtt", str(rtt_ms)]
+        args = [
+            "netem", "--listen", f"127.0.0.1:{self.port}", "--target", f"127.0.0.1:{target_port}", "--rtt-ms", str(rtt_ms)
+        ]
         self.proc = subprocess.Popen([sys.executable, "-m", "splitllm.cli", *args], stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "listening" not in line:
