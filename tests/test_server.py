@@ -242,6 +242,25 @@ def test_a_session_dies_with_its_connection_only(default_url, default_files) -> 
         assert ok.header["op"] == "result"
 
 
+def test_a_text_frame_closes_that_connection_with_a_reason(default_url, default_files) -> None:
+    from websockets.exceptions import ConnectionClosed
+
+    with RawClient(default_url) as keeper:
+        kept = keeper.request(_open_header(default_files)).header["session"]
+        with RawClient(default_url) as texter:
+            texter.ws.send("not a frame")
+            with pytest.raises(ConnectionClosed) as closed:
+                texter.ws.recv(timeout=30)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1003
+        ok = keeper.request({"op": "step", "session": kept, "positions": [0], "keep": []}, torch.zeros(1, HIDDEN))
+        assert ok.header["op"] == "result"
+
+
+def test_server_settings_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        ServerSettings(2, 2)  # type: ignore[misc]
+
+
 # --- concurrency ----------------------------------------------------------------------------------------
 
 

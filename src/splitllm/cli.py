@@ -437,6 +437,18 @@ def bench_runtime(
 # --- end bench runtime ---
 
 
+@bench_app.command("streaming")
+def bench_streaming(
+    max_new_tokens: Annotated[int, typer.Option(help="length of the answer streamed")] = 2000,
+    window: Annotated[int, typer.Option(help="steps compared at each end")] = 100,
+    out: Annotated[str, typer.Option(help="folder for streaming.json and streaming.md")] = "results",
+) -> None:
+    """The client's per-step bookkeeping (stop strings, detokenizing) at the first and last tokens of a long answer."""
+    from splitllm.bench.streaming import run_streaming
+
+    typer.echo(run_streaming(out, max_new_tokens, window)["markdown"])
+
+
 @bench_app.command("sweep")
 def bench_sweep(
     out: Annotated[str, typer.Option(help="folder for steps.json, sweep.json, sweep.md and the plots")] = "results/sweep",

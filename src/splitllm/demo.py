@@ -51,9 +51,9 @@ def run_demo(
 
 def _table(runs: dict[str, Generation], rtt_ms: float) -> Table:
     """Per-step means of each run, side by side."""
-    table = Table(title=f"the same answer over a {rtt_ms:.0f} ms link: means over the decode steps")
-    for column in ("mode", "tok/s", "tok/round trip", "steps", "step ms", "client ms", "network ms", "server ms"):
-        table.add_column(column, justify="right")
+    table = Table(title=f"the same answer over a {rtt_ms:.0f} ms link (per decode step: mean ms)")
+    for column in ("mode", "tok/s", "tok/step", "steps", "step", "client", "network", "server"):
+        table.add_column(column, justify="right", no_wrap=True)
     for mode, gen in runs.items():
         m = gen.summary()["mean_step"]
         table.add_row(
