@@ -120,7 +120,7 @@ def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
 
 
 def _options(certs: Path, principal: str | None = None, **kw: object) -> ConnectionOptions:
-    return ConnectionOptions(TOKENS.get(principal or ""), str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
+    return ConnectionOptions(token=TOKENS.get(principal or ""), ca_file=str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
 
 
 def _middle(thread: ServerThread, options: ConnectionOptions | None = None, context: int = CONTEXT) -> RemoteMiddle:
@@ -144,8 +144,8 @@ def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server
 
 def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ssl.SSLCertVerificationError):
-        _middle(secure, ConnectionOptions(TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
-    insecure = _middle(secure, ConnectionOptions(TOKENS["alice"], insecure=True))  # encrypted, unverified
+        _middle(secure, ConnectionOptions(token=TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
+    insecure = _middle(secure, ConnectionOptions(token=TOKENS["alice"], insecure=True))  # encrypted, unverified
     insecure.close()
 
 
@@ -169,7 +169,7 @@ def test_refused_handshakes_do_no_model_work(secure, certs) -> None:  # type: ig
     refused = _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated")
     for token in (None, "wrong-token", TOKENS["alice"] + "x", f"alice:{TOKENS['alice']}"):
         with pytest.raises(AuthenticationError, match="authentication failed") as info:
-            _middle(secure, ConnectionOptions(token, str(certs / "ca.pem"), deadline_s=30.0))
+            _middle(secure, ConnectionOptions(token=token, ca_file=str(certs / "ca.pem"), deadline_s=30.0))
         assert info.value.code == "unauthenticated" and not info.value.retryable
     assert {n: _sample(secure, n) for n in before} == before
     assert _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated") == refused + 4
@@ -276,7 +276,7 @@ def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_
     layers = (HEAD, files.config.num_layers - TAIL)
     settings = ServerSettings(head=HEAD, tail=TAIL, max_sessions=3, max_sessions_per_principal=2)
     with ServerThread(MiddleServer(tiny, settings, TokenTable.load(token_file))) as thread:
-        clients = {p: RawClient(thread.url, ConnectionOptions(TOKENS[p])) for p in TOKENS}
+        clients = {p: RawClient(thread.url, ConnectionOptions(token=TOKENS[p])) for p in TOKENS}
         try:
             a1, a2 = (clients["alice"].open(files, layers).header["session"] for _ in range(2))
             third = clients["alice"].open(files, layers).header

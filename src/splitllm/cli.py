@@ -133,8 +133,8 @@ def _client(
 
     _threads(threads)
     options = ConnectionOptions(
-        read_token(token_file), ca, insecure, client_cert, client_key, tuple(fallback or ()),
-        deadline_s=reconnect_deadline_s,
+        token=read_token(token_file), ca_file=ca, insecure=insecure, client_cert=client_cert, client_key=client_key,
+        fallbacks=tuple(fallback or ()), deadline_s=reconnect_deadline_s,
     )
     return SplitClient(model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype), connection=options)
 
@@ -268,7 +268,9 @@ def _serve_on_ray(
     except ImportError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    spec = ray_deployment.ReplicaSpec(model, settings, tokens_file, threads, log_format)
+    spec = ray_deployment.ReplicaSpec(
+        model=model, settings=settings, tokens_file=tokens_file, threads=threads, log_format=log_format
+    )
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a terminated server still stops its Ray cluster
     try:
         ray_deployment.start(spec, replicas, host, port, address, tls)
@@ -552,7 +554,10 @@ def bench_load(
             raise typer.BadParameter("--ray-replicas needs Ray Serve: pip install 'splitllm[ray]'") from None
     on = max(windows, default=2.0) or 2.0
     kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
-    settings = LoadSettings(max_new_tokens, rtt_ms, prompts, max_context, max_kv_gib, clients_compute=clients_compute)
+    settings = LoadSettings(
+        max_new_tokens=max_new_tokens, rtt_ms=rtt_ms, prompts=prompts, context=max_context, max_kv_gib=max_kv_gib,
+        clients_compute=clients_compute,
+    )
     result = run_load(counts, kinds, settings, out, shlex.join(["splitllm", *sys.argv[1:]]),
                       progress=lambda line: typer.echo(line, err=True))
     typer.echo(Path(out, "load.md").read_text())

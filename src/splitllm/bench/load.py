@@ -218,7 +218,7 @@ class ServerKind:
         return ["--batch-window-ms", str(self.batch_window_ms), *extra]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadSettings:
     max_new_tokens: int = 32
     rtt_ms: float = 80.0

@@ -38,7 +38,7 @@ PROXY_MAX_FRAME = 16 << 20  # Ray's HTTP proxy (uvicorn, default ws_max_size) dr
 _FRAME_SLACK = 1 << 16  # room for a step's header, visibility and ids next to its hidden states
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaSpec:
     """What every replica runs: the model split, its limits and its compute threads."""
 
@@ -111,7 +111,10 @@ def app_builder(args: dict[str, str]) -> Any:
         max_sessions=int(args.get("max_sessions", ServerSettings.max_sessions)),
         batch_window_ms=float(args.get("batch_window_ms", ServerSettings.batch_window_ms)),
     )
-    spec = ReplicaSpec(args.get("model", "default"), settings, args.get("auth_token_file"), int(args.get("threads", 1)))
+    spec = ReplicaSpec(
+        model=args.get("model", "default"), settings=settings, tokens_file=args.get("auth_token_file"),
+        threads=int(args.get("threads", 1)),
+    )
     return application(spec, int(args.get("replicas", 1)))
 
 
