@@ -495,10 +495,14 @@ def bench_speculation(
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
-    from splitllm.bench.speculation import run_speculation
+    from splitllm.bench.speculation import EXTRA_DECODERS, run_speculation
 
+    modes = tuple(m.strip() for m in decode.split(",") if m.strip())
+    unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
+    if unknown:
+        raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
     result = run_speculation(
-        prompts_per_category, max_new_tokens, rtt_ms, tuple(m.strip() for m in decode.split(",") if m.strip()), out,
+        prompts_per_category, max_new_tokens, rtt_ms, modes, out,
         progress=lambda line: typer.echo(line, err=True), sampling=sampling,
     )
     typer.echo(result["markdown"])
