@@ -203,11 +203,11 @@ def test_default_model_decodes_through_cut_connections(default_client, server) -
     client = default_client
     prompt = "List three fruits."
     client.server, client.connection = target.url, ConnectionOptions(deadline_s=30.0)
-    expected = client.generate(prompt, 24).ids
+    expected = client.generate(prompt, 24, "sequential").ids
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=20)) as proxy:
         client.server = f"ws://127.0.0.1:{proxy.port}"
-        with _Chaos(proxy, seed=11, gap_s=(0.5, 1.0)) as chaos:
-            got = client.generate(prompt, 24).ids
+        with _Chaos(proxy, seed=11, gap_s=(0.5, 1.0)) as chaos:  # small steps: each fits between two cuts
+            got = client.generate(prompt, 24, "sequential").ids
     assert got == expected and chaos.drops > 0
 
 
