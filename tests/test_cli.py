@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -49,3 +51,10 @@ def test_every_new_spelling_is_an_option_of_its_command() -> None:
             continue
         hidden = new in ("--quiet-deadline-min",)
         assert hidden or new in _help(list(path)), (path, new)
+
+
+def test_the_entry_point_upgrades_old_spellings() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "splitllm.cli", "netem", "--rtt", "5", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0 and "--rtt is deprecated; use --rtt-ms" in run.stderr and "--listen" in run.stdout

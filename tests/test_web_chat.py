@@ -1,6 +1,6 @@
 """The local web chat in a real headless Chromium (the distribution's package, driven by Selenium):
-the page streams an answer over a live split that equals the API's answer, and its chart follows
-the steps. The screenshot lands in results/web_chat.png."""
+the page streams an answer over a live split (behind an emulated WAN link) that equals the API's
+answer, its chart follows the steps, and the decoding mode menu switches modes. The screenshot lands in results/web_chat.png."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from splitllm.api.openai import create_app
 from splitllm.client.session import SplitClient
+from splitllm.netem import LinkProfile, ProxyThread
 
 pytestmark = pytest.mark.slow
 QUESTION = "Name three colors."
@@ -35,9 +36,12 @@ def _chromium() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def chat_url(server) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    client = SplitClient(None, server(None, 2, 2).url, head=2, tail=2)
-    with serve_http(create_app(client, "splitllm-test")) as url:
-        yield url
+    """The endpoint with its client behind an emulated 40 ms link to a real server."""
+    target = server(None, 2, 2)
+    with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=40)) as proxy:
+        client = SplitClient(None, f"ws://127.0.0.1:{proxy.port}", head=2, tail=2)
+        with serve_http(create_app(client, "splitllm-test")) as url:
+            yield url
 
 
 @pytest.fixture(scope="module")
@@ -84,5 +88,21 @@ def test_page_streams_the_apis_answer_and_charts_its_steps(chat_url: str, browse
     assert float(browser.find_element(By.ID, "tpr").text) >= 1
     assert "tok/s" in answer.text
 
+    # A second turn in another mode: the page sends the whole conversation, as an API client would.
+    follow = "And three animals?"
+    history = [*body["messages"], {"role": "assistant", "content": expected}, {"role": "user", "content": follow}]
+    second = httpx.post(
+        f"{chat_url}/v1/chat/completions", json={**body, "messages": history, "decode": "sequential"}, timeout=120
+    ).json()["choices"][0]["message"]["content"]
+    Select(browser.find_element(By.ID, "decode")).select_by_visible_text("sequential")
+    browser.find_element(By.ID, "prompt").send_keys(follow)
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done='true']")) == 2)
+    texts = browser.execute_script("return [...document.querySelectorAll('.msg.assistant .text')].map(e => e.textContent)")
+    assert texts == [expected, second]
+    assert "sequential" in browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[1].text
+    assert float(browser.find_element(By.ID, "tpr").text) == 1.0  # one token per round trip, as sequential must
+
     SCREENSHOT.parent.mkdir(exist_ok=True)
+    browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[0].click()  # the panel shows the auto answer again
     browser.save_screenshot(str(SCREENSHOT))

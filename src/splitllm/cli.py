@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Split LLM in
 _DTYPES = {"float32", "bfloat16"}
 # `--decode`: the registry's modes, listed in --help and checked before anything loads.
 DecodeMode = Literal[tuple(DECODERS)]  # type: ignore[valid-type]
-_DECODE = typer.Option(help="decoding mode")
+_DECODE = typer.Option(help="decoding mode: auto sizes speculation for the link; greedy output is the same in all")
 
 # Spellings of an earlier release, still accepted with a notice: (command path, old) -> new option,
 # or None for an option that is ignored now. Value conversions are done by the commands themselves.
