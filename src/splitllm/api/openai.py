@@ -13,8 +13,8 @@ import asyncio
 import json
 import time
 import uuid
-from importlib import resources
 from collections.abc import AsyncIterator, Iterator
+from importlib import resources
 from typing import Any, Literal
 
 import anyio

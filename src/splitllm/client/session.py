@@ -212,7 +212,9 @@ class Conversation:
         self.ids.extend(gen.prompt_ids)
         sampler = Sampler(sampling or SamplingParams(), self.ids)
         if isinstance(decode, str):
-            decode = self._decoders.setdefault(decode, DECODERS[decode]())
+            if decode not in self._decoders:
+                self._decoders[decode] = DECODERS[decode]()
+            decode = self._decoders[decode]
         decoder = decode(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
         pipeline.take_score_ms()
         t0 = last = time.perf_counter()
