@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 
 from splitllm.bench.exactness import first_difference, top2_gap
 from splitllm.bench.workload import CATEGORIES, workload
@@ -23,6 +22,7 @@ from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.launch import ServerProcess
 from splitllm.model.stage import Stage
 from splitllm.netem import LinkProfile, ProxyThread
+from splitllm.threads import set_compute_threads
 
 MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
@@ -201,7 +201,7 @@ def run_speculation(
     """
     if "sequential" not in modes:
         modes = ("sequential", *modes)
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, draft_head=draft_head)
     if client.local.draft_head is None and "draft" in modes:
         progress("no draft head for this model: the draft mode is left out")

@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from splitllm.client.local import LocalModel
 from splitllm.decoding.policy import SpecBudget
 from splitllm.decoding.proposers import Draft
 from splitllm.draft.model import DraftHead
@@ -30,6 +30,21 @@ from splitllm.draft.model import DraftHead
 BINS = 10
 MIN_SCORE = 0.01  # nodes less likely than this are not expanded when no link cost says otherwise
 PRIOR_WEIGHT = 4.0
+
+
+class ClientLayers(Protocol):
+    """What the head drafts with besides itself: the client's embedding, final norm and LM head
+    (the client's `LocalModel`), and the head shipped or trained for the model, if any."""
+
+    dtype: torch.dtype
+    lm_head: torch.Tensor
+
+    @property
+    def draft_head(self) -> DraftHead | None: ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class BinnedCalibration:
@@ -73,7 +88,7 @@ class DraftHeadProposer:
 
     name = "draft"
 
-    def __init__(self, head: DraftHead, local: LocalModel, max_context: int, top_k: int = 6, beam: int = 4) -> None:
+    def __init__(self, head: DraftHead, local: ClientLayers, max_context: int, top_k: int = 6, beam: int = 4) -> None:
         self.head, self.local, self.top_k, self.beam = head, local, top_k, beam
         self.cache = head.new_cache(max_context + 32 * beam)
         self.rows = local.lm_head[head.vocab].to(torch.bfloat16)  # guesses only: 4x faster than float32 here
