@@ -34,6 +34,12 @@ class DataSettings:
     generate_batch: int = 32
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.prompts < 0 or self.texts < 0 or self.prompts + self.texts == 0:
+            raise ValueError("training needs some data: --prompts and --texts must be >= 0, not both 0")
+        if self.max_new_tokens < 1 or self.text_length < 16 or self.generate_batch < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
+
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
