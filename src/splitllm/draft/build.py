@@ -34,6 +34,12 @@ class DataSettings:
     generate_batch: int = 32
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.prompts < 0 or self.texts < 0 or self.prompts + self.texts == 0:
+            raise ValueError("training needs some data: --prompts and --texts must be >= 0, not both 0")
+        if self.max_new_tokens < 1 or self.text_length < 16 or self.generate_batch < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
+
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
@@ -60,23 +66,29 @@ class _Bar:
         self.progress.update(task, completed=total)
 
 
-def _answers(files: ModelFiles, tok, settings: DataSettings, work: Path, bar: _Bar) -> list[list[int]]:
-    """The target's answers, reusing a cached run over the same prompts (a longer one's prefix counts)."""
+def _answers(files: ModelFiles, tok, settings: DataSettings, work: Path, bar: _Bar) -> tuple[list[list[int]], float]:
+    """The target's answers, reusing a cached run over the same prompts (a longer one's prefix counts).
+
+    The work folder keeps what each answering run cost (`seconds`), so a head built from cached answers
+    still reports it."""
     prompts = data.build_prompts(settings.prompts, settings.seed)
     path = work / f"answers-{_digest([files.fingerprint, settings.max_new_tokens, settings.seed])}.json"
-    cached = json.loads(path.read_text()) if path.is_file() else {"prompts": [], "sequences": []}
+    cached = json.loads(path.read_text()) if path.is_file() else {"prompts": [], "sequences": [], "seconds": 0.0}
     n = len(cached["sequences"])
     if cached["prompts"][:n] == prompts[:n] and n >= len(prompts):
-        return cached["sequences"][: len(prompts)]
+        return cached["sequences"][: len(prompts)], cached.get("seconds", 0.0) * len(prompts) / max(n, 1)
     done = cached["sequences"] if cached["prompts"][:n] == prompts[:n] else []
+    seconds = cached.get("seconds", 0.0) if done else 0.0
     with bar.phase("answering prompts", len(prompts)) as advance:
         advance(len(done))
         for i in range(len(done), len(prompts), settings.generate_batch):
+            t0 = time.perf_counter()
             chunk = prompts[i : i + settings.generate_batch]
             done += data.generate_answers(files, tok, chunk, settings.max_new_tokens, len(chunk))
-            path.write_text(json.dumps({"prompts": prompts[: len(done)], "sequences": done}))
+            seconds += time.perf_counter() - t0
+            path.write_text(json.dumps({"prompts": prompts[: len(done)], "sequences": done, "seconds": seconds}))
             advance(len(chunk))
-    return done
+    return done, seconds
 
 
 def _features(files: ModelFiles, sequences: list[list[int]], work: Path, bar: _Bar, name: str) -> data.Features:
@@ -119,7 +131,7 @@ def build_head(
     with Progress(*columns, disable=not show_progress) as progress:
         bar = _Bar(progress)
         t0 = time.perf_counter()
-        answers = _answers(files, tok, data_settings, work, bar)
+        answers, answer_seconds = _answers(files, tok, data_settings, work, bar)
         texts = data.text_sequences(tok, data_settings.texts, data_settings.text_length)
         evaluation = data.evaluation_prompts(tok)
         answers, overlap_a = data.drop_overlapping(answers, evaluation)
@@ -185,6 +197,7 @@ def build_head(
         "validation": validation,
         "training": history,
         "seconds": {
+            "answering": round(answer_seconds, 1),  # when the work folder's answers were generated
             "data": round(t1 - t0, 1),
             "features": round(t2 - t1, 1),
             "training": round(t3 - t2, 1),

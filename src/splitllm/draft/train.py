@@ -45,6 +45,13 @@ class TrainSettings:
     validation_depth: int = 5
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("vocab", "epochs", "passes", "batch_tokens", "validation_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.validation_share < 1:
+            raise ValueError("the validation share must lie in [0, 1)")
+
 
 @dataclass
 class Sequence_:
