@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from splitllm.decoding.calibration import Calibration
-from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, SpecBudget, StaticPolicy
+from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, NodeCost, SpecBudget, StaticPolicy
 from splitllm.decoding.proposers import Proposer
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
@@ -85,6 +85,34 @@ def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
     return replace(budget, window=w, levels=n)
 
 
+class DraftGate:
+    """Whether growing the head's tree pays for itself: drafting sits on the client's critical path.
+
+    A step that drafts spends `draft_ms` to gain the tokens only the head proposed; each is worth
+    the step time per token (`NodeCost.step_ms` over the tokens a step yields). Both sides are
+    running averages of the steps that drafted; every `EXPLORE`-th step drafts anyway, so a head
+    that starts paying (a text it knows) gets its trees back. The head's cache stays in step either way.
+    """
+
+    EXPLORE = 8
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.gain = 0.5  # tokens per drafting step only the head proposed (a prior worth one try)
+        self.ms = 0.0  # drafting time per drafting step
+        self.tokens = 1.0  # tokens per step
+
+    def worth(self, cost: NodeCost, step: int) -> bool:
+        return step % self.EXPLORE == 0 or self.gain * cost.step_ms / self.tokens >= self.ms
+
+    def observe(self, stats: StepStats, drafted: bool) -> None:
+        d = self.decay
+        self.tokens = d * self.tokens + (1 - d) * stats.accepted
+        if drafted:
+            self.gain = d * self.gain + (1 - d) * stats.sources.get("draft", 0)
+            self.ms = d * self.ms + (1 - d) * stats.draft_ms
+
+
 class SpeculativeDecoder:
     """A decoder (see `DECODERS`) drafting with the proposers of `mode`, sized by `policy` each step.
 
@@ -142,6 +170,7 @@ class SpeculativeDecoder:
         drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context) if head and "draft" in sources else None
         policy = self.head_policy if drafter and self.head_policy else self.policy
         window = next((p for p in proposers if isinstance(p, LookaheadWindow)), None)
+        gate = DraftGate()
         calibration = Calibration()
         chain, keep = list(prompt), list(keep)
         start = pipeline.committed + len(keep)
@@ -155,7 +184,8 @@ class SpeculativeDecoder:
             drafts = [d for p in proposers for d in p.propose(history, budget)]
             calibration.track(drafts, len(history))
             if drafter is not None:
-                drafts += drafter.propose(history, budget)
+                grow = budget.cost is None or gate.worth(budget.cost, len(steps))
+                drafts += drafter.propose(history, budget if grow else replace(budget, max_nodes=0))
             tree = DraftTree.build(
                 drafts, min(budget.max_nodes, room), budget.depth, [calibration.rates(d) for d in drafts], budget.cost
             )
@@ -179,6 +209,7 @@ class SpeculativeDecoder:
             if drafter is not None:
                 drafter.observe(start, hidden[keep])
                 stats.draft_ms = drafter.take_draft_ms()
+                gate.observe(stats, grow)
             stats.accepted = len(verdict.tokens)
             stats.drafted = len(tree)
             stats.window = len(layout.tokens) if layout else 0
