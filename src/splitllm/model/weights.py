@@ -7,6 +7,7 @@ read safetensors and each side maps only the tensors it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -106,11 +107,20 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
     raise FileNotFoundError(f"model {spec!s} is neither an HF folder nor a .gguf file")
 
 
+def source_files(spec: str | os.PathLike | None) -> tuple[Path, ...]:
+    """The file a converted model came from (a .gguf), or () when the model is read as given."""
+    if spec is None or str(spec) == DEFAULT_MODEL:
+        return (default_gguf_path(),)
+    path = Path(spec).expanduser()
+    return (path,) if path.is_file() and path.suffix == ".gguf" else ()
+
+
 class ModelFiles:
     """An HF model folder: config, fingerprint, and per-tensor reads that touch only what is asked."""
 
     def __init__(self, spec: str | os.PathLike | None) -> None:
         self.path = resolve_model(spec)
+        self.source = source_files(spec)
 
     @cached_property
     def hf_config(self) -> PretrainedConfig:
@@ -137,10 +147,17 @@ class ModelFiles:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Identity of the exact weights: both sides compute it without loading each other's tensors."""
-        h = hashlib.sha256(json.dumps(self.hf_config.to_dict(), sort_keys=True, default=str).encode())
-        for f in sorted(set(self._tensor_files.values())):
-            h.update(_file_digest(f).encode())
+        """Identity of the exact weights and the math over them, the same on any library release.
+
+        It hashes the source files as given (the .gguf itself, or an HF folder's safetensors, whose
+        headers hold every tensor's name, shape and dtype) and our own ModelConfig (the fields that
+        define the decoder math), never the conversion cache nor transformers' config dict (which
+        carries its version and defaults that vary between releases).
+        """
+        math = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
+        h = hashlib.sha256(b"splitllm-fingerprint-2\n" + math.encode())
+        for f in self.source or sorted(set(self._tensor_files.values())):
+            h.update(f.name.encode() + b"\0" + _file_digest(f).encode())
         return h.hexdigest()
 
     def has(self, name: str) -> bool:
