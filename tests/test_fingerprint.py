@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splitllm.model.weights import ModelFiles, default_gguf_path
+from splitllm.model.weights import ModelFiles, _file_digest, default_gguf_path
 
 
 def _copy(folder: Path, dest: Path) -> Path:
@@ -62,8 +62,13 @@ def test_default_fingerprint_survives_a_rebuilt_conversion_cache(default_files, 
     (dest / "config.json").write_text(json.dumps(config))
     rebuilt = ModelFiles(None)
     assert rebuilt.path == dest
-    assert rebuilt.source == (default_gguf_path(),)
+    assert rebuilt.sources == [(default_gguf_path().name, _file_digest(default_gguf_path()))]
     assert rebuilt.fingerprint == before
+    assert ModelFiles(dest).fingerprint == before  # named by its converted folder: the same model
+
+
+def test_default_fingerprint_by_any_name(default_files) -> None:
+    assert ModelFiles("default").fingerprint == ModelFiles(default_files.path).fingerprint == default_files.fingerprint
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])

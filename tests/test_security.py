@@ -114,7 +114,7 @@ def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
     """A wss:// server that wants a bearer token."""
-    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL, operators=("carol",)), TokenTable.load(token_file))
     with ServerThread(server, tls=TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))) as thread:
         yield thread
 
@@ -129,7 +129,7 @@ def _middle(thread: ServerThread, options: ConnectionOptions | None = None, cont
 
 
 def _sample(thread: ServerThread, name: str, **labels: str) -> float:
-    return thread.server.metrics.registry.get_sample_value(name, labels) or 0.0
+    return thread.server.metrics.total(name, **labels)
 
 
 # --- transport security ---------------------------------------------------------------------------------
@@ -198,16 +198,34 @@ def test_token_table_format(tmp_path) -> None:  # type: ignore[no-untyped-def]
             TokenTable.load(tmp_path / "t")
 
 
-def test_metrics_need_a_token_when_the_server_does(secure, certs) -> None:  # type: ignore[no-untyped-def]
+def _get(url: str, ctx: ssl.SSLContext, principal: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {TOKENS[principal]}"} if principal else {}
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), context=ctx, timeout=10).read().decode()
+
+
+def test_metrics_need_a_token_and_show_each_principal_only_its_own(secure, certs, local_model, tiny, random_ids) -> None:  # type: ignore[no-untyped-def]
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     url = f"https://127.0.0.1:{secure.port}/metrics"
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url, context=ctx, timeout=10)
     assert refused.value.code == 401
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKENS['bob']}"})
-    body = urllib.request.urlopen(request, context=ctx, timeout=10).read().decode()
-    for name in ("splitllm_sessions ", "splitllm_kv_bytes ", "splitllm_step_seconds_bucket", "splitllm_errors_total"):
-        assert name in body or name.strip() in body, name
+    for principal in ("alice", "bob"):
+        greedy(local_model(tiny, HEAD, TAIL), _middle(secure, _options(certs, principal)), random_ids(4, 3), 2)
+    bob = _get(url, ctx, "bob")
+    assert 'splitllm_steps_total{principal="bob"}' in bob
+    assert "alice" not in bob and "splitllm_sessions " not in bob and "splitllm_step_seconds_bucket" not in bob
+    operator = _get(url, ctx, "carol")  # an operator principal sees the whole server
+    for name in ("splitllm_sessions ", "splitllm_kv_bytes ", "splitllm_step_seconds_bucket", 'principal="alice"'):
+        assert name in operator, name
+
+
+def test_health_shows_load_only_to_authenticated_callers(secure, certs) -> None:  # type: ignore[no-untyped-def]
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    url = f"https://127.0.0.1:{secure.port}/health"
+    anonymous = json.loads(_get(url, ctx))
+    assert anonymous["status"] == "ok" and not {"sessions", "kv_bytes", "connections"} & set(anonymous)
+    assert set(json.loads(_get(url, ctx, "bob"))) >= {"sessions", "kv_bytes"}
+    assert "connections" in json.loads(_get(url, ctx, "carol"))
 
 
 def test_cli_generate_with_token_file_and_environment(default_files, token_file, tmp_path) -> None:  # type: ignore[no-untyped-def]

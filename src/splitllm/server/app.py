@@ -4,6 +4,11 @@ Every request (decoding, opening, stepping) runs on one worker thread, so the ev
 bytes: it keeps answering health checks and other connections while a forward pass is in flight.
 Each connection has at most one request in flight and waits for its reply to be taken under a
 timeout, so a peer that stops reading ties up nothing but its own connection, briefly.
+
+Admission happens here, where the principal is known: connections (WebSockets included) are capped
+in total and per principal, sessions per principal, and /health stays outside every cap. What a
+caller learns is scoped to it: /health shows load only to an authenticated caller, /metrics only
+the caller's own counters (the whole server's to an operator principal).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -45,14 +51,22 @@ class ServerSettings:
     max_context: int = 4096
     max_sessions: int = 64
     session_ttl_s: float = 600.0
-    max_nodes_per_step: int = 4096
+    max_nodes_per_step: int = 256  # announced to clients, which split longer prefills into steps this size
     max_frame_bytes: int = 64 << 20
     max_sessions_per_principal: int | None = None  # None: any principal may hold all max_sessions
     max_kv_bytes: int = 8 << 30  # KV caches are preallocated: this bounds the memory sessions can take
     idle_timeout_s: float = 600.0  # a connection silent this long is closed
     send_timeout_s: float = 30.0  # a reply the peer does not take within this ends its connection
-    max_connections: int = 256  # further connections get HTTP 503
+    max_connections: int = 256  # further WebSocket handshakes get HTTP 503 (/health is never refused)
     batch_window_ms: float = 2.0  # steps of different sessions this close together share a forward; 0: off
+    # None: with a token table, a quarter of max_connections / max_sessions; without one, all of them.
+    max_connections_per_principal: int | None = None
+    operators: tuple[str, ...] = ()  # principals whose /health and /metrics show the whole server
+    max_batch_rows: int = 256  # positions in one shared forward; more waiting steps run in later forwards
+    max_batch_bytes: int = 256 << 20  # estimated activation and mask bytes of one shared forward
+    handshake_timeout_s: float = 10.0  # a request head not complete this long after connecting is dropped
+    max_header_bytes: int = 16 << 10  # request line plus headers
+    max_header_lines: int = 64
 
 
 @dataclass(frozen=True)
@@ -79,37 +93,84 @@ class MiddleServer:
         self.start, self.end = settings.head, cfg.num_layers - settings.tail
         self.stage = Stage.load(self.files, self.start, self.end, settings.dtype)
         self.fingerprint = self.files.fingerprint
+        shared = tokens is not None  # several principals: none may take the whole server by default
         self.sessions = SessionStore(
-            settings.max_sessions, settings.session_ttl_s, settings.max_sessions_per_principal, settings.max_kv_bytes
+            settings.max_sessions,
+            settings.session_ttl_s,
+            settings.max_sessions_per_principal or (max(1, settings.max_sessions // 4) if shared else None),
+            settings.max_kv_bytes,
+        )
+        self.max_connections_per_principal = settings.max_connections_per_principal or (
+            max(1, settings.max_connections // 4) if shared else settings.max_connections
         )
         self._kv_bytes_per_position = self.stage.new_cache(1).nbytes  # caches are linear in max_context
         self.metrics = ServerMetrics(lambda: len(self.sessions), lambda: self.sessions.kv_bytes, settings.max_kv_bytes)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitllm-compute")
         self._connections = itertools.count(1)
+        self._live: Counter[str] = Counter()  # open WebSockets per principal (event loop only)
         self._batcher: StepBatcher[PreparedStep] | None = None
 
     def _batcher_for_loop(self) -> StepBatcher[PreparedStep] | None:
         """The batcher lives on the serving event loop, so it is made on first use there."""
         if self._batcher is None and self.settings.batch_window_ms > 0:
+            s = self.settings
             self._batcher = StepBatcher(
-                self._run_steps, self._compute, self.settings.batch_window_ms / 1000, lambda: len(self.sessions)
+                self._run_steps,
+                self._compute,
+                s.batch_window_ms / 1000,
+                lambda: len(self.sessions),
+                owner=lambda p: p.session.principal,
+                cost=self._step_cost,
+                max_rows=s.max_batch_rows,
+                max_bytes=s.max_batch_bytes,
             )
         return self._batcher
 
-    def info(self) -> dict[str, Any]:
-        return {
+    def _step_cost(self, prepared: PreparedStep) -> tuple[int, int]:
+        """Rows and estimated transient bytes of a step: activations (the MLP's widest) and its masks."""
+        cfg, step = self.files.config, prepared.step
+        n = step.hidden.shape[0]
+        context = step.cache.length + len(step.keep) + n
+        itemsize = torch.finfo(self.settings.dtype).bits // 8
+        activations = n * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * itemsize
+        masks = len(set(self.stage.windows)) * n * context * itemsize
+        return n, activations + masks
+
+    def info(self, principal: str | None) -> dict[str, Any]:
+        """Health: the model for anyone; load figures for an authenticated caller (its own, or all for
+        an operator)."""
+        out: dict[str, Any] = {
             "status": "ok",
             "model": self.files.config.model_type,
             "fingerprint": self.fingerprint,
             "layers": [self.start, self.end],
-            "sessions": len(self.sessions),
-            "kv_bytes": self.sessions.kv_bytes,
-            "kv_bytes_limit": self.settings.max_kv_bytes,
         }
+        if principal is None:
+            return out
+        if self.is_operator(principal):
+            return out | {
+                "sessions": len(self.sessions),
+                "kv_bytes": self.sessions.kv_bytes,
+                "kv_bytes_limit": self.settings.max_kv_bytes,
+                "connections": sum(self._live.values()),
+            }
+        return out | {"sessions": self.sessions.count(principal), "kv_bytes": self.sessions.kv_bytes_of(principal)}
 
     def principal(self, authorization: str | None) -> str | None:
         """Who a request's Authorization header proves to be (anyone, without a token table)."""
         return ANONYMOUS if self.tokens is None else self.tokens.principal(authorization)
+
+    def is_operator(self, principal: str) -> bool:
+        """Operators see the whole server; without a token table everyone is the one anonymous operator."""
+        return self.tokens is None or principal in self.settings.operators
+
+    def _refuse_connection(self, principal: str) -> tuple[int, str, str] | None:
+        """(HTTP status, reason, message) when a new connection would cross a cap; None to admit it."""
+        if sum(self._live.values()) >= self.settings.max_connections:
+            return 503, "server_busy", f"server holds its maximum of {self.settings.max_connections} connections"
+        if self._live[principal] >= self.max_connections_per_principal:
+            return 429, "principal_busy", f"at most {self.max_connections_per_principal} connections per principal"
+        return None
 
     async def handle(self, ws: WebSocket) -> None:
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
@@ -121,6 +182,22 @@ class MiddleServer:
             event("handshake_refused", logging.WARNING, reason="unauthenticated", peer=peer)
             await ws.close(1008)
             return
+        refusal = self._refuse_connection(principal)
+        if refusal is not None:
+            status, reason, message = refusal
+            self.metrics.refused.labels(reason).inc()
+            event("handshake_refused", logging.INFO, reason=reason, peer=peer, principal=principal)
+            await ws.send_denial_response(PlainTextResponse(message + "; retry later\n", status))
+            return
+        self._live[principal] += 1
+        try:
+            await self._handle_admitted(ws, peer, principal)
+        finally:
+            self._live[principal] -= 1
+            if not self._live[principal]:
+                del self._live[principal]
+
+    async def _handle_admitted(self, ws: WebSocket, peer: str, principal: str) -> None:
         await ws.accept()
         conn = next(self._connections)
         self.metrics.connections.inc()
@@ -149,7 +226,7 @@ class MiddleServer:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(ws.close(1000, "idle"), s.send_timeout_s)
                 return "idle"
-            self.metrics.bytes_in.inc(len(message))
+            self.metrics.bytes_in.labels(principal).inc(len(message))
             reply = await loop.run_in_executor(self._compute, self._reply, conn, principal, message, self._alone())
             if isinstance(reply, PreparedStep):
                 reply = await self._batcher_for_loop().submit(reply)  # type: ignore[union-attr]
@@ -157,7 +234,7 @@ class MiddleServer:
                 await asyncio.wait_for(ws.send_bytes(reply), s.send_timeout_s)
             except TimeoutError:
                 return "stalled"  # the peer does not read: free its sessions now
-            self.metrics.bytes_out.inc(len(reply))
+            self.metrics.bytes_out.labels(principal).inc(len(reply))
 
     def _alone(self) -> bool:
         """Whether a step arriving now has nobody to share a forward with: then it runs at once, on the
@@ -185,11 +262,11 @@ class MiddleServer:
                 return wire.encode({"op": "closed", "id": request_id})
             raise ProtocolError("unknown_op", f"unknown op {op!r}; expected open, step or close")
         except ProtocolError as exc:
-            self.metrics.errors.labels(exc.code).inc()
+            self.metrics.errors.labels(exc.code, principal).inc()
             event("request_refused", logging.DEBUG, connection=conn, code=exc.code)
             return wire.error_frame(request_id, exc.code, exc.message, exc.code in RETRYABLE_CODES)
         except Exception as exc:  # never let one request take the server down
-            self.metrics.errors.labels("internal").inc()
+            self.metrics.errors.labels("internal", principal).inc()
             log.exception("internal error", extra={"fields": {"connection": conn}})
             return wire.error_frame(request_id, "internal", f"internal error: {type(exc).__name__}")
 
@@ -213,7 +290,7 @@ class MiddleServer:
         session = self.sessions.open(
             conn, principal, max_context * self._kv_bytes_per_position, lambda: self.stage.new_cache(max_context), dtype
         )
-        self.metrics.sessions_opened.inc()
+        self.metrics.sessions_opened.labels(principal).inc()
         return wire.encode(
             {
                 "op": "opened",
@@ -256,7 +333,11 @@ class MiddleServer:
         return PreparedStep(session, h.get("id"), step)
 
     def _run_steps(self, prepared: list[PreparedStep]) -> list[bytes]:
-        """Run validated steps (one session each) as one forward pass; all-or-nothing on the caches."""
+        """Run validated steps (one session each) as one forward pass; all-or-nothing on the caches.
+
+        When a shared forward fails, every cache is restored and each step runs again alone, so the
+        step that caused the failure gets the error and the bystanders their exact results.
+        """
         t0 = time.perf_counter()
         restores = [p.session.cache.checkpoint(p.step.keep) for p in prepared]
         try:
@@ -264,11 +345,14 @@ class MiddleServer:
         except Exception as exc:
             for restore in restores:
                 restore()
+            if len(prepared) > 1:
+                log.warning("shared forward failed; its steps run again alone", extra={"fields": {"batch": len(prepared)}})
+                return [reply for p in prepared for reply in self._run_steps([p])]
             known = isinstance(exc, (ValueError, OverflowError, RuntimeError))
             code, message = ("bad_request", str(exc)) if known else ("internal", f"internal error: {type(exc).__name__}")
-            self.metrics.errors.labels(code).inc()
-            log.warning("step failed mid-forward; caches restored", extra={"fields": {"batch": len(prepared), "code": code}})
-            return [wire.error_frame(p.request_id, code, message) for p in prepared]
+            self.metrics.errors.labels(code, prepared[0].session.principal).inc()
+            log.warning("step failed mid-forward; cache restored", extra={"fields": {"code": code}})
+            return [wire.error_frame(prepared[0].request_id, code, message)]
         except BaseException:
             for restore in restores:
                 restore()
@@ -280,8 +364,8 @@ class MiddleServer:
         for p, out in zip(prepared, outs):
             p.session.steps += 1
             n = out.shape[0]
-            self.metrics.steps.inc()
-            self.metrics.step_nodes.inc(n)
+            self.metrics.steps.labels(p.session.principal).inc()
+            self.metrics.step_nodes.labels(p.session.principal).inc(n)
             event(
                 "step", logging.DEBUG, session=session_tag(p.session.id), nodes=n, keep=len(p.step.keep),
                 batch=len(prepared), ms=elapsed * 1000,
@@ -297,13 +381,15 @@ class MiddleServer:
 
 
 def create_app(server: MiddleServer) -> Starlette:
-    async def health(_request: Request) -> JSONResponse:
-        return JSONResponse(server.info())
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse(server.info(server.principal(request.headers.get("authorization"))))
 
     async def metrics(request: Request) -> Response:
-        if server.principal(request.headers.get("authorization")) is None:
+        principal = server.principal(request.headers.get("authorization"))
+        if principal is None:
             return PlainTextResponse("authentication failed\n", 401, headers={"WWW-Authenticate": "Bearer"})
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        scope = None if server.is_operator(principal) else principal
+        return Response(server.metrics.render(scope), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette):  # type: ignore[no-untyped-def]
