@@ -161,6 +161,21 @@ def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model,
         assert _sample(thread, "splitllm_sessions_opened_total") == 1
 
 
+def test_client_certificate_names_the_principal(tiny, certs, token_file, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+    """Under mutual TLS the certificate's common name (alice) is the principal; with tokens too, only
+    alice's token goes with alice's certificate."""
+    tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
+    cert = {"client_cert": str(certs / "client.pem"), "client_key": str(certs / "client.key")}
+    local = local_model(tiny, HEAD, TAIL)
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL)), tls=tls) as thread:
+        greedy(local, _middle(thread, _options(certs, **cert)), random_ids(4, 5), 2)
+        assert thread.server.metrics.total("splitllm_sessions_opened_total", principal="alice") == 1
+    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL), TokenTable.load(token_file)), tls=tls) as thread:
+        with pytest.raises(AuthenticationError):
+            _middle(thread, _options(certs, "bob", **cert))
+        greedy(local, _middle(thread, _options(certs, "alice", **cert)), random_ids(4, 5), 2)
+
+
 # --- authentication -------------------------------------------------------------------------------------
 
 

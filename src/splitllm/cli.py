@@ -439,12 +439,17 @@ def bench_load(
         str, typer.Option(help="device: clients replay solo runs, their compute a pause (own devices); real: all compute here")
     ] = "device",
     out: Annotated[str, typer.Option(help="folder for load.json, load.md and load.png")] = "results/load",
+    prefill: Annotated[
+        int, typer.Option(help="instead: the largest --clients decoders alone, then with one prompt of this many positions")
+    ] = 0,
+    max_nodes_per_step: Annotated[int, typer.Option(help="the server's positions per step (--prefill runs)")] = 256,
+    max_batch_rows: Annotated[int, typer.Option(help="the server's positions per shared forward (--prefill runs)")] = 256,
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
     import shlex
     from pathlib import Path
 
-    from splitllm.bench.load import LoadSettings, ServerKind, run_load
+    from splitllm.bench.load import LoadSettings, ServerKind, prefill_markdown, run_load, run_prefill
 
     def numbers(text: str, kind: type) -> list:
         try:
@@ -463,6 +468,17 @@ def bench_load(
         except ImportError:
             raise typer.BadParameter("--ray-replicas needs Ray Serve: pip install 'splitllm[ray]'") from None
     on = max(windows, default=2.0) or 2.0
+    if prefill > 0:
+        settings = LoadSettings(max_new_tokens, rtt, prompts, context, max_kv_gib, clients_compute="device")
+        serve_args = ["--max-nodes-per-step", str(max_nodes_per_step), "--max-batch-rows", str(max_batch_rows)]
+        result = run_prefill(max(counts), prefill, settings, on, serve_args, out, shlex.join(["splitllm", *sys.argv[1:]]),
+                             progress=lambda line: typer.echo(line, err=True))
+        typer.echo(prefill_markdown(result))
+        typer.echo(f"wrote {out}/prefill.json, prefill.md", err=True)
+        rows = (result["alone"], result["with_prefill"])
+        if not result["prefill_ok"] or any(r["errors"] or r["correct_clients"] != r["clients"] for r in rows):
+            raise typer.Exit(1)
+        return
     kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
     settings = LoadSettings(max_new_tokens, rtt, prompts, context, max_kv_gib, clients_compute=clients_compute)
     result = run_load(counts, kinds, settings, out, shlex.join(["splitllm", *sys.argv[1:]]),

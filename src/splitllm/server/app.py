@@ -38,6 +38,7 @@ from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import event, log, session_tag
 from splitllm.server.metrics import ServerMetrics
 from splitllm.server.batching import StepBatcher
+from splitllm.server.http_guard import TLS_IDENTITY
 from splitllm.server.sessions import RETRYABLE_CODES, Session, SessionStore
 from splitllm.visibility import Visibility
 from splitllm.wire import ProtocolError
@@ -156,13 +157,21 @@ class MiddleServer:
             }
         return out | {"sessions": self.sessions.count(principal), "kv_bytes": self.sessions.kv_bytes_of(principal)}
 
-    def principal(self, authorization: str | None) -> str | None:
-        """Who a request's Authorization header proves to be (anyone, without a token table)."""
-        return ANONYMOUS if self.tokens is None else self.tokens.principal(authorization)
+    def principal(self, authorization: str | None, identity: str | None = None) -> str | None:
+        """Who a request proves to be: the token's principal (anyone, without a token table).
+
+        `identity`: the client certificate's common name under mutual TLS. Alone it names the
+        principal; with tokens, the token must belong to that same principal.
+        """
+        if self.tokens is None:
+            return identity or ANONYMOUS
+        principal = self.tokens.principal(authorization)
+        return principal if identity is None or principal == identity else None
 
     def is_operator(self, principal: str) -> bool:
-        """Operators see the whole server; without a token table everyone is the one anonymous operator."""
-        return self.tokens is None or principal in self.settings.operators
+        """Operators see the whole server; on an open server (no tokens, no client certificates) the
+        one anonymous principal is everyone, and sees it too."""
+        return principal in self.settings.operators or (self.tokens is None and principal == ANONYMOUS)
 
     def _refuse_connection(self, principal: str) -> tuple[int, str, str] | None:
         """(HTTP status, reason, message) when a new connection would cross a cap; None to admit it."""
@@ -174,7 +183,7 @@ class MiddleServer:
 
     async def handle(self, ws: WebSocket) -> None:
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
-        principal = self.principal(ws.headers.get("authorization"))
+        principal = self.principal(ws.headers.get("authorization"), ws.scope.get("state", {}).get(TLS_IDENTITY))
         if principal is None:
             # Refused before accept: no session, no model work; the client sees HTTP 403. (uvicorn's
             # default WebSocket stack logs a spurious error after a 401 denial response, so no 401 here.)
@@ -381,11 +390,14 @@ class MiddleServer:
 
 
 def create_app(server: MiddleServer) -> Starlette:
+    def caller(request: Request) -> str | None:
+        return server.principal(request.headers.get("authorization"), request.scope.get("state", {}).get(TLS_IDENTITY))
+
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse(server.info(server.principal(request.headers.get("authorization"))))
+        return JSONResponse(server.info(caller(request)))
 
     async def metrics(request: Request) -> Response:
-        principal = server.principal(request.headers.get("authorization"))
+        principal = caller(request)
         if principal is None:
             return PlainTextResponse("authentication failed\n", 401, headers={"WWW-Authenticate": "Bearer"})
         scope = None if server.is_operator(principal) else principal

@@ -5,6 +5,9 @@ is bounded in bytes by h11 itself (`max_head_bytes`), in lines here, and in time
 whose request head is not complete within `handshake_timeout_s` of its opening (or of its previous
 response) is closed. So a slowloris peer holds a few KiB of buffer for a few seconds, never more.
 httptools, which uvicorn prefers when installed, has no head size or count limit and no timer.
+
+Under mutual TLS the client certificate's common name travels to the app in the connection's ASGI
+state (`TLS_IDENTITY`), so the app can map certificate identities to principals.
 """
 
 from __future__ import annotations
@@ -16,6 +19,18 @@ from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+TLS_IDENTITY = "splitllm.tls_identity"
+
+
+def common_name(cert: dict[str, Any] | None) -> str | None:
+    """The subject common name of a certificate as `SSLObject.getpeercert()` gives it."""
+    for rdn in (cert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        tls = transport.get_extra_info("ssl_object")
+        identity = common_name(tls.getpeercert()) if tls is not None else None
+        if identity is not None:  # every request of this connection, and its WebSocket, carry it
+            self.app_state = {**self.app_state, TLS_IDENTITY: identity}
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
