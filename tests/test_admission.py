@@ -131,6 +131,9 @@ def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, lo
             for f in slow:
                 f.result()
         grown = _rss(server.proc.pid) - before  # type: ignore[union-attr]
+        print(f"flood: {sum(sent for sent, _ in results) / 2**20:.0f} MiB sent, RSS grew {grown / 2**20:.1f} MiB, "
+              f"longest flood connection {max(life for _, life in results):.2f} s, slowloris closed after "
+              f"{min(slow_lives):.2f}-{max(slow_lives):.2f} s")
         assert sum(sent for sent, _ in results) >= 100 << 20
         assert max(life for _, life in results) < timeout
         assert len(slow_lives) == 10 and max(slow_lives) < timeout + 1.0

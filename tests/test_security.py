@@ -45,7 +45,7 @@ from splitllm.client.remote import RemoteMiddle
 from splitllm.launch import ServerThread
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings
-from splitllm.server.auth import TokenTable
+from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import formatter
 from splitllm.server.transport import TlsFiles
 
@@ -293,12 +293,12 @@ def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None: 
         with RawClient(thread.url) as owner, RawClient(thread.url) as other:
             session = owner.open(files, layers).header["session"]
             deadline = time.monotonic() + 10
-            while thread.server.info()["sessions"] and time.monotonic() < deadline:
+            while thread.server.info(ANONYMOUS)["sessions"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             hidden = torch.randn(1, files.config.hidden_size)
             assert owner.step(session, hidden, [0], []).header["code"] == "session_expired"
             assert other.step(session, hidden, [0], []).header["code"] == "unknown_session"
-            assert thread.server.info()["kv_bytes"] == 0
+            assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0
 
 
 # --- bounded resources ----------------------------------------------------------------------------------
@@ -335,14 +335,14 @@ def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignor
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
         for _ in range(2):
             assert "session" in raw.open(files, layers, CONTEXT).header
-        assert thread.server.info()["kv_bytes"] == 2 * per_session
+        assert thread.server.info(ANONYMOUS)["kv_bytes"] == 2 * per_session
         full = raw.open(files, layers, CONTEXT).header
         assert (full["code"], full["retryable"]) == ("server_full", True) and "KV" in full["message"]
         assert "session" in raw.open(files, layers, CONTEXT // 4).header  # a smaller one still fits
         too_big = raw.open(files, layers, 4 * CONTEXT).header
         assert too_big["code"] == "context_too_large" and "retryable" not in too_big
-        assert thread.server.info()["kv_bytes"] <= settings.max_kv_bytes
-    assert thread.server.info()["kv_bytes"] == 0  # released with the connection
+        assert thread.server.info(ANONYMOUS)["kv_bytes"] <= settings.max_kv_bytes
+    assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0  # released with the connection
 
 
 def test_nodes_per_step_and_context_are_capped(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -415,7 +415,7 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
             while _sample(thread, "splitllm_connections_dropped_total", reason="stalled") < 1:
                 assert time.monotonic() < deadline, "the stalled connection was never dropped"
                 time.sleep(0.1)
-            assert thread.server.info()["sessions"] == 0  # its session and KV memory are released
+            assert thread.server.info(ANONYMOUS)["sessions"] == 0  # its session and KV memory are released
             assert greedy(local, _middle(thread), prompt, 24) == expected
         finally:
             staller.socket.shutdown(socket.SHUT_RDWR)
@@ -429,7 +429,7 @@ def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # 
             with pytest.raises(ConnectionClosed) as closed:
                 raw.ws.recv(timeout=30)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
-        assert thread.server.info()["sessions"] == 0
+        assert thread.server.info(ANONYMOUS)["sessions"] == 0
         assert _sample(thread, "splitllm_connections_dropped_total", reason="idle") == 1
 
 

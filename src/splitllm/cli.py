@@ -149,7 +149,7 @@ def serve(
     from splitllm.server.app import MiddleServer, ServerSettings
     from splitllm.server.auth import TokenTable
     from splitllm.server.logs import configure
-    from splitllm.server.transport import TlsFiles, uvicorn_config
+    from splitllm.server.transport import TlsFiles, is_loopback, uvicorn_config
     from splitllm.wire import WIRE_DTYPES
 
     if wire_dtype not in WIRE_DTYPES:
@@ -189,6 +189,8 @@ def serve(
     typer.echo(f"serving layers [{server.start}, {server.end}) on {scheme}://{host}:{port}/ws", err=True)
     if tokens is None:
         typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
+    elif tls is None and not is_loopback(host):
+        typer.echo(f"warning: tokens will cross the network in clear text to {host}; use --tls-cert or a tunnel", err=True)
     uvicorn.Server(uvicorn_config(server, host, port, tls)).run()
 
 

@@ -17,7 +17,6 @@ version the `ray` extra pins), so nobody on the network can submit work to the c
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
 import os
 import time
@@ -30,7 +29,7 @@ from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings, create_app
 from splitllm.server.auth import TokenTable
 from splitllm.server.logs import configure
-from splitllm.server.transport import TlsFiles
+from splitllm.server.transport import TlsFiles, is_loopback
 
 try:
     import ray
@@ -142,13 +141,6 @@ def app_builder(args: dict[str, Any]) -> Any:
         args.get("log_format", "text"),
     )
     return application(spec, int(args.get("replicas", 1)))
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def start(

@@ -9,6 +9,7 @@ never buffered. Connection caps live in the app, which knows the principal: uvic
 
 from __future__ import annotations
 
+import ipaddress
 import ssl
 from dataclasses import dataclass
 
@@ -25,6 +26,14 @@ class TlsFiles:
     cert: str
     key: str
     client_ca: str | None = None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listening address is reachable from this machine only."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def uvicorn_config(server: MiddleServer, host: str, port: int, tls: TlsFiles | None = None) -> uvicorn.Config:
