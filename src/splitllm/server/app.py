@@ -54,7 +54,7 @@ class ServerSettings:
     session_ttl_s: float = 600.0
     max_nodes_per_step: int = 256  # announced to clients, which split longer prefills into steps this size
     max_frame_bytes: int = 64 << 20
-    max_sessions_per_principal: int | None = None  # None: any principal may hold all max_sessions
+    max_sessions_per_principal: int | None = None  # None: a quarter of max_sessions with tokens, else all
     max_kv_bytes: int = 8 << 30  # KV caches are preallocated: this bounds the memory sessions can take
     idle_timeout_s: float = 600.0  # a connection silent this long is closed
     send_timeout_s: float = 30.0  # a reply the peer does not take within this ends its connection
