@@ -132,6 +132,9 @@ def serve(
     handshake_timeout: Annotated[float, typer.Option(help="seconds a connection may take to send its request head")] = 10.0,
     max_header_kib: Annotated[int, typer.Option(help="largest request head (request line and headers), KiB")] = 16,
     max_batch_rows: Annotated[int, typer.Option(help="positions in one shared forward pass")] = 256,
+    slice_rows: Annotated[
+        int, typer.Option(help="a longer step (a prompt) runs as forwards of this many positions, others' steps in between")
+    ] = 64,
     max_batch_mib: Annotated[float, typer.Option(help="estimated activation and mask memory of one shared forward, MiB")] = 256.0,
     batch_window_ms: Annotated[
         float, typer.Option(help="steps of different sessions this close together share one forward; 0 disables")
@@ -171,6 +174,7 @@ def serve(
         max_connections_per_principal=max_connections_per_principal,
         operators=tuple(operator or ()),
         max_batch_rows=max_batch_rows,
+        slice_rows=slice_rows,
         max_batch_bytes=int(max_batch_mib * (1 << 20)),
         handshake_timeout_s=handshake_timeout,
         max_header_bytes=max_header_kib << 10,
@@ -446,6 +450,7 @@ def bench_load(
     ] = 0,
     max_nodes_per_step: Annotated[int, typer.Option(help="the server's positions per step (--prefill runs)")] = 256,
     max_batch_rows: Annotated[int, typer.Option(help="the server's positions per shared forward (--prefill runs)")] = 256,
+    slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 64,
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
     import shlex
@@ -472,7 +477,10 @@ def bench_load(
     on = max(windows, default=2.0) or 2.0
     if prefill > 0:
         settings = LoadSettings(max_new_tokens, rtt, prompts, context, max_kv_gib, clients_compute="device")
-        serve_args = ["--max-nodes-per-step", str(max_nodes_per_step), "--max-batch-rows", str(max_batch_rows)]
+        serve_args = [
+            "--max-nodes-per-step", str(max_nodes_per_step), "--max-batch-rows", str(max_batch_rows),
+            "--slice-rows", str(slice_rows),
+        ]
         result = run_prefill(max(counts), prefill, settings, on, serve_args, out, shlex.join(["splitllm", *sys.argv[1:]]),
                              progress=lambda line: typer.echo(line, err=True))
         typer.echo(prefill_markdown(result))

@@ -67,38 +67,6 @@ class _SentRecord:
         return self._hidden[0], self._positions[0]
 
 
-def cuts(vis: Visibility, limit: int) -> list[tuple[int, int]]:
-    """[start, end) parts of a step, each at most `limit` long where it can be cut.
-
-    A cut at s is exact when every position from s on sees every position before s: those are
-    committed to the cache by the next part, which every position sees. A part that cannot be cut
-    (a tree wider than `limit`) stays whole, for the server to refuse clearly.
-    """
-    n = vis.n
-    if n <= limit:
-        return [(0, n)]
-    cols = torch.arange(n)
-    unseen = ~vis.matrix & (cols[None, :] < cols[:, None])
-    first_unseen = torch.where(unseen, cols[None, :], cols[:, None]).min(dim=1).values  # per row, <= row
-    from_here = torch.flip(torch.cummin(torch.flip(first_unseen, [0]), 0).values, [0])
-    cuttable = (from_here >= cols).tolist()  # cut at s: every row >= s sees all of [0, s)
-    parts, start = [], 0
-    while n - start > limit:
-        end = next((s for s in range(start + limit, start, -1) if cuttable[s]), None)
-        if end is None:
-            break
-        parts.append((start, end))
-        start = end
-    return [*parts, (start, n)]
-
-
-def _part(vis: Visibility, start: int, end: int) -> Visibility:
-    """The visibility among positions [start, end); earlier ones are in the cache by then."""
-    if vis.parents is not None:
-        return Visibility.from_parents([p - start if p >= start else -1 for p in vis.parents[start:end]])
-    return Visibility.from_matrix(vis.matrix[start:end, start:end])
-
-
 class RemoteMiddle:
     """A session on a splitllm server holding layers [start, end) and their KV cache."""
 
@@ -219,7 +187,7 @@ class RemoteMiddle:
                     raise ConnectionResetError("the session's committed entries differ from the client's")
                 parts = [
                     self._send_part(sent, positions, vis, start, end, part_keep, stats)
-                    for start, end, part_keep in self._keeps(cuts(vis, self._max_nodes), server_keep)
+                    for start, end, part_keep in self._keeps(vis.cuts(self._max_nodes), server_keep)
                 ]
                 break
             except Exception as exc:
@@ -258,7 +226,7 @@ class RemoteMiddle:
         chunk = sent[start:end]
         header = {
             "op": "step", "id": next(self._ids), "session": self.session, "keep": keep,
-            "positions": positions[start:end].tolist(), **_part(vis, start, end).to_wire(),
+            "positions": positions[start:end].tolist(), **vis.part(start, end).to_wire(),
         }
         message = wire.encode(header, chunk, self.wire_dtype)
         t1 = time.perf_counter()

@@ -20,7 +20,8 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,19 +65,45 @@ class ServerSettings:
     max_connections_per_principal: int | None = None
     operators: tuple[str, ...] = ()  # principals whose /health and /metrics show the whole server
     max_batch_rows: int = 256  # positions in one shared forward; more waiting steps run in later forwards
+    slice_rows: int = 64  # a longer step runs as forwards of this many positions, others' steps in between
     max_batch_bytes: int = 256 << 20  # estimated activation and mask bytes of one shared forward
     handshake_timeout_s: float = 10.0  # a request head not complete this long after connecting is dropped
     max_header_bytes: int = 16 << 10  # request line plus headers
     max_header_lines: int = 64
 
 
-@dataclass(frozen=True)
+@dataclass
 class PreparedStep:
-    """A validated step request, ready to run alone or in a batch with other sessions' steps."""
+    """A validated step request, ready to run alone or in a batch with other sessions' steps.
+
+    A step longer than `slice_rows` runs as several forwards (`parts`, cut where the result stays
+    exact), one per turn, so other sessions' steps run in between: a long prompt delays everyone
+    else by one slice at a time, not by its whole length.
+    """
 
     session: Session
     request_id: Any
     step: StepInput
+    parts: list[tuple[int, int]]
+    done: int = 0  # parts run so far
+    outs: list[torch.Tensor] = field(default_factory=list)
+    rollback: Callable[[], None] = lambda: None  # back to the cache before the first part
+    compute_s: float = 0.0
+
+    def next_input(self) -> StepInput:
+        """The next part as a step of its own: it commits the whole previous part."""
+        s = self.step
+        if len(self.parts) == 1:
+            return s
+        (a, b), keep = self.parts[self.done], s.keep
+        if self.done:
+            prev = self.parts[self.done - 1]
+            keep = list(range(prev[1] - prev[0]))
+        return StepInput(s.cache, s.hidden[a:b], s.positions[a:b], s.vis.part(a, b), keep)
+
+    def rows(self) -> int:
+        a, b = self.parts[self.done]
+        return b - a
 
 
 class MiddleServer:
@@ -130,8 +157,8 @@ class MiddleServer:
     def _step_cost(self, prepared: PreparedStep) -> tuple[int, int]:
         """Rows and estimated transient bytes of a step: activations (the MLP's widest) and its masks."""
         cfg, step = self.files.config, prepared.step
-        n = step.hidden.shape[0]
-        context = step.cache.length + len(step.keep) + n
+        n = prepared.rows()
+        context = step.cache.length + len(step.keep) + prepared.parts[prepared.done][1]
         itemsize = torch.finfo(self.settings.dtype).bits // 8
         activations = n * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * itemsize
         masks = len(set(self.stage.windows)) * n * context * itemsize
@@ -264,7 +291,11 @@ class MiddleServer:
                 return self._open(conn, principal, frame)
             if op == "step":
                 prepared = self._prepare_step(conn, principal, frame)
-                return self._run_steps([prepared])[0] if alone else prepared
+                if not alone:
+                    return prepared
+                while (reply := self._run_steps([prepared])[0]) is None:
+                    pass
+                return reply
             if op == "close":
                 self.sessions.get(frame.header.get("session"), conn, principal)
                 self.sessions.close(frame.header["session"], "closed by client")
@@ -339,47 +370,63 @@ class MiddleServer:
             self.stage.check_step(step.cache, step.hidden, step.positions, step.vis, step.keep)
         except (ValueError, OverflowError, RuntimeError) as exc:
             raise ProtocolError("bad_request", str(exc)) from None
-        return PreparedStep(session, h.get("id"), step)
+        return PreparedStep(session, h.get("id"), step, vis.cuts(self.settings.slice_rows))
 
-    def _run_steps(self, prepared: list[PreparedStep]) -> list[bytes]:
-        """Run validated steps (one session each) as one forward pass; all-or-nothing on the caches.
+    def _run_steps(self, prepared: list[PreparedStep]) -> list[bytes | None]:
+        """Run the next part of validated steps (one session each) as one forward pass.
 
-        When a shared forward fails, every cache is restored and each step runs again alone, so the
-        step that caused the failure gets the error and the bystanders their exact results.
+        A reply is None while a step has parts left. All-or-nothing on the caches: when a shared
+        forward fails, every cache is restored and each step runs again alone, so the step that
+        caused the failure gets the error (its cache as before the step) and the bystanders their
+        exact results.
         """
         t0 = time.perf_counter()
-        restores = [p.session.cache.checkpoint(p.step.keep) for p in prepared]
+        inputs = [p.next_input() for p in prepared]
+        restores = [i.cache.checkpoint(i.keep) for i in inputs]
+        for p, restore in zip(prepared, restores):
+            if p.done == 0:
+                p.rollback = restore
         try:
-            outs = self.stage.forward_many([p.step for p in prepared])
+            outs = self.stage.forward_many(inputs)
         except Exception as exc:
             for restore in restores:
                 restore()
             if len(prepared) > 1:
                 log.warning("shared forward failed; its steps run again alone", extra={"fields": {"batch": len(prepared)}})
                 return [reply for p in prepared for reply in self._run_steps([p])]
+            prepared[0].rollback()
             known = isinstance(exc, (ValueError, OverflowError, RuntimeError))
             code, message = ("bad_request", str(exc)) if known else ("internal", f"internal error: {type(exc).__name__}")
             self.metrics.errors.labels(code, prepared[0].session.principal).inc()
             log.warning("step failed mid-forward; cache restored", extra={"fields": {"code": code}})
             return [wire.error_frame(prepared[0].request_id, code, message)]
         except BaseException:
-            for restore in restores:
-                restore()
+            for p in prepared:
+                p.rollback()
             raise
         elapsed = time.perf_counter() - t0
         self.metrics.step_seconds.observe(elapsed)
         self.metrics.batch_size.observe(len(prepared))
-        replies = []
-        for p, out in zip(prepared, outs):
+        replies: list[bytes | None] = []
+        for p, part_out in zip(prepared, outs):
+            p.outs.append(part_out)
+            p.done += 1
+            p.compute_s += elapsed
+            if p.done < len(p.parts):
+                replies.append(None)
+                continue
+            if len(p.parts) > 1:
+                p.step.cache.reopen(p.parts[-1][0])  # as if one forward had run the whole step
+            out = torch.cat(p.outs) if len(p.outs) > 1 else part_out
             p.session.steps += 1
             n = out.shape[0]
             self.metrics.steps.labels(p.session.principal).inc()
             self.metrics.step_nodes.labels(p.session.principal).inc(n)
             event(
                 "step", logging.DEBUG, session=session_tag(p.session.id), nodes=n, keep=len(p.step.keep),
-                batch=len(prepared), ms=elapsed * 1000,
+                batch=len(prepared), ms=p.compute_s * 1000,
             )
-            header = {"op": "result", "id": p.request_id, "server_ms": elapsed * 1000}
+            header = {"op": "result", "id": p.request_id, "server_ms": p.compute_s * 1000}
             replies.append(wire.encode(header, out, p.session.wire_dtype))
         return replies
 

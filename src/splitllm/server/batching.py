@@ -4,8 +4,9 @@ A decoding step reads every weight of the middle layers to process a handful of 
 the steps of many sessions together costs little more than one. The batcher waits at most `window_s`
 after the first step of a batch arrives (less when every open session has already sent one), then
 runs the waiting steps in forwards bounded in rows and in estimated bytes. Each forward is filled
-fairly: principals take turns, one step each, the least recently served first, so one principal's
-long prefill chunks alternate with everyone else's small steps instead of holding them up.
+fairly: principals take turns, one step each, the least recently served first. A step with parts
+left (a long prompt run a slice at a time: `run` answers None for it) goes back to the end of the
+queue, so its slices alternate with everyone else's small steps instead of holding them up.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ _Entry = tuple[T, "asyncio.Future[bytes]"]
 
 
 class StepBatcher(Generic[T]):
-    """`owner(item)`: whose step it is; `cost(item)`: its (rows, bytes). A step bigger than a cap runs alone."""
+    """`owner(item)`: whose step it is; `cost(item)`: its (rows, bytes). A step bigger than a cap runs alone.
+
+    `run` answers a reply per item, or None for an item to be queued again (its next part).
+    """
 
     def __init__(
         self,
-        run: Callable[[list[T]], list[bytes]],
+        run: Callable[[list[T]], list[bytes | None]],
         executor: Executor,
         window_s: float,
         expected: Callable[[], int],
@@ -108,8 +112,10 @@ class StepBatcher(Generic[T]):
                         if not future.done():
                             future.set_exception(exc)
                     raise
-                for (_, future), reply in zip(batch, replies):
-                    if not future.done():
-                        future.set_result(reply)
+                for entry, reply in zip(batch, replies):
+                    if reply is None:
+                        self._pending.append(entry)  # its next part: behind everyone waiting now
+                    elif not entry[1].done():
+                        entry[1].set_result(reply)
         finally:
             self._flusher = None
