@@ -244,6 +244,14 @@ class _Solo:
     calls: list[_Call]
 
 
+def _solo_runs(client: SplitClient, url: str, prompt_ids: list[list[int]], s: LoadSettings) -> list[_Solo]:
+    """Each prompt decoded with nobody else connected, its steps recorded for replays."""
+    runs = (
+        _decode(client, url, p, s.max_new_tokens, s.context, ClientRun(i), record=True) for i, p in enumerate(prompt_ids)
+    )
+    return [_Solo(run.ids, calls) for run, calls in runs]
+
+
 def _load_once(
     client: SplitClient, netem_port: int, prompt_ids: list[list[int]], solo: list[_Solo],
     clients: int, s: LoadSettings, watch: _Watch,
@@ -311,13 +319,7 @@ def _load_server(
         pid = None if kind.ray_replicas else server.proc.pid  # behind Ray the replicas are other processes
         rss_idle = _Watch(server.port, pid).rss()
         progress(f"{kind.label}: server up; solo runs of {len(prompt_ids)} prompts")
-        solo = [
-            _Solo(run.ids, calls)
-            for run, calls in (
-                _decode(client, server.url, p, s.max_new_tokens, s.context, ClientRun(i), record=True)
-                for i, p in enumerate(prompt_ids)
-            )
-        ]
+        solo = _solo_runs(client, server.url, prompt_ids, s)
         netem = _Netem(server.port, s.rtt_ms)
         try:
             for clients in client_counts:
@@ -473,13 +475,7 @@ def run_prefill(
     ]
     with ServerProcess(*args, log_path=str(folder / "prefill-server.log")) as server:
         progress(f"server up; solo runs of {len(prompt_ids)} prompts and of the {prefill}-position prompt")
-        solo = [
-            _Solo(run.ids, calls)
-            for run, calls in (
-                _decode(client, server.url, p, s.max_new_tokens, s.context, ClientRun(i), record=True)
-                for i, p in enumerate(prompt_ids)
-            )
-        ]
+        solo = _solo_runs(client, server.url, prompt_ids, s)
         long_run, long_calls = _decode(client, server.url, long_ids, 2, long_context, ClientRun(-1), record=True)
         netem = _Netem(server.port, s.rtt_ms)
         try:
