@@ -291,8 +291,8 @@ class MiddleServer:
                 return self._open(conn, principal, frame)
             if op == "step":
                 prepared = self._prepare_step(conn, principal, frame)
-                if not alone:
-                    return prepared
+                if not alone or (len(prepared.parts) > 1 and self._batcher is not None):
+                    return prepared  # a sliced step takes turns even when it is alone now
                 while (reply := self._run_steps([prepared])[0]) is None:
                     pass
                 return reply
