@@ -98,6 +98,8 @@ class Visibility:
 
     def part(self, start: int, end: int) -> Visibility:
         """The visibility among positions [start, end) once the earlier ones are in the cache."""
+        if (start, end) == (0, self.n):
+            return self
         if self.parents is not None:
             return Visibility.from_parents([p - start if p >= start else -1 for p in self.parents[start:end]])
         return Visibility.from_matrix(self.matrix[start:end, start:end])
