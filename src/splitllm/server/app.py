@@ -223,7 +223,11 @@ class MiddleServer:
             status, reason, message = refusal
             self.metrics.refused.labels(reason).inc()
             event("handshake_refused", logging.INFO, reason=reason, peer=peer, principal=principal)
-            await ws.send_denial_response(PlainTextResponse(message + "; retry later\n", status))
+            if "websocket.http.response" in ws.scope.get("extensions", {}):
+                await ws.send_denial_response(PlainTextResponse(message + "; retry later\n", status))
+            else:  # a front without denial responses (Ray's proxy): accept, then "try again later"
+                await ws.accept()
+                await ws.close(1013, message[:120])
             return
         self._live[principal] += 1
         try:
