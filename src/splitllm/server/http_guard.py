@@ -74,7 +74,7 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._head_timer is not None:  # still reading a request head
             self._head_lines += data.count(b"\n")
-            if self._head_lines > self.limits.max_head_lines + 1:
+            if self._head_lines > self.limits.max_head_lines + 2:  # the request line and the blank line end
                 self._refuse(431, b"request head has too many lines")
                 return
         super().data_received(data)
