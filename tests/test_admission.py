@@ -5,6 +5,7 @@ Everything runs over real sockets on loopback. Hostile loops are bounded in byte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import select
@@ -140,6 +141,35 @@ def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, lo
         assert grown < 20 << 20, f"RSS grew {grown / 2**20:.1f} MiB"
         assert during == want
         assert _generate(server.url, local, "alice", prompt) == want
+
+
+def _exchange(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send `data`, then read until the server closes (or `wait_s` passes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:
+        sock.sendall(data)
+        chunks = []
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_request_heads_are_bounded_in_bytes_lines_and_time(tiny) -> None:  # type: ignore[no-untyped-def]
+    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL, handshake_timeout_s=1.0, max_header_lines=8))
+    with ServerThread(server) as thread:
+        ok = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(7)) + b"\r\n"
+        assert _exchange(thread.port, ok, 3.0).startswith(b"HTTP/1.1 200")  # 8 headers: within the cap
+        too_many = ok.replace(b"\r\n\r\n", b"\r\nX-9: 1\r\n\r\n")
+        assert _exchange(thread.port, too_many).startswith(b"HTTP/1.1 431")
+        too_big = b"GET /health HTTP/1.1\r\nX-big: " + b"a" * (32 << 10) + b"\r\n\r\n"
+        assert _exchange(thread.port, too_big).startswith(b"HTTP/1.1 400")
+        started = time.monotonic()
+        assert _exchange(thread.port, b"GET /health HTTP/1.1\r\n").startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - started < 3.0
+        # a kept-alive connection: two requests, then the same deadline for a third head
+        started = time.monotonic()
+        replies = _exchange(thread.port, ok + ok)
+        assert replies.count(b"HTTP/1.1 200") == 2 and time.monotonic() - started < 10.0
 
 
 def test_thousand_idle_sockets_leave_health_and_clients_alone(tiny, token_file, local_model, expected) -> None:  # type: ignore[no-untyped-def]

@@ -57,6 +57,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_lines = 0
+        self._head_tail = b""  # the last bytes seen, so a head's end split across reads is found
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -72,8 +73,11 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is not None:  # still reading a request head
-            self._head_lines += data.count(b"\n")
+        if self._head_timer is not None:  # still reading a request head: count its lines only
+            seen = self._head_tail + data
+            end = seen.find(b"\r\n\r\n")
+            self._head_lines += seen[: end + 4 if end >= 0 else len(seen)].count(b"\n") - self._head_tail.count(b"\n")
+            self._head_tail = seen[-3:]
             if self._head_lines > self.limits.max_head_lines + 2:  # the request line and the blank line end
                 self._refuse(431, b"request head has too many lines")
                 return
@@ -92,7 +96,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self._head_lines = 0
+        self._head_lines, self._head_tail = 0, b""
         self._head_timer = self.loop.call_later(self.limits.handshake_timeout_s, self._expire)
 
     def _disarm(self) -> None:
