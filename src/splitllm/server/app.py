@@ -59,7 +59,7 @@ class ServerSettings:
     max_kv_bytes: int = 8 << 30  # KV caches are preallocated: this bounds the memory sessions can take
     idle_timeout_s: float = 600.0  # a connection silent this long is closed
     send_timeout_s: float = 30.0  # a reply the peer does not take within this ends its connection
-    max_connections: int = 256  # further WebSocket handshakes get HTTP 503 (/health is never refused)
+    max_connections: int = 256  # further WebSockets are closed with 1013, try again later (/health never is)
     batch_window_ms: float = 2.0  # steps of different sessions this close together share a forward; 0: off
     # None: with a token table, a quarter of max_connections / max_sessions; without one, all of them.
     max_connections_per_principal: int | None = None
@@ -200,12 +200,12 @@ class MiddleServer:
         one anonymous principal is everyone, and sees it too."""
         return principal in self.settings.operators or (self.tokens is None and principal == ANONYMOUS)
 
-    def _refuse_connection(self, principal: str) -> tuple[int, str, str] | None:
-        """(HTTP status, reason, message) when a new connection would cross a cap; None to admit it."""
+    def _refuse_connection(self, principal: str) -> tuple[str, str] | None:
+        """(reason, message) when a new connection would cross a cap; None to admit it."""
         if sum(self._live.values()) >= self.settings.max_connections:
-            return 503, "server_busy", f"server holds its maximum of {self.settings.max_connections} connections"
+            return "server_busy", f"server holds its maximum of {self.settings.max_connections} connections"
         if self._live[principal] >= self.max_connections_per_principal:
-            return 429, "principal_busy", f"at most {self.max_connections_per_principal} connections per principal"
+            return "principal_busy", f"at most {self.max_connections_per_principal} connections per principal"
         return None
 
     async def handle(self, ws: WebSocket) -> None:
@@ -220,14 +220,13 @@ class MiddleServer:
             return
         refusal = self._refuse_connection(principal)
         if refusal is not None:
-            status, reason, message = refusal
+            reason, message = refusal
             self.metrics.refused.labels(reason).inc()
             event("handshake_refused", logging.INFO, reason=reason, peer=peer, principal=principal)
-            if "websocket.http.response" in ws.scope.get("extensions", {}):
-                await ws.send_denial_response(PlainTextResponse(message + "; retry later\n", status))
-            else:  # a front without denial responses (Ray's proxy): accept, then "try again later"
-                await ws.accept()
-                await ws.close(1013, message[:120])
+            # Accepted only to be closed with 1013 "try again later", which clients retry: an HTTP
+            # denial response makes uvicorn log a spurious error, and Ray's proxy has none.
+            await ws.accept()
+            await ws.close(1013, f"{message}; retry later")
             return
         self._live[principal] += 1
         try:
