@@ -142,6 +142,16 @@ def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server
     assert greedy(local, _middle(secure, _options(certs, "alice")), prompt, 16) == plain
 
 
+def test_tls_is_1_2_or_later_and_heads_go_through_h11(tiny, certs) -> None:  # type: ignore[no-untyped-def]
+    from splitllm.server.http_guard import GuardedH11Protocol
+    from splitllm.server.transport import uvicorn_config
+
+    tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))
+    config = uvicorn_config(MiddleServer(tiny, ServerSettings(HEAD, TAIL)), "127.0.0.1", 0, tls)
+    assert config.ssl is not None and config.ssl.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert issubclass(config.http_protocol_class, GuardedH11Protocol)  # never httptools, even when installed
+
+
 def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ssl.SSLCertVerificationError):
         _middle(secure, ConnectionOptions(TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
