@@ -30,8 +30,8 @@ def ray_url(default_files):  # type: ignore[no-untyped-def]
     """ws:// address of a 2-replica deployment (each replica: one compute thread, no CPU reservation)."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
     port = free_port()
-    settings = ServerSettings(HEAD, TAIL, max_sessions=16, max_nodes_per_step=MAX_NODES)
-    spec = ray_deployment.ReplicaSpec(str(default_files.path), settings)
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_sessions=16, max_nodes_per_step=MAX_NODES)
+    spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=settings)
     try:
         ray_deployment.start(spec, replicas=2, host="127.0.0.1", port=port, cpus_per_replica=0)
         yield f"ws://127.0.0.1:{port}"
@@ -108,7 +108,7 @@ def test_every_limit_is_settable_and_public_addresses_need_tokens(default_files)
     )
     assert (settings.max_kv_bytes, settings.max_connections_per_principal, settings.operators) == (1 << 20, 3, ("ops", "admin"))
     assert (settings.max_sessions_per_principal, settings.handshake_timeout_s, settings.max_batch_rows) == (None, 2.5, 64)
-    spec = ray_deployment.ReplicaSpec(str(default_files.path), ServerSettings(HEAD, TAIL))
+    spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=ServerSettings(head=HEAD, tail=TAIL))
     with pytest.raises(ValueError, match="needs a token file"):
         ray_deployment.start(spec, replicas=1, host="0.0.0.0", port=free_port())
 

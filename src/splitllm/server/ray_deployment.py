@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
-import torch
 
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings, create_app
 from splitllm.server.auth import TokenTable
 from splitllm.server.logs import configure
 from splitllm.server.transport import TlsFiles, is_loopback
+from splitllm.threads import set_compute_threads
 
 try:
     import ray
@@ -43,7 +43,7 @@ PROXY_MAX_FRAME = 16 << 20  # Ray's HTTP proxy (uvicorn, default ws_max_size) dr
 _FRAME_SLACK = 1 << 16  # room for a step's header, visibility and ids next to its hidden states
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaSpec:
     """What every replica runs: the model split, its limits and its compute threads."""
 
@@ -60,7 +60,7 @@ class MiddleReplica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         configure(spec.log_format)
-        torch.set_num_threads(spec.threads)
+        set_compute_threads(spec.threads)
         tokens = TokenTable.load(spec.tokens_file) if spec.tokens_file else None
         settings = fit_to_proxy(spec.settings, ModelFiles(spec.model).config.hidden_size)
         self.server = MiddleServer(spec.model, settings, tokens)
@@ -134,11 +134,11 @@ def app_builder(args: dict[str, Any]) -> Any:
     if unknown:
         raise ValueError(f"unknown arguments {sorted(unknown)}; known: {sorted(_SPEC_ARGS | _SETTINGS_ARGS)}")
     spec = ReplicaSpec(
-        args.get("model", "default"),
-        settings_from_args(args),
-        args.get("auth_token_file"),
-        int(args.get("threads", 1)),
-        args.get("log_format", "text"),
+        model=args.get("model", "default"),
+        settings=settings_from_args(args),
+        tokens_file=args.get("auth_token_file"),
+        threads=int(args.get("threads", 1)),
+        log_format=args.get("log_format", "text"),
     )
     return application(spec, int(args.get("replicas", 1)))
 
