@@ -51,7 +51,7 @@ def expected(tiny, local_model, pipeline, random_ids):  # type: ignore[no-untype
 
 
 def _remote(url: str, files, principal: str | None, **options) -> RemoteMiddle:  # type: ignore[no-untyped-def]
-    opts = ConnectionOptions(TOKENS[principal] if principal else None, **{"deadline_s": 10.0, **options})
+    opts = ConnectionOptions(token=TOKENS[principal] if principal else None, **{"deadline_s": 10.0, **options})
     return RemoteMiddle(url, files.fingerprint, (HEAD, files.config.num_layers - TAIL), "float32", 64, opts)
 
 
@@ -195,7 +195,7 @@ def test_thousand_idle_sockets_leave_health_and_clients_alone(tiny, token_file, 
 
 def _refusal(url: str, principal: str) -> str:
     """How the server answers a new connection: 'admitted', or the close code and reason it ends it with."""
-    ws = ConnectionOptions(TOKENS[principal]).connect(url + "/ws")
+    ws = ConnectionOptions(token=TOKENS[principal]).connect(url + "/ws")
     try:
         ws.recv(timeout=5)
     except ConnectionClosed as exc:
