@@ -101,7 +101,7 @@ def _with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., Any]]
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
+    model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
     head: Annotated[int, typer.Option(help="layers the client runs first")] = 2,
     tail: Annotated[int, typer.Option(help="layers the client runs last")] = 2,
     host: str = "127.0.0.1",
@@ -464,7 +464,7 @@ app.add_typer(privacy_app, name="privacy")
 
 @privacy_app.command("audit")
 def privacy_audit(
-    model: Annotated[Optional[str], typer.Option(help="'default', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
     heads: Annotated[Optional[str], typer.Option(help="comma-separated head depths K (layers before the state is sent) [default: 1,2,4,6,8,12; --quick: 1,2]")] = None,
     tails: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
     out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",
