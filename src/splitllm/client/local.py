@@ -58,6 +58,10 @@ class LocalModel:
         x = self.embed_weight[tokens]
         return x if self.embed_scale is None else x * self.embed_scale
 
+    def input_table(self) -> torch.Tensor:
+        """The whole table as layer 0 sees it, for code that indexes it: a scaled copy when the model scales."""
+        return self.embed_weight if self.embed_scale is None else self.embed_weight * self.embed_scale
+
     @torch.inference_mode()
     def run_tail(
         self, caches: LocalCaches, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
