@@ -78,3 +78,8 @@ def test_gemma3_lookup_speculation_commits_the_same_tokens(client, prompts, refe
         assert gen.ids == ref, f"prompt {i} diverges at token {first_difference(gen.ids, ref)}"
         drafted += sum(s.drafted for s in gen.steps)
     assert drafted > 0
+
+
+def test_gemma3_base_model_refuses_a_conversation(client) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="no chat template"):
+        client.conversation()

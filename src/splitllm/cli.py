@@ -265,7 +265,11 @@ def chat(
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    run_chat(client, decode, sampling, max_new_tokens, system)
+    try:
+        run_chat(client, decode, sampling, max_new_tokens, system)
+    except ValueError as exc:  # a base model has no chat template
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("client-api")

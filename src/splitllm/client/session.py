@@ -128,6 +128,8 @@ class SplitClient:
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A conversation whose turns reuse one server session and the KV caches of earlier turns."""
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template (a base model): use generate, not a conversation")
         return Conversation(self, system)
 
     def stream(
