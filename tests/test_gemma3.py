@@ -8,11 +8,13 @@ the prompts."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from splitllm.bench.exactness import first_difference
 from splitllm.client.session import SplitClient
 from splitllm.model.weights import ModelFiles
+from splitllm.visibility import Visibility
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +53,23 @@ def test_gemma3_config() -> None:
     sliding, full = cfg.layer_ropes[0], cfg.layer_ropes[5]
     assert sliding.inv_freq[1] > full.inv_freq[1]  # rope bases 10k (local) and 1M (global)
     assert cfg.tie_word_embeddings and cfg.embed_scale == 640**0.5 and cfg.attn_scale == 256**-0.5
+
+
+def test_gemma3_logits_match_transformers_past_the_sliding_window(pipeline, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """A 700-token prompt: the last positions see their window of 512 in local layers, everything in global ones."""
+    tokenizer = AutoTokenizer.from_pretrained(ModelFiles(MODEL).path)
+    text = " ".join(f"Item {i}: the {i % 7}th colour of the {i % 11}th wheel." for i in range(80))
+    tokens = tokenizer(text)["input_ids"][:700]
+    n = len(tokens)
+    assert n == 700
+    last = torch.arange(n - 4, n)
+    ours, _ = pipeline(MODEL, 2, 2, max_context=n).score(
+        torch.tensor(tokens), torch.arange(n), Visibility.chain(n), [], rows=last
+    )
+    with torch.no_grad():
+        ref = hf_model(MODEL)(torch.tensor([tokens]), logits_to_keep=4).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 def test_gemma3_split_greedy_equals_transformers_in_process(client, prompts, reference) -> None:  # type: ignore[no-untyped-def]

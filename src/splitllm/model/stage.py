@@ -14,31 +14,36 @@ from splitllm.model.config import ModelConfig
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
-_NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+_LAYER_TENSORS = {
+    "qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "qkv_bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "o_proj": ["self_attn.o_proj.weight"],
+    "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "down": ["mlp.down_proj.weight"],
+}
 
 
-def _layer_tensors(cfg: ModelConfig) -> dict[str, list[str]]:
-    """DecoderLayer attribute -> the HF tensors it concatenates (Gemma names its pre-MLP norm differently)."""
-    pre_mlp = "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
-    return {
-        "input_norm": ["input_layernorm.weight"],
-        "qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-        "qkv_bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
-        "o_proj": ["self_attn.o_proj.weight"],
-        "post_norm": [f"{pre_mlp}.weight"],
-        "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-        "down": ["mlp.down_proj.weight"],
-        "q_norm": ["self_attn.q_norm.weight"],
-        "k_norm": ["self_attn.k_norm.weight"],
-        "attn_out_norm": ["post_attention_layernorm.weight"],
-        "mlp_out_norm": ["post_feedforward_layernorm.weight"],
-    }
+def _norm_tensors(cfg: ModelConfig) -> dict[str, str]:
+    """The layer's RMSNorm attributes and their tensors; with sandwich norms (Gemma) HF's
+    `post_attention_layernorm` norms the attention output and `pre_feedforward_layernorm` the MLP input."""
+    if not cfg.sandwich_norm:
+        norms = {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
+    else:
+        norms = {
+            "input_norm": "input_layernorm.weight",
+            "attn_out_norm": "post_attention_layernorm.weight",
+            "post_norm": "pre_feedforward_layernorm.weight",
+            "mlp_out_norm": "post_feedforward_layernorm.weight",
+        }
+    if cfg.qk_norm:
+        norms |= {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+    return norms
 
 
 def read_norm(files: ModelFiles, name: str, dtype: torch.dtype) -> torch.Tensor:
     """An RMSNorm weight with the config's offset added in float32 (Gemma's 1 + w), then cast."""
     weight = files.read([name], torch.float32)[name]
-    return (weight + files.config.norm_offset).to(dtype) if files.config.norm_offset else weight.to(dtype)
+    return (weight + files.config.norm_offset).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -79,15 +84,14 @@ class Stage(nn.Module):
     def load(cls, files: ModelFiles, start: int, end: int, dtype: torch.dtype) -> Stage:
         """Build the stage reading only its own layers' tensors."""
         stage = cls(files.config, start, end, dtype)
-        tensors = _layer_tensors(files.config)
+        norms = _norm_tensors(files.config)
         for i, layer in zip(range(start, end), stage.layers):
-            for attr, suffixes in tensors.items():
+            for attr, name in norms.items():
+                getattr(layer, attr).data = read_norm(files, f"model.layers.{i}.{name}", dtype)
+            for attr, suffixes in _LAYER_TENSORS.items():
                 if getattr(layer, attr) is None:
                     continue
                 names = [f"model.layers.{i}.{s}" for s in suffixes]
-                if attr in _NORMS:
-                    getattr(layer, attr).data = read_norm(files, names[0], dtype)
-                    continue
                 parts = files.read(names, dtype)
                 getattr(layer, attr).data = torch.cat([parts[n] for n in names]).contiguous()
         return stage
