@@ -99,6 +99,6 @@ def test_gemma3_lookup_speculation_commits_the_same_tokens(client, prompts, refe
     assert drafted > 0
 
 
-def test_gemma3_base_model_refuses_a_conversation(client) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ValueError, match="no chat template"):
-        client.conversation()
+def test_gemma3_base_model_refuses_chat_turns(client) -> None:  # type: ignore[no-untyped-def]
+    with client.conversation() as conv, pytest.raises(ValueError, match="no chat template"):
+        next(conv.say("Hello"))
