@@ -19,7 +19,7 @@ from splitllm.visibility import Visibility
 pytestmark = pytest.mark.slow
 
 MODEL = "gemma3"
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 # A base model (no chat template): plain continuations that run the whole budget.
 PROMPTS = [
     "The history of the printing press begins in",
