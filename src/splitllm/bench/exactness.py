@@ -21,6 +21,7 @@ from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import SplitClient
 from splitllm.decoding.speculative import MODES
 from splitllm.model.stage import Stage
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 NEAR_TIE = 0.05  # logit gap under which float32 rounding of a batched step may flip the argmax
@@ -96,7 +97,7 @@ def check_exactness(
     middle = Stage.load(client.files, *client.local.middle_range, client.dtype)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)
-        expected = client.generate(ids, max_new_tokens).ids
+        expected = client.generate(ids, max_new_tokens, "sequential").ids
         for mode in modes:
             got = client.generate(ids, max_new_tokens, decode=mode).ids
             i = first_difference(expected, got)
@@ -114,7 +115,7 @@ def run_exactness(
     per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results", model: str = "default"
 ) -> ExactnessReport:
     """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it)."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     client = SplitClient(model)
     report = check_exactness(client, [p.text for p in workload(per_category)], max_new_tokens)
     report.model = model
