@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splitllm.model.weights import ModelFiles, _file_digest, default_gguf_path
+from splitllm.model.weights import ModelFiles, _file_digest, packaged_gguf_path
 
 
 def _copy(folder: Path, dest: Path) -> Path:
@@ -62,7 +62,8 @@ def test_default_fingerprint_survives_a_rebuilt_conversion_cache(default_files, 
     (dest / "config.json").write_text(json.dumps(config))
     rebuilt = ModelFiles(None)
     assert rebuilt.path == dest
-    assert rebuilt.sources == [(default_gguf_path().name, _file_digest(default_gguf_path()))]
+    gguf = packaged_gguf_path("default")
+    assert rebuilt.sources == [(gguf.name, _file_digest(gguf))]
     assert rebuilt.fingerprint == before
     assert ModelFiles(dest).fingerprint == before  # named by its converted folder: the same model
 

@@ -182,7 +182,7 @@ def _with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., Any]]
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
+    model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
     head: Annotated[int, typer.Option(help="layers the client runs first")] = 2,
     tail: Annotated[int, typer.Option(help="layers the client runs last")] = 2,
     host: str = "127.0.0.1",
@@ -368,7 +368,11 @@ def chat(
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    run_chat(client, decode, sampling, max_new_tokens, system)
+    try:
+        run_chat(client, decode, sampling, max_new_tokens, system)
+    except ValueError as exc:  # a base model has no chat template
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("client-api")
@@ -535,11 +539,12 @@ def bench_exactness(
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
     max_new_tokens: int = 128,
     out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
+    model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
 ) -> None:
     """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
     from splitllm.bench.exactness import NEAR_TIE, run_exactness
 
-    report = run_exactness(prompts_per_category, max_new_tokens, out)
+    report = run_exactness(prompts_per_category, max_new_tokens, out, model)
     typer.echo(report.markdown())
     if not report.explained:
         typer.echo(f"error: a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", err=True)
@@ -618,7 +623,7 @@ app.add_typer(privacy_app, name="privacy")
 
 @privacy_app.command("audit")
 def privacy_audit(
-    model: Annotated[Optional[str], typer.Option(help="'default', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
     head: Annotated[Optional[str], typer.Option(help="comma-separated head depths K (layers before the state is sent) [default: 1,2,4,6,8,12; --quick: 1,2]")] = None,
     tail: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
     out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",

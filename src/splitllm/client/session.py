@@ -120,6 +120,11 @@ class SplitClient:
         """A conversation whose turns reuse one server session and the KV caches of earlier turns."""
         return Conversation(self, system)
 
+    def check_chat(self) -> None:
+        """Chat turns go through the tokenizer's chat template; a base model has none."""
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template (a base model): generate from plain text instead")
+
     def stream(
         self,
         prompt: str | list[int],
@@ -279,6 +284,7 @@ class Conversation:
         text after it: the answer's closing tags, the user's message and the assistant prompt. A
         template that rewrites earlier turns gets what follows the longest common prefix.
         """
+        self.client.check_chat()
         tok = self.client.tokenizer
         full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         seen = tok.decode(self.ids, skip_special_tokens=False)
