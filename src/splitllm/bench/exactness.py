@@ -44,6 +44,7 @@ class ExactnessReport:
     prompts: int
     identical: dict[str, int] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)
+    model: str = "default"
 
     @property
     def explained(self) -> bool:
@@ -52,7 +53,7 @@ class ExactnessReport:
 
     def markdown(self) -> str:
         lines = [
-            f"Exactness on the default model (float32), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
+            f"Exactness on the {self.model} model (float32), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
             "every mode against sequential greedy decoding.",
             "",
             "| mode | identical / total |",
@@ -113,11 +114,14 @@ def check_exactness(
     return report
 
 
-def run_exactness(per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results") -> ExactnessReport:
+def run_exactness(
+    per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results", model: str = "default"
+) -> ExactnessReport:
     """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it)."""
     set_compute_threads(1)
-    client = SplitClient(None)
+    client = SplitClient(model)
     report = check_exactness(client, [p.text for p in workload(per_category)], max_new_tokens)
+    report.model = model
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "exactness.json").write_text(json.dumps({**asdict(report), "explained": report.explained}, indent=1))

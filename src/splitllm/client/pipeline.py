@@ -20,7 +20,7 @@ from splitllm.visibility import Visibility
 
 
 class Middle(Protocol):
-    max_context: int  # positions its cache holds (a server may grant less than asked)
+    max_context: int  # positions its cache holds (a server may grant fewer than asked)
     max_nodes: int  # positions one step may send
 
     def step(
@@ -33,8 +33,8 @@ class LocalMiddle:
 
     def __init__(self, stage: Stage, max_context: int) -> None:
         self.stage = stage
-        self.cache: KVCache = stage.new_cache(max_context)
         self.max_context = self.max_nodes = max_context
+        self.cache: KVCache = stage.new_cache(max_context)
 
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
