@@ -41,7 +41,7 @@ def test_unrolled_passes_equal_chained_drafting(tiny) -> None:
         outs = train.unrolled(head, target, [s], passes, greedy=True)
     b = 9
     cache = head.new_cache(64)
-    emb = local.embed_weight
+    emb = target.embed
     got = head(cache, s.feats[: b + 1], emb[s.ids[1 : b + 2]], torch.arange(b + 1), Visibility.chain(b + 1), [])[-1]
     torch.testing.assert_close(got, outs[0][b], rtol=1e-4, atol=1e-4)
     keep = list(range(b + 1))
@@ -68,7 +68,7 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
     loaded = store.load_head(files, folder)
     assert loaded is not None and loaded.vocab.tolist() == vocab
     x = seqs[0]
-    args = (x.feats[:5], local.embed_weight[x.ids[1:6]], torch.arange(5), Visibility.chain(5), [])
+    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
     torch.testing.assert_close(loaded(loaded.new_cache(8), *args), head(head.new_cache(8), *args), rtol=2e-2, atol=2e-2)
 
 
