@@ -21,9 +21,10 @@ def _sequences(files: ModelFiles, n: int, length: int, seed: int) -> data.Featur
     return data.features(files, seqs)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_models):
-    files = ModelFiles(tiny_models["llama"])
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(tiny_models, request):
+    """A tiny model with its training sequences; Gemma 3 adds scaled embeddings, sandwich norms, soft-capping."""
+    files = ModelFiles(tiny_models[request.param])
     local = LocalModel(files, 1, 0)
     target = train.Target(local)
     seqs = train.prepare(_sequences(files, 6, 24, 0), target)
