@@ -198,11 +198,24 @@ def serve(
     auth_token_file: Annotated[Optional[str], typer.Option(help="file of 'principal:token' lines; clients must present one")] = None,
     max_sessions_per_principal: Annotated[Optional[int], typer.Option(help="default: --max-sessions")] = None,
     max_kv_gib: Annotated[float, typer.Option(help="bound on the KV cache memory of all sessions, GiB")] = 8.0,
-    max_nodes_per_step: int = 4096,
+    max_nodes_per_step: Annotated[int, typer.Option(help="positions per step; clients split longer prompts")] = 256,
     max_frame_mib: Annotated[float, typer.Option(help="largest WebSocket message accepted, MiB")] = 64.0,
     idle_timeout_s: Annotated[float, typer.Option(help="seconds before a silent connection is closed")] = 600.0,
     send_timeout_s: Annotated[float, typer.Option(help="seconds a peer may take to read a reply")] = 30.0,
-    max_connections: int = 256,
+    max_connections: Annotated[int, typer.Option(help="open WebSockets; /health is never refused")] = 256,
+    max_connections_per_principal: Annotated[
+        Optional[int], typer.Option(help="default: a quarter of --max-connections with tokens, else all")
+    ] = None,
+    operator: Annotated[
+        Optional[list[str]], typer.Option(help="principal whose /health and /metrics show the whole server (repeatable)")
+    ] = None,
+    handshake_timeout_s: Annotated[float, typer.Option(help="seconds a connection may take to send its request head")] = 10.0,
+    max_header_kib: Annotated[int, typer.Option(help="largest request head (request line and headers), KiB")] = 16,
+    max_batch_rows: Annotated[int, typer.Option(help="positions in one shared forward pass")] = 256,
+    slice_rows: Annotated[
+        int, typer.Option(help="a longer step (a prompt) runs as forwards of this many positions, others' steps in between")
+    ] = 64,
+    max_batch_mib: Annotated[float, typer.Option(help="estimated activation and mask memory of one shared forward, MiB")] = 256.0,
     batch_window_ms: Annotated[
         float, typer.Option(help="steps of different sessions this close together share one forward; 0 disables")
     ] = 2.0,
@@ -219,7 +232,7 @@ def serve(
     from splitllm.server.app import MiddleServer, ServerSettings
     from splitllm.server.auth import TokenTable
     from splitllm.server.logs import configure
-    from splitllm.server.transport import TlsFiles, uvicorn_config
+    from splitllm.server.transport import TlsFiles, is_loopback, uvicorn_config
 
     if (tls_cert is None) != (tls_key is None) or (client_ca and not tls_cert):
         raise typer.BadParameter("--tls-cert and --tls-key go together, and --client-ca needs both")
@@ -237,6 +250,13 @@ def serve(
         max_sessions_per_principal=max_sessions_per_principal, max_kv_bytes=int(max_kv_gib * (1 << 30)),
         idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, max_connections=max_connections,
         batch_window_ms=batch_window_ms,
+        max_connections_per_principal=max_connections_per_principal,
+        operators=tuple(operator or ()),
+        max_batch_rows=max_batch_rows,
+        slice_rows=slice_rows,
+        max_batch_bytes=int(max_batch_mib * (1 << 20)),
+        handshake_timeout_s=handshake_timeout_s,
+        max_header_bytes=max_header_kib << 10,
     )
     tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
     scheme = "wss" if tls else "ws"
@@ -252,6 +272,8 @@ def serve(
     typer.echo(f"serving layers [{server.start}, {server.end}) on {scheme}://{host}:{port}/ws", err=True)
     if tokens is None:
         typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
+    elif tls is None and not is_loopback(host):
+        typer.echo(f"warning: tokens will cross the network in clear text to {host}; use --tls-cert or a tunnel", err=True)
     uvicorn.Server(uvicorn_config(server, host, port, tls)).run()
 
 
@@ -543,12 +565,18 @@ def bench_load(
         str, typer.Option(help="device: clients replay solo runs, their compute a pause (own devices); real: all compute here")
     ] = "device",
     out: Annotated[str, typer.Option(help="folder for load.json, load.md and load.png")] = "results/load",
+    prefill: Annotated[
+        int, typer.Option(help="instead: the largest --clients decoders alone, then with one prompt of this many positions")
+    ] = 0,
+    max_nodes_per_step: Annotated[int, typer.Option(help="the server's positions per step (--prefill runs)")] = 256,
+    max_batch_rows: Annotated[int, typer.Option(help="the server's positions per shared forward (--prefill runs)")] = 256,
+    slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 64,
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
     import shlex
     from pathlib import Path
 
-    from splitllm.bench.load import LoadSettings, ServerKind, run_load
+    from splitllm.bench.load import LoadSettings, ServerKind, prefill_markdown, run_load, run_prefill
 
     _need_extra("bench")
     counts, windows, replicas = _numbers(clients, int), _numbers(batch_window_ms, float), _numbers(ray_replicas, int)
@@ -562,11 +590,24 @@ def bench_load(
         except ImportError:
             raise typer.BadParameter("--ray-replicas needs Ray Serve: pip install 'splitllm[ray]'") from None
     on = max(windows, default=2.0) or 2.0
-    kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
     settings = LoadSettings(
         max_new_tokens=max_new_tokens, rtt_ms=rtt_ms, prompts=prompts, context=max_context, max_kv_gib=max_kv_gib,
-        clients_compute=clients_compute,
+        clients_compute="device" if prefill > 0 else clients_compute,
     )
+    if prefill > 0:
+        serve_args = [
+            "--max-nodes-per-step", str(max_nodes_per_step), "--max-batch-rows", str(max_batch_rows),
+            "--slice-rows", str(slice_rows),
+        ]
+        result = run_prefill(max(counts), prefill, settings, on, serve_args, out, shlex.join(["splitllm", *sys.argv[1:]]),
+                             progress=lambda line: typer.echo(line, err=True))
+        typer.echo(prefill_markdown(result))
+        typer.echo(f"wrote {out}/prefill.json, prefill.md", err=True)
+        rows = (result["alone"], result["with_prefill"])
+        if not result["prefill_ok"] or any(r["errors"] or r["correct_clients"] != r["clients"] for r in rows):
+            raise typer.Exit(1)
+        return
+    kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
     result = run_load(counts, kinds, settings, out, shlex.join(["splitllm", *sys.argv[1:]]),
                       progress=lambda line: typer.echo(line, err=True))
     typer.echo(Path(out, "load.md").read_text())

@@ -212,6 +212,12 @@ class Conversation:
         if self._pipeline is None:
             self._pipeline = SplitPipeline(client.local, client._middle(), client.max_context)
         pipeline = self._pipeline
+        granted = pipeline.middle.max_context  # the server may hold fewer positions than we asked for
+        if len(self.ids) + len(new_ids) + max_new_tokens > granted:
+            raise ValueError(
+                f"context of {len(self.ids) + len(new_ids)} tokens plus {max_new_tokens} new exceeds the "
+                f"server's maximum context of {granted}; shorten the prompt or ask for fewer tokens"
+            )
         gen = Generation(list(new_ids))
         feed = self.ids[-1:] + gen.prompt_ids
         self.ids.extend(gen.prompt_ids)

@@ -7,6 +7,7 @@ directory, so later starts read safetensors and each side maps only the tensors 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ from transformers import AutoConfig, PretrainedConfig
 from splitllm.model.config import ModelConfig
 
 DEFAULT_MODEL = "default"
+SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,12 @@ def _file_digest(path: Path) -> str:
     return digest
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize a GGUF file through transformers into an HF folder (float32 safetensors)."""
     from safetensors.torch import save_file
@@ -152,6 +160,8 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
         if not (dest / "model.safetensors").is_file():
             dest.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path, dest)
+        if not (dest / SOURCE_FILE).is_file():
+            _write_atomic(dest / SOURCE_FILE, json.dumps({"file": path.name, "sha256": _file_digest(path)}))
         return dest
     raise FileNotFoundError(f"model {spec!s} is neither an HF folder nor a .gguf file")
 
@@ -187,11 +197,27 @@ class ModelFiles:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Identity of the exact weights: both sides compute it without loading each other's tensors."""
-        h = hashlib.sha256(json.dumps(self.hf_config.to_dict(), sort_keys=True, default=str).encode())
-        for f in sorted(set(self._tensor_files.values())):
-            h.update(_file_digest(f).encode())
+        """Identity of the exact weights and the math over them, the same on any library release.
+
+        It hashes the source weight files (the .gguf a folder was converted from, or an HF folder's
+        safetensors, whose headers hold every tensor's name, shape and dtype) and our own ModelConfig
+        (the fields that define the decoder math), never the converted tensors nor transformers'
+        config dict (which carries its version and defaults that vary between releases).
+        """
+        math = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
+        h = hashlib.sha256(b"splitllm-fingerprint-2\n" + math.encode())
+        for name, digest in self.sources:
+            h.update(f"{name}\0{digest}\n".encode())
         return h.hexdigest()
+
+    @cached_property
+    def sources(self) -> list[tuple[str, str]]:
+        """(file name, sha256) of each source weight file."""
+        marker = self.path / SOURCE_FILE
+        if marker.is_file():
+            source = json.loads(marker.read_text())
+            return [(source["file"], source["sha256"])]
+        return [(f.name, _file_digest(f)) for f in sorted(set(self._tensor_files.values()))]
 
     def has(self, name: str) -> bool:
         return name in self._tensor_files

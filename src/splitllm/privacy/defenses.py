@@ -44,6 +44,10 @@ class NoisyMiddle:
         self.inner, self.sigma = inner, sigma
         self.gen = torch.Generator().manual_seed(seed)
 
+    @property
+    def max_context(self) -> int:
+        return self.inner.max_context
+
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
     ) -> torch.Tensor:
