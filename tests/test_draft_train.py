@@ -21,9 +21,10 @@ def _sequences(files: ModelFiles, n: int, length: int, seed: int) -> data.Featur
     return data.features(files, seqs)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_models):
-    files = ModelFiles(tiny_models["llama"])
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(tiny_models, request):
+    """A tiny model with its training sequences; Gemma 3 adds scaled embeddings, sandwich norms, soft-capping."""
+    files = ModelFiles(tiny_models[request.param])
     local = LocalModel(files, 1, 0)
     target = train.Target(local)
     seqs = train.prepare(_sequences(files, 6, 24, 0), target)
@@ -41,7 +42,7 @@ def test_unrolled_passes_equal_chained_drafting(tiny) -> None:
         outs = train.unrolled(head, target, [s], passes, greedy=True)
     b = 9
     cache = head.new_cache(64)
-    emb = local.embed_weight
+    emb = target.embed
     got = head(cache, s.feats[: b + 1], emb[s.ids[1 : b + 2]], torch.arange(b + 1), Visibility.chain(b + 1), [])[-1]
     torch.testing.assert_close(got, outs[0][b], rtol=1e-4, atol=1e-4)
     keep = list(range(b + 1))
@@ -68,7 +69,7 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
     loaded = store.load_head(files, folder)
     assert loaded is not None and loaded.vocab.tolist() == vocab
     x = seqs[0]
-    args = (x.feats[:5], local.embed_weight[x.ids[1:6]], torch.arange(5), Visibility.chain(5), [])
+    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
     torch.testing.assert_close(loaded(loaded.new_cache(8), *args), head(head.new_cache(8), *args), rtol=2e-2, atol=2e-2)
 
 

@@ -671,11 +671,11 @@ app.add_typer(draft_app, name="draft")
 def draft_train(
     out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
     model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
-    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 256,
+    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 96,
     max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
     texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 48,
     vocab: Annotated[int, typer.Option(help="draft vocabulary: the most frequent target tokens")] = 8192,
-    epochs: Annotated[int, typer.Option(help="passes over the training data")] = 2,
+    epochs: Annotated[int, typer.Option(help="passes over the training data")] = 6,
     passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 2,
     seed: int = 0,
     work: Annotated[Optional[str], typer.Option(help="folder caching answers and features [default: under the cache]")] = None,

@@ -27,7 +27,7 @@ from splitllm.model.weights import ModelFiles, cache_root
 
 @dataclass(frozen=True)
 class DataSettings:
-    prompts: int = 256  # self-distillation prompts answered by the target
+    prompts: int = 96  # self-distillation prompts answered by the target
     max_new_tokens: int = 160
     texts: int = 48  # passages of standard-library prose and code
     text_length: int = 256

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from splitllm.client.local import LocalModel
 from splitllm.kv import KVCache
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
@@ -166,13 +167,13 @@ class Extractor:
 
     def __init__(self, files: ModelFiles) -> None:
         self.stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
-        self.embed = files.read(["model.embed_tokens.weight"], torch.float32)["model.embed_tokens.weight"]
+        self.embed = LocalModel(files, 1, 0).embed  # the client's embedding, scaled where the family scales it
 
     def __call__(self, sequence: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor(list(sequence), dtype=torch.long)
         n = ids.numel()
         cache: KVCache = self.stage.new_cache(n)
-        return self.stage(cache, self.embed[ids], torch.arange(n), Visibility.chain(n), []).clone()
+        return self.stage(cache, self.embed(ids), torch.arange(n), Visibility.chain(n), []).clone()
 
 
 def features(

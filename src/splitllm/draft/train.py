@@ -33,7 +33,7 @@ from splitllm.model.stage import Stage
 @dataclass(frozen=True)
 class TrainSettings:
     vocab: int = 8192  # draft vocabulary: the most frequent target tokens of the data
-    epochs: int = 2
+    epochs: int = 6
     passes: int = 2  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
     batch_tokens: int = 512
     lr: float = 1e-3
@@ -66,18 +66,20 @@ class Target:
     """The client's own pieces the head is trained against: embedding, final norm, LM head."""
 
     def __init__(self, local: LocalModel) -> None:
-        self.embed = local.embed_weight
+        self.embed = local.input_table()  # scaled as layer 0 sees it, for families that scale it
         self.norm = local.norm
         self.lm_head = local.lm_head
         self.eps = local.cfg.rms_norm_eps
+        self.softcap = local.cfg.final_logit_softcap
 
     @torch.no_grad()
     def greedy(self, feats: torch.Tensor, chunk: int = 512) -> torch.Tensor:
         return torch.cat([(rms_norm(f, self.norm, self.eps) @ self.lm_head.T).argmax(-1) for f in feats.split(chunk)])
 
     def draft_logits(self, feats: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary (`rows` = the LM head's rows for it)."""
-        return rms_norm(feats, self.norm, self.eps) @ rows.T
+        """Logits over the draft vocabulary (`rows` = the LM head's rows for it), soft-capped as the target's."""
+        logits = rms_norm(feats, self.norm, self.eps) @ rows.T
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 
 def draft_vocabulary(data: Sequence[Sequence_], size: int, vocab_size: int) -> list[int]:
@@ -112,7 +114,7 @@ def unrolled(
     Deeper passes take the token x_{t+1} of the data (teacher forcing: the answers are the target's own
     greedy choices), or with `greedy` the target's greedy token, as greedy drafting meets it.
     """
-    layer, rotary = head.stage.layers[0], head.stage.rotary
+    layer, rotary = head.stage.layers[0], head.stage.rotaries[0]
     cfg = head.cfg
     lens = [int(s.ids.numel()) - 1 for s in batch]
     feats_in = torch.cat([s.feats[:-1] for s in batch])
