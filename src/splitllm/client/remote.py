@@ -187,7 +187,7 @@ class RemoteMiddle:
                     raise ConnectionResetError("the session's committed entries differ from the client's")
                 parts = [
                     self._send_part(sent, positions, vis, start, end, part_keep, stats)
-                    for start, end, part_keep in self._keeps(vis.cuts(self._max_nodes), server_keep)
+                    for start, end, part_keep in self._keeps(vis.cuts(self.max_nodes), server_keep)
                 ]
                 break
             except Exception as exc:

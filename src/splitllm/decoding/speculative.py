@@ -177,7 +177,7 @@ class SpeculativeDecoder:
         steps: list[StepStats] = []
         remaining = max_new_tokens
         while remaining > 0:
-            room = pipeline.room(start) - len(chain)  # nodes the tree and window may take
+            room = max(pipeline.room(start) - len(chain), 0)  # nodes the tree and window may take
             budget = policy.choose(steps)
             budget = replace(budget, depth=min(budget.depth, remaining - 1, room))
             calibration.resolve(history)
