@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitllm.model.config import ModelConfig
+from splitllm.model.precision import Precision
+from splitllm.model.quant import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,23 +61,25 @@ class Segment:
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer; parameters are created empty and filled by the weight loader."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, precision: Precision) -> None:
         super().__init__()
         self.cfg = cfg
+        self.attention_dtype = precision.attention_dtype
         d, hd = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.q_size, self.kv_size = q, kv
+        dtype, device = precision.dtype, precision.torch_device
 
-        def empty(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device)
 
-        self.input_norm = empty(d)
-        self.qkv = empty(q + 2 * kv, d)
-        self.qkv_bias = empty(q + 2 * kv) if cfg.qkv_bias else None
-        self.o_proj = empty(d, q)
-        self.post_norm = empty(d)
-        self.gate_up = empty(2 * cfg.intermediate_size, d)
-        self.down = empty(d, cfg.intermediate_size)
+        self.input_norm = nn.Parameter(empty(d), requires_grad=False)
+        # Linear modules: dense here; the loader swaps in the stored (possibly quantized) ones.
+        self.qkv: nn.Module = Linear(empty(q + 2 * kv, d), empty(q + 2 * kv) if cfg.qkv_bias else None)
+        self.o_proj: nn.Module = Linear(empty(d, q))
+        self.post_norm = nn.Parameter(empty(d), requires_grad=False)
+        self.gate_up: nn.Module = Linear(empty(2 * cfg.intermediate_size, d))
+        self.down: nn.Module = Linear(empty(d, cfg.intermediate_size))
 
     def forward(self, x: torch.Tensor, segments: Sequence[Segment], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x: (1, rows, d), the new positions of one or more sequences stacked along rows.
@@ -86,13 +90,13 @@ class DecoderLayer(nn.Module):
         """
         cfg = self.cfg
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qkv = self.qkv(h)
         outs = [self._attend(qkv[:, seg.rows], seg, k_cache, v_cache) for seg, (k_cache, v_cache) in zip(segments, kv)]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        x = x + F.linear(attn, self.o_proj)
+        x = x + self.o_proj(attn)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
 
     def _attend(self, qkv: torch.Tensor, seg: Segment, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -102,7 +106,8 @@ class DecoderLayer(nn.Module):
         k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
         k_cache[:, :, seg.offset :] = k
         v_cache[:, :, seg.offset :] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        at = self.attention_dtype
         attn = F.scaled_dot_product_attention(
-            q, k_cache, v_cache, attn_mask=seg.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+            q.to(at), k_cache.to(at), v_cache.to(at), attn_mask=seg.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
         )
-        return attn.transpose(1, 2).reshape(1, n, self.q_size)
+        return attn.to(qkv.dtype).transpose(1, 2).reshape(1, n, self.q_size)

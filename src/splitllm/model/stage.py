@@ -11,17 +11,18 @@ from torch import nn
 from splitllm.kv import KVCache
 from splitllm.model.blocks import DecoderLayer, Rotary, Segment
 from splitllm.model.config import ModelConfig
+from splitllm.model.precision import Precision
+from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
-_LAYER_TENSORS = {
-    "input_norm": ["input_layernorm.weight"],
-    "qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-    "qkv_bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
-    "o_proj": ["self_attn.o_proj.weight"],
-    "post_norm": ["post_attention_layernorm.weight"],
-    "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-    "down": ["mlp.down_proj.weight"],
+# Each layer attribute and the checkpoint tensors it is made of (fused along the outputs).
+_NORMS = {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
+_LINEARS = {
+    "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "o_proj": ["self_attn.o_proj"],
+    "gate_up": ["mlp.gate_proj", "mlp.up_proj"],
+    "down": ["mlp.down_proj"],
 }
 
 
@@ -39,33 +40,38 @@ class StepInput:
 class Stage(nn.Module):
     """Layers [start, end) of a model; `forward` runs one step of n new positions over a cache.
 
-    Weights are shared; each session brings its own cache (`new_cache`).
+    Weights are shared; each session brings its own cache (`new_cache`). `precision` (or a bare
+    dtype: dense weights on the CPU) fixes how the stage stores and computes, once.
     """
 
-    def __init__(self, cfg: ModelConfig, start: int, end: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, start: int, end: int, precision: Precision | torch.dtype) -> None:
         super().__init__()
         if not 0 <= start < end <= cfg.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {cfg.num_layers} layers")
-        self.cfg, self.start, self.end, self.dtype = cfg, start, end, dtype
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(start, end))
+        self.precision = Precision.of(precision)
+        self.cfg, self.start, self.end, self.dtype = cfg, start, end, self.precision.dtype
+        self.device = self.precision.torch_device
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.precision) for _ in range(start, end))
         self.windows = cfg.layer_windows[start:end]
         self.rotary = Rotary(cfg)
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
-        return KVCache(self.end - self.start, cfg.num_kv_heads, cfg.head_dim, max_context, self.dtype)
+        return KVCache(self.end - self.start, cfg.num_kv_heads, cfg.head_dim, max_context, self.dtype, self.device)
 
     @classmethod
-    def load(cls, files: ModelFiles, start: int, end: int, dtype: torch.dtype) -> Stage:
-        """Build the stage reading only its own layers' tensors."""
-        stage = cls(files.config, start, end, dtype)
+    def load(cls, files: ModelFiles, start: int, end: int, precision: Precision | torch.dtype) -> Stage:
+        """Build the stage reading only its own layers' tensors, in the form `precision` stores them."""
+        stage = cls(files.config, start, end, precision)
+        weights = StoredWeights(files, stage.precision)
         for i, layer in zip(range(start, end), stage.layers):
-            for attr, suffixes in _LAYER_TENSORS.items():
-                if getattr(layer, attr) is None:
-                    continue
-                names = [f"model.layers.{i}.{s}" for s in suffixes]
-                parts = files.read(names, dtype)
-                getattr(layer, attr).data = torch.cat([parts[n] for n in names]).contiguous()
+            prefix = f"model.layers.{i}."
+            for attr, name in _NORMS.items():
+                getattr(layer, attr).data = weights.dense([prefix + name])[prefix + name]
+            for attr, modules in _LINEARS.items():
+                biases = [f"{prefix}{m}.bias" for m in modules]
+                bias = biases if attr == "qkv" and files.config.qkv_bias else None
+                setattr(layer, attr, weights.linear([f"{prefix}{m}.weight" for m in modules], bias))
         return stage
 
     def check_step(
@@ -119,13 +125,14 @@ class Stage(nn.Module):
             n = s.hidden.shape[0]
             s.cache.keep(s.keep)
             s.cache.stage_new(s.positions)
-            cos, sin = self.rotary(s.positions, self.dtype)
+            cos, sin = (t.to(self.device) for t in self.rotary(s.positions, self.dtype))
             cache_pos = s.cache.positions[: s.cache.length]
             for w, segs in segments.items():
-                mask = s.vis.additive_mask(cache_pos, s.positions, w, self.dtype)
+                mask = s.vis.additive_mask(cache_pos, s.positions, w, self.precision.attention_dtype)
+                mask = None if mask is None else mask.to(self.device)
                 segs.append(Segment(slice(row, row + n), cos, sin, mask, s.cache.length))
             row += n
-        x = torch.cat([s.hidden.to(self.dtype) for s in steps])[None]
+        x = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])[None]
         for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
             kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
             x = layer(x, segments[window], kv)

@@ -146,6 +146,14 @@ class ModelFiles:
     def has(self, name: str) -> bool:
         return name in self._tensor_files
 
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensor_files)
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return sorted(set(self._tensor_files.values()))
+
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Read only the named tensors, converted to dtype."""
         by_file: dict[Path, list[str]] = {}

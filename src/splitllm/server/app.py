@@ -27,6 +27,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from splitllm import wire
 from splitllm.model.stage import Stage, StepInput
+from splitllm.model.precision import Precision
 from splitllm.model.weights import ModelFiles
 from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import event, log, session_tag
@@ -42,6 +43,8 @@ class ServerSettings:
     head: int = 2
     tail: int = 2
     dtype: torch.dtype = torch.float32
+    quant: str = "none"  # weight-only quantization of the middle layers: none, int8 or int4
+    device: str = "cpu"
     max_context: int = 4096
     max_sessions: int = 64
     session_ttl_s: float = 600.0
@@ -53,6 +56,10 @@ class ServerSettings:
     send_timeout_s: float = 30.0  # a reply the peer does not take within this ends its connection
     max_connections: int = 256  # further connections get HTTP 503
     batch_window_ms: float = 2.0  # steps of different sessions this close together share a forward; 0: off
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(self.dtype, self.quant, self.device)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ class MiddleServer:
         self.settings = settings
         self.tokens = tokens
         self.start, self.end = settings.head, cfg.num_layers - settings.tail
-        self.stage = Stage.load(self.files, self.start, self.end, settings.dtype)
+        self.stage = Stage.load(self.files, self.start, self.end, settings.precision)
         self.fingerprint = self.files.fingerprint
         self.sessions = SessionStore(
             settings.max_sessions, settings.session_ttl_s, settings.max_sessions_per_principal, settings.max_kv_bytes
@@ -102,6 +109,7 @@ class MiddleServer:
             "model": self.files.config.model_type,
             "fingerprint": self.fingerprint,
             "layers": [self.start, self.end],
+            "precision": self.settings.precision.name,
             "sessions": len(self.sessions),
             "kv_bytes": self.sessions.kv_bytes,
             "kv_bytes_limit": self.settings.max_kv_bytes,
