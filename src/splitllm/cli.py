@@ -13,15 +13,13 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Split LLM inference over a WAN.")
 
-_DTYPES = {"float32", "bfloat16"}
+def _precision(dtype: str, quant: str, device: str):  # type: ignore[no-untyped-def]
+    from splitllm.model.precision import Precision
 
-
-def _torch_dtype(name: str):  # type: ignore[no-untyped-def]
-    import torch
-
-    if name not in _DTYPES:
-        raise typer.BadParameter(f"compute dtype must be one of {', '.join(sorted(_DTYPES))}")
-    return getattr(torch, name)
+    try:
+        return Precision.parse(dtype, quant, device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _threads(n: int) -> None:
@@ -36,7 +34,11 @@ def _client(
     head: int = 2,
     tail: int = 2,
     wire_dtype: str = "float16",
-    dtype: str = "float32",
+    dtype: Annotated[str, typer.Option(help="compute dtype of the client's layers: float32, bfloat16 or float16")] = "float32",
+    quant: Annotated[str, typer.Option(help="weight-only quantization of the client's layers: none, int8 or int4")] = "none",
+    device: Annotated[str, typer.Option(help="cpu, cuda or mps (only cpu is verified)")] = "cpu",
+    lm_head_dtype: Annotated[Optional[str], typer.Option(help="compute dtype of embedding and LM head (default: --dtype)")] = None,
+    lm_head_quant: Annotated[Optional[str], typer.Option(help="quantization of the LM head (default: --quant)")] = None,
     threads: int = 1,
     token_file: Annotated[Optional[str], typer.Option(help="file holding the bearer token (default: $SPLITLLM_TOKEN)")] = None,
     ca: Annotated[Optional[str], typer.Option(help="PEM CA bundle to verify a wss:// server (self-signed setups)")] = None,
@@ -55,7 +57,11 @@ def _client(
         read_token(token_file), ca, insecure, client_cert, client_key, tuple(fallback or ()),
         deadline_s=reconnect_deadline,
     )
-    return SplitClient(model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype), connection=options)
+    precision = _precision(dtype, quant, device)
+    head_precision = _precision(lm_head_dtype or dtype, lm_head_quant or quant, device)
+    return SplitClient(
+        model, server, head, tail, wire_dtype, dtype=precision, head_precision=head_precision, connection=options
+    )
 
 
 def _sampling(
@@ -107,7 +113,9 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8765,
     wire_dtype: Annotated[str, typer.Option(help="accepted for symmetry; each session picks its own")] = "float16",
-    dtype: Annotated[str, typer.Option(help="compute dtype")] = "float32",
+    dtype: Annotated[str, typer.Option(help="compute dtype: float32 (exact), bfloat16 or float16")] = "float32",
+    quant: Annotated[str, typer.Option(help="weight-only quantization: none, int8 or int4")] = "none",
+    device: Annotated[str, typer.Option(help="cpu, cuda or mps (only cpu is verified)")] = "cpu",
     max_context: int = 4096,
     max_sessions: int = 64,
     session_ttl: Annotated[float, typer.Option(help="idle seconds before a session is dropped")] = 600.0,
@@ -154,8 +162,10 @@ def serve(
         raise typer.BadParameter("--client-ca (mutual TLS) is not available with --engine ray; use --auth-token-file")
     configure(log_format)
     _threads(threads)
+    precision = _precision(dtype, quant, device)
     settings = ServerSettings(
-        head, tail, _torch_dtype(dtype), max_context, max_sessions, session_ttl, max_nodes_per_step,
+        head, tail, precision.dtype, precision.quant, precision.device, max_context, max_sessions, session_ttl,
+        max_nodes_per_step,
         int(max_frame_mib * (1 << 20)), max_sessions_per_principal, int(max_kv_gib * (1 << 30)),
         idle_timeout, send_timeout, max_connections, batch_window_ms,
     )

@@ -79,7 +79,7 @@ class LocalModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits (on the CPU) over the given rows only: callers pass just the nodes the verifier needs.
+        """Logits (on the CPU, at least float32) over the given rows only: callers pass just the nodes the verifier needs.
 
         With a float32 head, a few rows go one at a time through the matrix-vector kernel, so a
         row's logits are the same bits however many rows a decoder scores, and the same as
@@ -92,7 +92,7 @@ class LocalModel:
             out = torch.cat([self.lm_head(row) for row in x.split(1)])
         else:
             out = self.lm_head(x)
-        return out.float().cpu()
+        return out.to("cpu", torch.promote_types(out.dtype, torch.float32))
 
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,6 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, precision: Precision) -> None:
         super().__init__()
         self.cfg = cfg
-        self.attention_dtype = precision.attention_dtype
         d, hd = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.q_size, self.kv_size = q, kv
@@ -106,8 +105,7 @@ class DecoderLayer(nn.Module):
         k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
         k_cache[:, :, seg.offset :] = k
         v_cache[:, :, seg.offset :] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        at = self.attention_dtype
         attn = F.scaled_dot_product_attention(
-            q.to(at), k_cache.to(at), v_cache.to(at), attn_mask=seg.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+            q.to(k_cache.dtype), k_cache, v_cache, attn_mask=seg.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
         )
         return attn.to(qkv.dtype).transpose(1, 2).reshape(1, n, self.q_size)

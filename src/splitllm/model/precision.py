@@ -3,6 +3,7 @@
 A `Precision` is a property of a Stage (and of the client's embedding and LM head); the decoder math
 never branches on it, it only calls the linear modules and dtypes the precision built. float32 with
 no quantization is the exact mode: bit-identical to transformers' greedy decoding.
+float64 exists for reference computations in tests.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch import nn
 
 from splitllm.model.quant import QUANTIZED, Linear
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 QUANTS = ("none", "int8", "int4")
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -30,7 +32,7 @@ class Precision:
             raise ValueError(f"compute dtype must be one of {', '.join(DTYPES)}, got {self.dtype}")
         if self.quant not in QUANTS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTS)}, got {self.quant!r}")
-        if torch.device(self.device).type not in DEVICES:
+        if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
     @classmethod
@@ -47,7 +49,8 @@ class Precision:
 
     @property
     def exact(self) -> bool:
-        return self.dtype == torch.float32 and self.quant == "none"
+        """Computes on the checkpoint's own values (float64 is for reference computations in tests)."""
+        return self.dtype not in _SIXTEEN_BIT and self.quant == "none"
 
     @property
     def torch_device(self) -> torch.device:
@@ -56,7 +59,7 @@ class Precision:
     @property
     def attention_dtype(self) -> torch.dtype:
         """CPU attention runs in float32: its 16-bit kernels are several times slower for a few query rows."""
-        return torch.float32 if self.torch_device.type == "cpu" else self.dtype
+        return torch.float32 if self.torch_device.type == "cpu" and self.dtype in _SIXTEEN_BIT else self.dtype
 
     @property
     def name(self) -> str:

@@ -51,7 +51,7 @@ class Int8Linear(nn.Module):
         w = w.float()
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return {"q": q, "scales": scales}
+        return {"q": q, "scales": scales.to(KERNEL_DTYPE)}
 
     @classmethod
     def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> Int8Linear:
@@ -88,7 +88,8 @@ class Int4Linear(nn.Module):
         scales = ((high - low) / 15).clamp(min=1e-12)
         q = torch.round((g - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(out, inp)
         zeros = low + 8 * scales  # the kernels compute (q - 8) * scale + zero
-        return {"nibbles": q[:, ::2] << 4 | q[:, 1::2], "scales_zeros": torch.stack([scales, zeros], -1)}
+        scales_zeros = torch.stack([scales, zeros], -1).to(KERNEL_DTYPE)
+        return {"nibbles": q[:, ::2] << 4 | q[:, 1::2], "scales_zeros": scales_zeros}
 
     @classmethod
     def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> Int4Linear:

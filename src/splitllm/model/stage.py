@@ -57,7 +57,9 @@ class Stage(nn.Module):
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
-        return KVCache(self.end - self.start, cfg.num_kv_heads, cfg.head_dim, max_context, self.dtype, self.device)
+        # Kept in the attention's dtype, so a step converts only its new entries, never the whole cache.
+        at = self.precision.attention_dtype
+        return KVCache(self.end - self.start, cfg.num_kv_heads, cfg.head_dim, max_context, at, self.device)
 
     @classmethod
     def load(cls, files: ModelFiles, start: int, end: int, precision: Precision | torch.dtype) -> Stage:

@@ -1,6 +1,6 @@
 """A model's tensors in the form one precision runs them: 16-bit or quantized, converted once.
 
-The exact mode (float32, no quantization) reads the model folder itself. Any other precision keeps
+The exact mode (float32 or float64, no quantization) reads the model folder itself. Any other precision keeps
 its own copy under the cache directory, one safetensors file per layer (and one for the embedding,
 final norm and LM head), each written the first time a side asks for one of its tensors: a side
 converts only the layers it runs, and conversion holds one layer in memory at a time.
@@ -59,13 +59,13 @@ class StoredWeights:
     def dense(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Norms, biases and the embedding table, in the compute dtype."""
         if self.precision.exact:
-            return {n: self.precision.dense(t) for n, t in self.files.read(names, torch.float32).items()}
+            return {n: self.precision.dense(t) for n, t in self.files.read(names, self.precision.dtype).items()}
         return {n: self.precision.dense(self._read(n)) for n in names}
 
     def linear(self, names: list[str], bias: list[str] | None = None) -> torch.nn.Module:
         """One linear module computing the named weights (and biases) fused along their outputs."""
         if self.precision.exact:
-            parts = [{"weight": w} for w in self.files.read(names, torch.float32).values()]
+            parts = [{"weight": w} for w in self.files.read(names, self.precision.dtype).values()]
         else:
             parts = [self._linear_parts(n) for n in names]
         stored = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
