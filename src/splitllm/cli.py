@@ -22,6 +22,16 @@ def _precision(dtype: str, quant: str, device: str):  # type: ignore[no-untyped-
         raise typer.BadParameter(str(exc)) from None
 
 
+def _setting(name: str):  # type: ignore[no-untyped-def]
+    """A 'dtype-quant' name (float32-none, bfloat16-int8, ...) as a Precision."""
+    from splitllm.model.precision import Precision
+
+    try:
+        return Precision.from_name(name)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 def _threads(n: int) -> None:
     import torch
 
@@ -302,11 +312,15 @@ def demo(
     rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
     max_new_tokens: int = 96,
     decode: str = "sequential",
+    setting: Annotated[
+        Optional[str], typer.Option(help="dtype-quant of both sides, e.g. float32-none (exact); default: the fastest")
+    ] = None,
 ) -> None:
     """Start a server, an emulated WAN link and a client on loopback; stream an answer and step stats."""
     from splitllm.demo import DEMO_PROMPT, run_demo
+    from splitllm.model.precision import FASTEST
 
-    run_demo(prompt or DEMO_PROMPT, rtt, max_new_tokens, decode)
+    run_demo(prompt or DEMO_PROMPT, rtt, max_new_tokens, decode, _setting(setting or FASTEST))
 
 
 @app.command()
@@ -331,7 +345,7 @@ app.add_typer(bench_app, name="bench")
 # --- bench runtime: cost of the split runtime itself (server forward, loads, memory, decode steps) ---
 @bench_app.command("runtime")
 def bench_runtime(
-    out: Annotated[str, typer.Option(help="JSON report path")] = "results/runtime.json",
+    out: Annotated[str, typer.Option(help="JSON report path (the Markdown goes next to it)")] = "results/runtime.json",
     head: int = 2,
     tail: int = 2,
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for decoding (1-8)")] = 1,
@@ -339,16 +353,37 @@ def bench_runtime(
     max_new_tokens: int = 64,
     rtt: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
     wire_dtype: Annotated[str, typer.Option(help="wire dtype of the decoding runs")] = "float16",
+    settings: Annotated[Optional[str], typer.Option(help="comma-separated dtype-quant settings (default: all measured)")] = None,
+    fastest: Annotated[Optional[str], typer.Option(help="the setting decoded end to end next to float32-none")] = None,
+    threads: Annotated[str, typer.Option(help="comma-separated thread counts of the server forward")] = "1,2",
 ) -> None:
-    """Server forward vs the memory-bandwidth floor, load times, peak RSS, decode steps, wire dtype drift."""
-    from splitllm.bench.runtime import run_runtime, summary
+    """Server forward per precision vs the memory-bandwidth floor, client step, loads, RSS, decoding, wire dtypes."""
+    from splitllm.bench.runtime import FASTEST, SETTINGS, markdown, run_runtime
 
     result = run_runtime(
         out, head, tail, prompts_per_category, max_new_tokens, tuple(float(r) for r in rtt.split(",")), wire_dtype,
-        dtype_prompts_per_category,
+        dtype_prompts_per_category, tuple(settings.split(",")) if settings else SETTINGS, fastest or FASTEST,
+        tuple(int(t) for t in threads.split(",")),
     )
-    typer.echo(summary(result))
+    typer.echo(markdown(result))
     typer.echo(f"wrote {out}", err=True)
+
+
+@bench_app.command("quality")
+def bench_quality(
+    out: Annotated[str, typer.Option(help="folder for quality.json and quality.md")] = "results",
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (8: the 32-prompt suite)")] = 8,
+    max_new_tokens: int = 128,
+    settings: Annotated[str, typer.Option(help="comma-separated dtype-quant settings to compare with float32-none")] = (
+        "bfloat16-none,bfloat16-int8,bfloat16-int4"
+    ),
+    ppl_positions: Annotated[int, typer.Option(help="held-out text positions for perplexity")] = 3072,
+) -> None:
+    """Greedy agreement with float32 and perplexity on held-out text, per precision."""
+    from splitllm.bench.quality import markdown, run_quality
+
+    result = run_quality(tuple(settings.split(",")), prompts_per_category, max_new_tokens, ppl_positions, out)
+    typer.echo(markdown(result))
 # --- end bench runtime ---
 
 
@@ -392,13 +427,15 @@ def bench_speculation(
         str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget)")
     ] = "sequential,lookup,lookahead,auto,auto-static",
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
+    setting: Annotated[Optional[str], typer.Option(help="dtype-quant of both sides; default: the fastest")] = None,
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
     from splitllm.bench.speculation import run_speculation
+    from splitllm.model.precision import FASTEST
 
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt, tuple(m.strip() for m in modes.split(",") if m.strip()), out,
-        progress=lambda line: typer.echo(line, err=True), sampling=sampling,
+        progress=lambda line: typer.echo(line, err=True), sampling=sampling, precision=_setting(setting or FASTEST),
     )
     typer.echo(result["markdown"])
 

@@ -10,20 +10,25 @@ from rich.table import Table
 
 from splitllm.client.session import SplitClient
 from splitllm.launch import ServerProcess
+from splitllm.model.precision import FASTEST, Precision
 from splitllm.netem import LinkProfile, ProxyThread
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def run_demo(
-    prompt: str = DEMO_PROMPT, rtt_ms: float = 80.0, max_new_tokens: int = 96, decode: str = "sequential"
+    prompt: str = DEMO_PROMPT,
+    rtt_ms: float = 80.0,
+    max_new_tokens: int = 96,
+    decode: str = "sequential",
+    precision: Precision = Precision.from_name(FASTEST),
 ) -> None:
     console = Console(stderr=True)
     torch.set_num_threads(1)
     console.print("[bold]splitllm demo[/]: loading the client side of the default model (first run converts it once)")
-    client = SplitClient(None, head=2, tail=2)
-    with ServerProcess("--head", "2", "--tail", "2") as server:
-        console.print(f"server: layers {list(client.local.middle_range)} on {server.url}")
+    client = SplitClient(None, head=2, tail=2, dtype=precision)
+    with ServerProcess("--head", "2", "--tail", "2", *precision.serve_args()) as server:
+        console.print(f"server: layers {list(client.local.middle_range)} on {server.url}, both sides {precision.name}")
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             console.print(f"WAN proxy: {rtt_ms:.0f} ms RTT on port {proxy.port}\n[bold]prompt[/]: {prompt}\n")

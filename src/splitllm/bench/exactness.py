@@ -92,7 +92,7 @@ def check_exactness(
     client: SplitClient, prompts: Sequence[str], max_new_tokens: int, modes: Sequence[str] = tuple(MODES)
 ) -> ExactnessReport:
     report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes})
-    middle = Stage.load(client.files, *client.local.middle_range, client.dtype)
+    middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)
         expected = client.generate(ids, max_new_tokens).ids

@@ -26,7 +26,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin for arbitrary absolute positions (tree nodes share positions, so no running offset)."""
+    """cos/sin for arbitrary absolute positions (tree nodes share positions, so no running offset).
+
+    The sine comes with rotate-half's sign folded into its first half, so applying it takes one
+    swap of the halves instead of slices, a negation and a concatenation (the same bits: negation
+    is exact).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32)
@@ -35,16 +40,14 @@ class Rotary:
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        sign = torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling * sign).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's sign carried by `signed_sin` (see Rotary)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin
 
 
 @dataclass(frozen=True)

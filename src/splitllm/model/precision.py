@@ -17,6 +17,9 @@ from splitllm.model.quant import QUANTIZED, Linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+# The fastest setting `splitllm bench runtime` measured on the CPU here; the default of the demo and the
+# end-to-end benchmarks (the commands themselves default to the exact mode).
+FASTEST = "bfloat16-int8"
 QUANTS = ("none", "int8", "int4")
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -43,6 +46,12 @@ class Precision:
         return cls(DTYPES[dtype], quant, device)
 
     @classmethod
+    def from_name(cls, name: str) -> Precision:
+        """'bfloat16-int8' -> Precision: the inverse of `name` (on the CPU)."""
+        dtype, _, quant = name.partition("-")
+        return cls.parse(dtype, quant or "none")
+
+    @classmethod
     def of(cls, spec: Precision | torch.dtype) -> Precision:
         """A bare dtype means dense weights on the CPU."""
         return spec if isinstance(spec, Precision) else cls(spec)
@@ -65,6 +74,10 @@ class Precision:
     def name(self) -> str:
         """'bfloat16-int8': names the stored form of the weights (the device does not change it)."""
         return f"{str(self.dtype).removeprefix('torch.')}-{self.quant}"
+
+    def serve_args(self) -> list[str]:
+        """The `splitllm serve` options that give a server this precision."""
+        return ["--dtype", str(self.dtype).removeprefix("torch."), "--quant", self.quant, "--device", self.device]
 
     def store_linear(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors a linear weight is kept as on disk in this precision."""
