@@ -134,3 +134,32 @@ def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-
     assert client._middle().stage.precision == precision  # type: ignore[attr-defined]
     text = client.tokenizer.decode(client.generate("What is the capital of France?", 12).ids)
     assert "Paris" in text
+
+
+def _forward(ms: float, floor: float) -> dict:
+    rows = {n: {"median_ms": ms * k, "floor_ratio": ms * k / floor, "others_cores": 0.1} for n, k in (("1", 1), ("8", 2), ("32", 4))}
+    return {"layers": [2, 28], "context": 512, "weight_bytes": 88 << 20, "floor_ms": floor, "tokens": rows}
+
+
+def test_runtime_report_checks_every_target() -> None:
+    """The report's arithmetic on a made-up run: targets met, missed and not measured."""
+    from splitllm.bench.runtime import TARGETS, _met, markdown
+
+    step = {"total_ms": 20.0, "head_ms": 2.0, "server_ms": 10.0, "network_ms": 0.5, "tail_ms": 3.0}
+    run = {"rtt_ms": 0.0, "tok_s": 50.0, "tokens_per_step": 1.0, "mean_step_ms": step, "others_cores": 0.0}
+    result = {
+        "split": [2, 2], "settings": ["float32-none", "bfloat16-int8"], "fastest": "bfloat16-int8", "targets": TARGETS,
+        "bandwidth": {"1": {"read_gb_s": 10.0, "copy_gb_s": 8.0}},
+        "server_forward": {"float32-none 1t": _forward(50.0, 35.0), "bfloat16-int8 1t": _forward(8.0, 9.0)},
+        "client_step": {"bfloat16-int8 1t": {"median_ms": 5.0, "weight_bytes": 1 << 20, "others_cores": 0.0}},
+        "load": {"cold": {"total_s": 9.0, "resolve_s": 8.0, "server_s": 0.5, "client_s": 0.5}},
+        "memory": {"server bfloat16-int8": {"peak_mib": 500.0, "baseline_mib": 400.0, "weights_mib": 88.0}},
+        "decoding": {"bfloat16-int8": {"sequential": {"0": run}}, "float32-none": {"sequential": {"0": {**run, "tok_s": 25.0}}}},
+        "decoding_wire_dtype": "float16",
+    }
+    met = _met(result)
+    assert met["server_1_token_ms_bfloat16-int8"] and met["client_1_token_ms"] and met["sequential_tok_s_at_0ms"]
+    assert met["speedup_over_float32_at_0ms"] and not met["server_1_token_floor_ratio"]  # float32 at 1.43x its floor
+    assert met["server_1_token_ms_bfloat16-none"] is None and met["sequential_tok_s_at_80ms"] is None
+    text = markdown({**result, "met": met})
+    assert "| bfloat16-int8 | 1 | 88 | 9.0 | 8.0 (0.89x) |" in text and "| sequential_tok_s_at_80ms | 9.5 | not measured |" in text
