@@ -40,7 +40,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.register_buffer("q", q)
         self.register_buffer("scales", scales.to(KERNEL_DTYPE))
-        self.bias = bias
+        self.register_buffer("bias", bias)
 
     @property
     def out_features(self) -> int:
@@ -71,7 +71,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
         self._out = out_features
-        self.bias = bias
+        self.register_buffer("bias", bias)
 
     @property
     def out_features(self) -> int:
