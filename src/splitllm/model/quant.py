@@ -17,6 +17,11 @@ KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP = 32  # inputs per int4 scale: gpt-fast's smallest group, the most accurate
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, skipping the dispatch when it already is (a step makes hundreds of these calls)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T + b with dense weights in the compute dtype."""
 
@@ -58,8 +63,8 @@ class Int8Linear(nn.Module):
         return cls(stored["q"].to(device), stored["scales"].to(device), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(*x.shape[:-1], -1).to(x.dtype)
+        flat = _cast(x.reshape(-1, x.shape[-1]), KERNEL_DTYPE)
+        y = _cast(torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(*x.shape[:-1], -1), x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -104,12 +109,12 @@ class Int4Linear(nn.Module):
         return cls(packed.to(device), sz.to(device), q.shape[0], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
+        flat = _cast(x.reshape(-1, x.shape[-1]), KERNEL_DTYPE)
         if self.packed.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, INT4_GROUP, self.scales_zeros)
-        y = y.view(*x.shape[:-1], -1).to(x.dtype)
+        y = _cast(y.view(*x.shape[:-1], -1), x.dtype)
         return y if self.bias is None else y + self.bias
 
 
