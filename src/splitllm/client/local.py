@@ -55,8 +55,9 @@ class LocalModel:
         self.embed_weight, self.norm = dense[embed_name], dense["model.norm.weight"]
         tied_dense = head_name == embed_name and self.head_precision.quant == "none"
         self.lm_head = Linear(self.embed_weight) if tied_dense else weights.linear([head_name])
-        # float32 matrix products round differently for one row and for many (see `logits`).
-        self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype == torch.float32
+        # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
+        wide = (torch.float32, torch.float64)
+        self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype in wide
         self.head = Stage.load(files, 0, head, self.precision)
         self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, self.precision) if tail else None
 
