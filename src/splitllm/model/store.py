@@ -25,8 +25,9 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _PART = "::"  # a linear weight's stored parts are kept as "<name>::<part>"
 
 
-def _is_linear(name: str) -> bool:
-    return name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
+def _is_linear(name: str, quantized: bool) -> bool:
+    """A tied LM head is the embedding: its own (quantized) copy is kept only when it differs from the table."""
+    return name.endswith("proj.weight") or name == "lm_head.weight" or (quantized and name == "model.embed_tokens.weight")
 
 
 def _is_dense(name: str) -> bool:
@@ -98,7 +99,7 @@ class StoredWeights:
         for name, w in self.files.read(names, torch.float32).items():
             if _is_dense(name):
                 out[name] = w.to(self.precision.dtype).contiguous()
-            if _is_linear(name) and w.dim() == 2:
+            if _is_linear(name, self.precision.quant != "none") and w.dim() == 2:
                 out.update({f"{name}{_PART}{k}": v.contiguous() for k, v in self.precision.store_linear(w).items()})
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
