@@ -51,7 +51,7 @@ class LocalModel:
         embed_name = "model.embed_tokens.weight"
         head_name = embed_name if cfg.tie_word_embeddings or not files.has("lm_head.weight") else "lm_head.weight"
         weights = StoredWeights(files, self.head_precision)
-        dense = weights.dense([embed_name, "model.norm.weight"])
+        dense = {n: self.head_precision.dense(t) for n, t in weights.dense([embed_name, "model.norm.weight"]).items()}
         self.embed_weight, self.norm = dense[embed_name], dense["model.norm.weight"]
         tied_dense = head_name == embed_name and self.head_precision.quant == "none"
         self.lm_head = Linear(self.embed_weight) if tied_dense else weights.linear([head_name])

@@ -69,7 +69,7 @@ class Stage(nn.Module):
         for i, layer in zip(range(start, end), stage.layers):
             prefix = f"model.layers.{i}."
             for attr, name in _NORMS.items():
-                getattr(layer, attr).data = weights.dense([prefix + name])[prefix + name]
+                getattr(layer, attr).data = stage.precision.dense(weights.dense([prefix + name])[prefix + name])
             for attr, modules in _LINEARS.items():
                 biases = [f"{prefix}{m}.bias" for m in modules]
                 bias = biases if attr == "qkv" and files.config.qkv_bias else None

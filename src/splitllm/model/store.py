@@ -58,10 +58,12 @@ class StoredWeights:
         return self.files.has(name)
 
     def dense(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Norms, biases and the embedding table, in the compute dtype."""
+        """Norms, biases and the embedding table on the CPU, as stored: callers finish them with
+        `Precision.dense`. Vectors stay float32 (they are tiny, and a loader may still adjust them
+        before rounding); the embedding table is kept in the compute dtype."""
         if self.precision.exact:
-            return {n: self.precision.dense(t) for n, t in self.files.read(names, self.precision.dtype).items()}
-        return {n: self.precision.dense(self._read(n)) for n in names}
+            return self.files.read(names, self.precision.dtype)
+        return {n: self._read(n) for n in names}
 
     def linear(self, names: list[str], bias: list[str] | None = None) -> torch.nn.Module:
         """One linear module computing the named weights (and biases) fused along their outputs."""
@@ -98,7 +100,7 @@ class StoredWeights:
         out: dict[str, torch.Tensor] = {}
         for name, w in self.files.read(names, torch.float32).items():
             if _is_dense(name):
-                out[name] = w.to(self.precision.dtype).contiguous()
+                out[name] = (w if w.dim() == 1 else w.to(self.precision.dtype)).contiguous()
             if _is_linear(name, self.precision.quant != "none") and w.dim() == 2:
                 out.update({f"{name}{_PART}{k}": v.contiguous() for k, v in self.precision.store_linear(w).items()})
         path.parent.mkdir(parents=True, exist_ok=True)
