@@ -1,7 +1,7 @@
 """A model's tensors in the form one precision runs them: 16-bit or quantized, converted once.
 
-The exact mode (float32 or float64, no quantization) reads the model folder itself. Any other precision keeps
-its own copy under the cache directory, one safetensors file per layer (and one for the embedding,
+The exact mode (float32 or float64, no quantization) reads the model folder itself. Any other
+precision keeps its own copy under the cache directory, one safetensors file per layer (and one for the embedding,
 final norm and LM head), each written the first time a side asks for one of its tensors: a side
 converts only the layers it runs, and conversion holds one layer in memory at a time.
 """
@@ -47,15 +47,13 @@ class StoredWeights:
 
     @cached_property
     def folder(self) -> Path:
-        """Where this precision's files live: keyed by the source weights' bytes, so edits re-convert."""
+        """Where this precision's files live: keyed by the source folder and its files' sizes and times,
+        so replaced weights convert again."""
         h = hashlib.sha256(str(self.files.path.resolve()).encode())
         for f in self.files.weight_files:
             st = f.stat()
             h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
         return cache_root() / "stored" / f"{self.files.path.name}-{h.hexdigest()[:16]}" / self.precision.name
-
-    def has(self, name: str) -> bool:
-        return self.files.has(name)
 
     def dense(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Norms, biases and the embedding table on the CPU, as stored: callers finish them with
