@@ -16,7 +16,7 @@ from splitllm.model.precision import Precision
 from splitllm.model.quant import Int4Linear, Int8Linear, Linear
 from splitllm.model.stage import Stage
 from splitllm.model.store import StoredWeights
-from splitllm.model.weights import ModelFiles
+from splitllm.model.weights import ModelFiles, cache_root
 from splitllm.visibility import Visibility
 
 CPU = torch.device("cpu")
@@ -26,8 +26,14 @@ LOSSY = [Precision(torch.bfloat16), Precision(torch.float16), Precision(torch.bf
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Each test converts into its own cache, so the stored forms are really written and read here."""
-    monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path / "cache"))
+    """Each test writes its stored forms into its own cache, so they are really converted and read
+    here; the converted GGUF models are shared (converting the default model again takes minutes)."""
+    shared, private = cache_root(), tmp_path / "cache"
+    private.mkdir()
+    for folder in ("models", "digests"):
+        (shared / folder).mkdir(parents=True, exist_ok=True)
+        (private / folder).symlink_to(shared / folder)
+    monkeypatch.setenv("SPLITLLM_CACHE", str(private))
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
