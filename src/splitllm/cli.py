@@ -445,11 +445,14 @@ def bench_exactness(
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
     max_new_tokens: int = 128,
     out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
+    setting: Annotated[str, typer.Option(help="dtype-quant of both sides (speculation against sequential in it)")] = (
+        "float32-none"
+    ),
 ) -> None:
     """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
     from splitllm.bench.exactness import NEAR_TIE, run_exactness
 
-    report = run_exactness(prompts_per_category, max_new_tokens, out)
+    report = run_exactness(prompts_per_category, max_new_tokens, out, _setting(setting))
     typer.echo(report.markdown())
     if not report.explained:
         typer.echo(f"error: a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", err=True)

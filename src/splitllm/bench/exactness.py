@@ -20,6 +20,7 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import SplitClient
 from splitllm.decoding.speculative import MODES
+from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.visibility import Visibility
 
@@ -43,6 +44,7 @@ class ExactnessReport:
     prompts: int
     identical: dict[str, int] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)
+    precision: str = "float32-none"
 
     @property
     def explained(self) -> bool:
@@ -51,7 +53,7 @@ class ExactnessReport:
 
     def markdown(self) -> str:
         lines = [
-            f"Exactness on the default model (float32), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
+            f"Exactness on the default model ({self.precision}), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
             "every mode against sequential greedy decoding.",
             "",
             "| mode | identical / total |",
@@ -91,7 +93,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 def check_exactness(
     client: SplitClient, prompts: Sequence[str], max_new_tokens: int, modes: Sequence[str] = tuple(MODES)
 ) -> ExactnessReport:
-    report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes})
+    report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes}, precision=client.precision.name)
     middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)
@@ -109,10 +111,13 @@ def check_exactness(
     return report
 
 
-def run_exactness(per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results") -> ExactnessReport:
-    """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it)."""
+def run_exactness(
+    per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results", precision: Precision = Precision()
+) -> ExactnessReport:
+    """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it),
+    every mode against sequential decoding in the same precision (float32 by default)."""
     torch.set_num_threads(1)
-    client = SplitClient(None)
+    client = SplitClient(None, dtype=precision)
     report = check_exactness(client, [p.text for p in workload(per_category)], max_new_tokens)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
