@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test browser bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/splitllm demo
 
-test: $(STAMP)
+browser:  # the web chat test drives the distribution's Chromium
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest
 
 clean:

@@ -9,19 +9,22 @@ tests drive them with token ids.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+import threading
+import time
+from contextlib import ExitStack, contextmanager
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+import uvicorn
 from protocol_client import greedy
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.launch import ServerThread
+from splitllm.launch import ServerThread, free_port
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings
@@ -139,7 +142,7 @@ def server() -> Iterator[Callable[..., ServerThread]]:
         def start(model: str | Path | None, head: int, tail: int, **settings: object) -> ServerThread:
             key = (_folder(model), head, tail, tuple(sorted(settings.items())))
             if key not in started:
-                middle = MiddleServer(str(key[0]), ServerSettings(head, tail, **settings))
+                middle = MiddleServer(str(key[0]), ServerSettings(head=head, tail=tail, **settings))
                 started[key] = stack.enter_context(ServerThread(middle))
             return started[key]
 
@@ -193,3 +196,19 @@ def tensor_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(ModelFiles, "read", read)
     return names
+
+
+@contextmanager
+def serve_http(app: object) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free loopback port, in a thread: yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -42,7 +42,7 @@ def test_default_model_split_greedy_equals_transformers(head, tail, server, defa
     url = server(None, head, tail).url
     client = SplitClient(None, url, head, tail, wire_dtype="float32", max_context=256)
     for i, (ids, ref) in enumerate(zip(default_prompts, default_reference)):
-        gen = client.generate(ids, NEW_TOKENS)
+        gen = client.generate(ids, NEW_TOKENS, decode="sequential")
         assert gen.ids == ref, f"prompt {i}: split {head}+{tail} diverges at token {_first_difference(gen.ids, ref)}"
 
 

@@ -29,7 +29,9 @@ def ray_url(default_files):  # type: ignore[no-untyped-def]
     """ws:// address of a 2-replica deployment (each replica: one compute thread, no CPU reservation)."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
     port = free_port()
-    spec = ray_deployment.ReplicaSpec(str(default_files.path), ServerSettings(HEAD, TAIL, max_sessions=16))
+    spec = ray_deployment.ReplicaSpec(
+        model=str(default_files.path), settings=ServerSettings(head=HEAD, tail=TAIL, max_sessions=16)
+    )
     try:
         ray_deployment.start(spec, replicas=2, host="127.0.0.1", port=port, cpus_per_replica=0)
         yield f"ws://127.0.0.1:{port}"

@@ -114,13 +114,13 @@ def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
     """A wss:// server that wants a bearer token."""
-    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL), TokenTable.load(token_file))
     with ServerThread(server, tls=TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))) as thread:
         yield thread
 
 
 def _options(certs: Path, principal: str | None = None, **kw: object) -> ConnectionOptions:
-    return ConnectionOptions(TOKENS.get(principal or ""), str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
+    return ConnectionOptions(token=TOKENS.get(principal or ""), ca_file=str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
 
 
 def _middle(thread: ServerThread, options: ConnectionOptions | None = None, context: int = CONTEXT) -> RemoteMiddle:
@@ -144,14 +144,14 @@ def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server
 
 def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ssl.SSLCertVerificationError):
-        _middle(secure, ConnectionOptions(TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
-    insecure = _middle(secure, ConnectionOptions(TOKENS["alice"], insecure=True))  # encrypted, unverified
+        _middle(secure, ConnectionOptions(token=TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
+    insecure = _middle(secure, ConnectionOptions(token=TOKENS["alice"], insecure=True))  # encrypted, unverified
     insecure.close()
 
 
 def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
     tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
-    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL)), tls=tls) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), tls=tls) as thread:
         mine = _options(certs, client_cert=str(certs / "client.pem"), client_key=str(certs / "client.key"))
         assert len(greedy(local_model(tiny, HEAD, TAIL), _middle(thread, mine), random_ids(4, 2), 4)) == 4
         stranger = str(certs / "stranger.pem"), str(certs / "stranger.key")
@@ -169,7 +169,7 @@ def test_refused_handshakes_do_no_model_work(secure, certs) -> None:  # type: ig
     refused = _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated")
     for token in (None, "wrong-token", TOKENS["alice"] + "x", f"alice:{TOKENS['alice']}"):
         with pytest.raises(AuthenticationError, match="authentication failed") as info:
-            _middle(secure, ConnectionOptions(token, str(certs / "ca.pem"), deadline_s=30.0))
+            _middle(secure, ConnectionOptions(token=token, ca_file=str(certs / "ca.pem"), deadline_s=30.0))
         assert info.value.code == "unauthenticated" and not info.value.retryable
     assert {n: _sample(secure, n) for n in before} == before
     assert _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated") == refused + 4
@@ -211,7 +211,7 @@ def test_metrics_need_a_token_when_the_server_does(secure, certs) -> None:  # ty
 
 
 def test_cli_generate_with_token_file_and_environment(default_files, token_file, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    server = MiddleServer(None, ServerSettings(2, 2), TokenTable.load(token_file))
+    server = MiddleServer(None, ServerSettings(head=2, tail=2), TokenTable.load(token_file))
     wrong = tmp_path / "wrong"
     wrong.write_text("not-a-token\n")
     base = [sys.executable, "-m", "splitllm.cli", "generate", "Say hi.", "--max-new-tokens", "4", "--json"]
@@ -256,7 +256,7 @@ def test_sessions_belong_to_their_principal_and_connection(tiny, secure, certs) 
 def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL, session_ttl_s=0.3))) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, session_ttl_s=0.3))) as thread:
         with RawClient(thread.url) as owner, RawClient(thread.url) as other:
             session = owner.open(files, layers).header["session"]
             deadline = time.monotonic() + 10
@@ -274,9 +274,9 @@ def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None: 
 def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    settings = ServerSettings(HEAD, TAIL, max_sessions=3, max_sessions_per_principal=2)
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_sessions=3, max_sessions_per_principal=2)
     with ServerThread(MiddleServer(tiny, settings, TokenTable.load(token_file))) as thread:
-        clients = {p: RawClient(thread.url, ConnectionOptions(TOKENS[p])) for p in TOKENS}
+        clients = {p: RawClient(thread.url, ConnectionOptions(token=TOKENS[p])) for p in TOKENS}
         try:
             a1, a2 = (clients["alice"].open(files, layers).header["session"] for _ in range(2))
             third = clients["alice"].open(files, layers).header
@@ -296,9 +296,9 @@ def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_
 def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    probe = MiddleServer(tiny, ServerSettings(HEAD, TAIL))
+    probe = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))
     per_session = probe.stage.new_cache(CONTEXT).nbytes
-    settings = ServerSettings(HEAD, TAIL, max_kv_bytes=int(2.5 * per_session))
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_kv_bytes=int(2.5 * per_session))
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
         for _ in range(2):
             assert "session" in raw.open(files, layers, CONTEXT).header
@@ -315,7 +315,7 @@ def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignor
 def test_nodes_per_step_and_context_are_capped(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    settings = ServerSettings(HEAD, TAIL, max_context=32, max_nodes_per_step=8)
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_context=32, max_nodes_per_step=8)
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
         opened = raw.open(files, layers, 10_000).header
         assert (opened["max_context"], opened["max_nodes"]) == (32, 8)
@@ -353,7 +353,7 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
     files = ModelFiles(tiny)
     layers = [HEAD, files.config.num_layers - TAIL]
     local, prompt = local_model(tiny, HEAD, TAIL), random_ids(8, 3)
-    settings = ServerSettings(HEAD, TAIL, send_timeout_s=1.0)
+    settings = ServerSettings(head=HEAD, tail=TAIL, send_timeout_s=1.0)
     with ServerThread(MiddleServer(tiny, settings)) as thread:
         expected = greedy(local, _middle(thread), prompt, 24)
         # max_queue=1: this client's reader thread stops taking data after one message
@@ -390,7 +390,7 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
 
 def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL, idle_timeout_s=0.5))) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, idle_timeout_s=0.5))) as thread:
         with RawClient(thread.url) as raw:
             assert "session" in raw.open(files, (HEAD, files.config.num_layers - TAIL)).header
             with pytest.raises(ConnectionClosed) as closed:
@@ -406,7 +406,7 @@ def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # 
 def test_logs_are_structured_and_carry_no_tensors(tiny, local_model, random_ids, caplog) -> None:  # type: ignore[no-untyped-def]
     local = local_model(tiny, HEAD, TAIL)
     with caplog.at_level(logging.DEBUG, logger="splitllm.server"):
-        with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL))) as thread:
+        with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))) as thread:
             greedy(local, _middle(thread), random_ids(8, 4), 6)
             with RawClient(thread.url) as raw:
                 raw.send_raw(b"garbage")

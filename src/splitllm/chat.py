@@ -13,6 +13,7 @@ from rich.table import Table
 
 from splitllm.client.connection import ServerError
 from splitllm.client.session import Generation, SplitClient
+from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.stats import mean_stats
 
@@ -51,7 +52,7 @@ def stats_table(turns: list[Generation]) -> Table:
 
 def run_chat(
     client: SplitClient,
-    decode: str = "sequential",
+    decode: str = DEFAULT_DECODE,
     sampling: SamplingParams | None = None,
     max_new_tokens: int = 256,
     system: str | None = None,

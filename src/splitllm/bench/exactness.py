@@ -22,6 +22,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.speculative import MODES
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 NEAR_TIE = 0.05  # logit gap under which float32 rounding of a batched step may flip the argmax
@@ -97,7 +98,7 @@ def check_exactness(
     middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)
-        expected = client.generate(ids, max_new_tokens).ids
+        expected = client.generate(ids, max_new_tokens, "sequential").ids
         for mode in modes:
             got = client.generate(ids, max_new_tokens, decode=mode).ids
             i = first_difference(expected, got)
@@ -116,7 +117,7 @@ def run_exactness(
 ) -> ExactnessReport:
     """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it),
     every mode against sequential decoding in the same precision (float32 by default)."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     client = SplitClient(None, dtype=precision)
     report = check_exactness(client, [p.text for p in workload(per_category)], max_new_tokens)
     folder = Path(out)

@@ -43,6 +43,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.launch import ServerProcess, free_port
 from splitllm.stats import StepStats
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
@@ -144,7 +145,9 @@ class _Netem:
 
     def __init__(self, target_port: int, rtt_ms: float) -> None:
         self.port = free_port()
-        args = ["netem", "--listen", str(self.port), "--target", f"127.0.0.1:{target_port}", "--rtt", str(rtt_ms)]
+        args = [
+            "netem", "--listen", f"127.0.0.1:{self.port}", "--target", f"127.0.0.1:{target_port}", "--rtt-ms", str(rtt_ms)
+        ]
         self.proc = subprocess.Popen([sys.executable, "-m", "splitllm.cli", *args], stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "listening" not in line:
@@ -215,7 +218,7 @@ class ServerKind:
         return ["--batch-window-ms", str(self.batch_window_ms), *extra]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadSettings:
     max_new_tokens: int = 32
     rtt_ms: float = 80.0
@@ -339,7 +342,7 @@ def run_load(
     progress: Progress = print,
 ) -> dict[str, Any]:
     """Every server kind at every client count; writes load.json, load.md and load.png into `out`."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     s = settings
     client = SplitClient(
         None, None, s.head, s.tail, s.wire_dtype, s.context, connection=ConnectionOptions(deadline_s=120.0)

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from splitllm.bench.exactness import first_difference
 from splitllm.bench.workload import workload
@@ -24,6 +23,7 @@ from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.privacy.corpus import build_corpus
 from splitllm.privacy.defenses import perplexity
+from splitllm.threads import set_compute_threads
 
 Progress = Callable[[str], None]
 
@@ -36,7 +36,7 @@ def run_quality(
     out: str | Path = "results",
     progress: Progress = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     prompts = [p.text for p in workload(per_category)]
     result: dict[str, Any] = {
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "split": [2, 2], "settings": {},
@@ -45,7 +45,7 @@ def run_quality(
     for name in ("float32-none", *settings):
         precision = Precision.from_name(name)
         client = SplitClient(None, None, 2, 2, dtype=precision)
-        ids = [client.generate(client.encode_prompt(p), max_new_tokens).ids for p in prompts]
+        ids = [client.generate(client.encode_prompt(p), max_new_tokens, "sequential").ids for p in prompts]
         middle = Stage.load(client.files, *client.local.middle_range, precision)
         windows = build_corpus(client.tokenizer, test_positions=ppl_positions, train_positions=0).test
         ppl = perplexity(client.local, lambda: LocalMiddle(middle, windows.shape[1]), windows)

@@ -44,6 +44,7 @@ from splitllm.model.weights import ModelFiles
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.server.app import MiddleServer, ServerSettings
 from splitllm.stats import mean_stats
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
@@ -185,7 +186,7 @@ def _rss_mib() -> dict[str, float]:
 
 def child(kind: str, head: int | str, tail: int | str, setting: str = "float32-none") -> dict[str, float]:
     """One measurement in this (fresh) process: 'load', 'server_rss' or 'full_rss'."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     head, tail = int(head), int(tail)
     precision = Precision.from_name(setting)
     settings = ServerSettings(head=head, tail=tail, dtype=precision.dtype, quant=precision.quant)
@@ -355,7 +356,7 @@ def run_runtime(
     Decoding runs client and server one thread each (they share the cores); the server forward runs
     at every thread count of `threads`.
     """
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     result: dict[str, Any] = {
         "model": "default", "split": [head, tail], "settings": list(settings), "fastest": fastest, "targets": TARGETS,
     }
@@ -367,7 +368,7 @@ def run_runtime(
     progress("(a) memory bandwidth, server forward and client step per setting")
     result["bandwidth"], result["server_forward"], result["client_step"] = {}, {}, {}
     for n in threads:
-        torch.set_num_threads(n)
+        set_compute_threads(n)
         bw = result["bandwidth"][str(n)] = copy_bandwidth()
         for setting in settings:
             fwd = server_forward(None, head, tail, bw["read_gb_s"], Precision.from_name(setting))
@@ -375,7 +376,7 @@ def run_runtime(
             progress(f"  {setting}, {n} thread(s): 1 token {fwd['tokens']['1']['median_ms']:.1f} ms "
                      f"(floor {fwd['floor_ms']:.1f} ms)")
             result["client_step"][f"{setting} {n}t"] = client_step(head, tail, Precision.from_name(setting))
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     texts = [p.text for p in workload(prompts)]
     result["decoding"] = {}
     for setting in dict.fromkeys([fastest, "float32-none"]):

@@ -9,7 +9,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from splitllm.model.weights import ModelFiles
@@ -20,11 +19,12 @@ from splitllm.privacy.defense_sweep import defense_sweep
 from splitllm.privacy.report import write_report
 from splitllm.privacy.states import PublicModel
 from splitllm.privacy.sweep import Context, head_ms, input_side, log, output_side
+from splitllm.threads import set_compute_threads
 
 
 def run_audit(cfg: AuditConfig) -> dict:
     """Run the whole audit and write report.json, report.md and leakage.png under cfg.out_dir."""
-    torch.set_num_threads(cfg.threads)
+    set_compute_threads(cfg.threads)
     start = time.perf_counter()
     files = ModelFiles(cfg.model)
     n = files.config.num_layers

@@ -5,11 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
@@ -149,6 +144,11 @@ def _rotation_md(x: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
+    import matplotlib  # the `privacy` extra; imported here so the runtime never needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     rows = r["input_side"]
     ks = [x["K"] for x in rows]

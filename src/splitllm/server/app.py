@@ -38,8 +38,10 @@ from splitllm.visibility import Visibility
 from splitllm.wire import ProtocolError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerSettings:
+    """Everything a server is configured with, by name (`splitllm serve` maps its options here)."""
+
     head: int = 2
     tail: int = 2
     dtype: torch.dtype = torch.float32
@@ -136,9 +138,11 @@ class MiddleServer:
         reason = "closed by peer"
         try:
             reason = await self._serve(ws, conn, principal)
-        except (WebSocketDisconnect, KeyError, RuntimeError):
-            # KeyError/RuntimeError: a text frame or a receive after close; the peer is gone or broken.
+        except WebSocketDisconnect:
             pass
+        except Exception:  # a fault of ours: this connection ends, the server and other peers go on
+            reason = "internal error"
+            log.exception("connection failed", extra={"fields": {"connection": conn}})
         finally:
             self.sessions.close_connection(conn)
             self.metrics.connections.dec()
@@ -152,11 +156,14 @@ class MiddleServer:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                message = await asyncio.wait_for(ws.receive_bytes(), s.idle_timeout_s)
+                received = await asyncio.wait_for(ws.receive(), s.idle_timeout_s)
             except TimeoutError:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(ws.close(1000, "idle"), s.send_timeout_s)
-                return "idle"
+                return await self._close(ws, 1000, "idle")
+            if received["type"] == "websocket.disconnect":
+                return "closed by peer"
+            message = received.get("bytes")
+            if message is None:  # a text frame: the protocol is binary
+                return await self._close(ws, 1003, "binary frames only")
             self.metrics.bytes_in.inc(len(message))
             reply = await loop.run_in_executor(self._compute, self._reply, conn, principal, message, self._alone())
             if isinstance(reply, PreparedStep):
@@ -166,6 +173,12 @@ class MiddleServer:
             except TimeoutError:
                 return "stalled"  # the peer does not read: free its sessions now
             self.metrics.bytes_out.inc(len(reply))
+
+    async def _close(self, ws: WebSocket, code: int, reason: str) -> str:
+        """Close with `code` (a peer that does not take the close frame is dropped anyway); return why."""
+        with contextlib.suppress(WebSocketDisconnect, OSError, TimeoutError):
+            await asyncio.wait_for(ws.close(code, reason), self.settings.send_timeout_s)
+        return reason
 
     def _alone(self) -> bool:
         """Whether a step arriving now has nobody to share a forward with: then it runs at once, on the
@@ -199,7 +212,7 @@ class MiddleServer:
         except Exception as exc:  # never let one request take the server down
             self.metrics.errors.labels("internal").inc()
             log.exception("internal error", extra={"fields": {"connection": conn}})
-            return wire.error_frame(request_id, "internal", f"internal error: {type(exc).__name__}")
+            return wire.error_frame(request_id, "internal", f"internal error: {type(exc).__name__}", retryable=True)
 
     def _open(self, conn: int, principal: str, frame: wire.Frame) -> bytes:
         h = frame.header
@@ -270,13 +283,14 @@ class MiddleServer:
         try:
             outs = self.stage.forward_many([p.step for p in prepared])
         except Exception as exc:
+            # The steps passed validation, so a failure here is the server's: its caches are restored
+            # and the same step may be sent again.
             for restore in restores:
                 restore()
-            known = isinstance(exc, (ValueError, OverflowError, RuntimeError))
-            code, message = ("bad_request", str(exc)) if known else ("internal", f"internal error: {type(exc).__name__}")
-            self.metrics.errors.labels(code).inc()
-            log.warning("step failed mid-forward; caches restored", extra={"fields": {"batch": len(prepared), "code": code}})
-            return [wire.error_frame(p.request_id, code, message) for p in prepared]
+            self.metrics.errors.labels("internal").inc()
+            log.exception("step failed mid-forward; caches restored", extra={"fields": {"batch": len(prepared)}})
+            message = f"internal error: {type(exc).__name__}"
+            return [wire.error_frame(p.request_id, "internal", message, retryable=True) for p in prepared]
         except BaseException:
             for restore in restores:
                 restore()

@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings, create_app
 from splitllm.server.auth import TokenTable
 from splitllm.server.logs import configure
 from splitllm.server.transport import TlsFiles
+from splitllm.threads import set_compute_threads
 
 try:
     import ray
@@ -38,7 +38,7 @@ PROXY_MAX_FRAME = 16 << 20  # Ray's HTTP proxy (uvicorn, default ws_max_size) dr
 _FRAME_SLACK = 1 << 16  # room for a step's header, visibility and ids next to its hidden states
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaSpec:
     """What every replica runs: the model split, its limits and its compute threads."""
 
@@ -55,7 +55,7 @@ class MiddleReplica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         configure(spec.log_format)
-        torch.set_num_threads(spec.threads)
+        set_compute_threads(spec.threads)
         tokens = TokenTable.load(spec.tokens_file) if spec.tokens_file else None
         settings = fit_to_proxy(spec.settings, ModelFiles(spec.model).config.hidden_size)
         self.server = MiddleServer(spec.model, settings, tokens)
@@ -111,7 +111,10 @@ def app_builder(args: dict[str, str]) -> Any:
         max_sessions=int(args.get("max_sessions", ServerSettings.max_sessions)),
         batch_window_ms=float(args.get("batch_window_ms", ServerSettings.batch_window_ms)),
     )
-    spec = ReplicaSpec(args.get("model", "default"), settings, args.get("auth_token_file"), int(args.get("threads", 1)))
+    spec = ReplicaSpec(
+        model=args.get("model", "default"), settings=settings, tokens_file=args.get("auth_token_file"),
+        threads=int(args.get("threads", 1)),
+    )
     return application(spec, int(args.get("replicas", 1)))
 
 
