@@ -19,7 +19,14 @@ import pytest
 import torch
 import uvicorn
 from protocol_client import greedy
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
@@ -55,6 +62,22 @@ TINY_CONFIGS = {
     "llama": LlamaConfig(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=False),
     "qwen2": Qwen2Config(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=True),
     "mistral": MistralConfig(**_TINY_COMMON, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=False),
+    # Every Gemma 3 feature: sliding (window 8) and full layers on each side of any split, their own rotary
+    # (linear scaling on the full ones), q/k and sandwich norms, scaled embeddings, GELU, a query scale
+    # other than the head size, and final logit soft-capping (the real 270M has none).
+    "gemma3": Gemma3TextConfig(
+        **_TINY_COMMON,
+        num_hidden_layers=6,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        },
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=50.0,
+    ),
 }
 
 
@@ -78,7 +101,8 @@ def _folder(model: str | Path | None) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """name -> HF folder of a tiny random model: llama (untied head), qwen2 (qkv bias), mistral (window 8)."""
+    """name -> HF folder of a tiny random model: llama (untied head), qwen2 (qkv bias), mistral (window 8),
+    gemma3 (alternating sliding and full layers, and Gemma's norms, scales and activation)."""
     root = tmp_path_factory.mktemp("tiny-models")
     return {name: _build_tiny(name, root / name) for name in TINY_CONFIGS}
 

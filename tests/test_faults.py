@@ -169,7 +169,7 @@ def test_fails_over_to_the_next_server(tiny, local_model, solo) -> None:  # type
         middle = _middle(primary.url, tiny, fallbacks=(backup.url,))
         got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, stop_primary)
         assert got == expected and middle.url.startswith(backup.url)
-        assert backup.server.metrics.registry.get_sample_value("splitllm_sessions_opened_total") == 1
+        assert backup.server.metrics.total("splitllm_sessions_opened_total") == 1
 
 
 def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
@@ -217,13 +217,13 @@ def test_default_model_generation_keeps_its_tokens_when_the_server_is_gone(defau
     prompt = "Name a color."
     client.server, client.connection = target.url, ConnectionOptions(deadline_s=1.0)
     expected = client.generate(prompt, 24).ids
-    registry = target.server.metrics.registry
+    metrics = target.server.metrics
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=10)) as proxy:
         client.server = f"ws://127.0.0.1:{proxy.port}"
-        start = registry.get_sample_value("splitllm_steps_total")
+        start = metrics.total("splitllm_steps_total")
 
         def cut_after_six_steps() -> None:
-            while registry.get_sample_value("splitllm_steps_total") < start + 6:
+            while metrics.total("splitllm_steps_total") < start + 6:
                 time.sleep(0.002)
             proxy.close()  # the link is gone for good
 

@@ -45,7 +45,7 @@ from splitllm.client.remote import RemoteMiddle
 from splitllm.launch import ServerThread
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings
-from splitllm.server.auth import TokenTable
+from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import formatter
 from splitllm.server.transport import TlsFiles
 
@@ -114,7 +114,7 @@ def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
     """A wss:// server that wants a bearer token."""
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, operators=("carol",)), TokenTable.load(token_file))
     with ServerThread(server, tls=TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))) as thread:
         yield thread
 
@@ -129,7 +129,7 @@ def _middle(thread: ServerThread, options: ConnectionOptions | None = None, cont
 
 
 def _sample(thread: ServerThread, name: str, **labels: str) -> float:
-    return thread.server.metrics.registry.get_sample_value(name, labels) or 0.0
+    return thread.server.metrics.total(name, **labels)
 
 
 # --- transport security ---------------------------------------------------------------------------------
@@ -140,6 +140,16 @@ def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server
     plain = greedy(local, _middle(server(tiny, HEAD, TAIL)), prompt, 16)
     assert secure.url.startswith("wss://")
     assert greedy(local, _middle(secure, _options(certs, "alice")), prompt, 16) == plain
+
+
+def test_tls_is_1_2_or_later_and_heads_go_through_h11(tiny, certs) -> None:  # type: ignore[no-untyped-def]
+    from splitllm.server.http_guard import GuardedH11Protocol
+    from splitllm.server.transport import uvicorn_config
+
+    tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))
+    config = uvicorn_config(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), "127.0.0.1", 0, tls)
+    assert config.ssl is not None and config.ssl.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert issubclass(config.http_protocol_class, GuardedH11Protocol)  # never httptools, even when installed
 
 
 def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # type: ignore[no-untyped-def]
@@ -159,6 +169,21 @@ def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model,
             with pytest.raises(ServerUnreachable, match="client certificate"):
                 _middle(thread, options)
         assert _sample(thread, "splitllm_sessions_opened_total") == 1
+
+
+def test_client_certificate_names_the_principal(tiny, certs, token_file, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+    """Under mutual TLS the certificate's common name (alice) is the principal; with tokens too, only
+    alice's token goes with alice's certificate."""
+    tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
+    cert = {"client_cert": str(certs / "client.pem"), "client_key": str(certs / "client.key")}
+    local = local_model(tiny, HEAD, TAIL)
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), tls=tls) as thread:
+        greedy(local, _middle(thread, _options(certs, **cert)), random_ids(4, 5), 2)
+        assert thread.server.metrics.total("splitllm_sessions_opened_total", principal="alice") == 1
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL), TokenTable.load(token_file)), tls=tls) as thread:
+        with pytest.raises(AuthenticationError):
+            _middle(thread, _options(certs, "bob", **cert))
+        greedy(local, _middle(thread, _options(certs, "alice", **cert)), random_ids(4, 5), 2)
 
 
 # --- authentication -------------------------------------------------------------------------------------
@@ -198,16 +223,34 @@ def test_token_table_format(tmp_path) -> None:  # type: ignore[no-untyped-def]
             TokenTable.load(tmp_path / "t")
 
 
-def test_metrics_need_a_token_when_the_server_does(secure, certs) -> None:  # type: ignore[no-untyped-def]
+def _get(url: str, ctx: ssl.SSLContext, principal: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {TOKENS[principal]}"} if principal else {}
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), context=ctx, timeout=10).read().decode()
+
+
+def test_metrics_need_a_token_and_show_each_principal_only_its_own(secure, certs, local_model, tiny, random_ids) -> None:  # type: ignore[no-untyped-def]
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     url = f"https://127.0.0.1:{secure.port}/metrics"
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url, context=ctx, timeout=10)
     assert refused.value.code == 401
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKENS['bob']}"})
-    body = urllib.request.urlopen(request, context=ctx, timeout=10).read().decode()
-    for name in ("splitllm_sessions ", "splitllm_kv_bytes ", "splitllm_step_seconds_bucket", "splitllm_errors_total"):
-        assert name in body or name.strip() in body, name
+    for principal in ("alice", "bob"):
+        greedy(local_model(tiny, HEAD, TAIL), _middle(secure, _options(certs, principal)), random_ids(4, 3), 2)
+    bob = _get(url, ctx, "bob")
+    assert 'splitllm_steps_total{principal="bob"}' in bob
+    assert "alice" not in bob and "splitllm_sessions " not in bob and "splitllm_step_seconds_bucket" not in bob
+    operator = _get(url, ctx, "carol")  # an operator principal sees the whole server
+    for name in ("splitllm_sessions ", "splitllm_kv_bytes ", "splitllm_step_seconds_bucket", 'principal="alice"'):
+        assert name in operator, name
+
+
+def test_health_shows_load_only_to_authenticated_callers(secure, certs) -> None:  # type: ignore[no-untyped-def]
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    url = f"https://127.0.0.1:{secure.port}/health"
+    anonymous = json.loads(_get(url, ctx))
+    assert anonymous["status"] == "ok" and not {"sessions", "kv_bytes", "connections"} & set(anonymous)
+    assert set(json.loads(_get(url, ctx, "bob"))) >= {"sessions", "kv_bytes"}
+    assert "connections" in json.loads(_get(url, ctx, "carol"))
 
 
 def test_cli_generate_with_token_file_and_environment(default_files, token_file, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -260,12 +303,12 @@ def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None: 
         with RawClient(thread.url) as owner, RawClient(thread.url) as other:
             session = owner.open(files, layers).header["session"]
             deadline = time.monotonic() + 10
-            while thread.server.info()["sessions"] and time.monotonic() < deadline:
+            while thread.server.info(ANONYMOUS)["sessions"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             hidden = torch.randn(1, files.config.hidden_size)
             assert owner.step(session, hidden, [0], []).header["code"] == "session_expired"
             assert other.step(session, hidden, [0], []).header["code"] == "unknown_session"
-            assert thread.server.info()["kv_bytes"] == 0
+            assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0
 
 
 # --- bounded resources ----------------------------------------------------------------------------------
@@ -302,14 +345,14 @@ def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignor
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
         for _ in range(2):
             assert "session" in raw.open(files, layers, CONTEXT).header
-        assert thread.server.info()["kv_bytes"] == 2 * per_session
+        assert thread.server.info(ANONYMOUS)["kv_bytes"] == 2 * per_session
         full = raw.open(files, layers, CONTEXT).header
         assert (full["code"], full["retryable"]) == ("server_full", True) and "KV" in full["message"]
         assert "session" in raw.open(files, layers, CONTEXT // 4).header  # a smaller one still fits
         too_big = raw.open(files, layers, 4 * CONTEXT).header
         assert too_big["code"] == "context_too_large" and "retryable" not in too_big
-        assert thread.server.info()["kv_bytes"] <= settings.max_kv_bytes
-    assert thread.server.info()["kv_bytes"] == 0  # released with the connection
+        assert thread.server.info(ANONYMOUS)["kv_bytes"] <= settings.max_kv_bytes
+    assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0  # released with the connection
 
 
 def test_nodes_per_step_and_context_are_capped(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -382,7 +425,7 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
             while _sample(thread, "splitllm_connections_dropped_total", reason="stalled") < 1:
                 assert time.monotonic() < deadline, "the stalled connection was never dropped"
                 time.sleep(0.1)
-            assert thread.server.info()["sessions"] == 0  # its session and KV memory are released
+            assert thread.server.info(ANONYMOUS)["sessions"] == 0  # its session and KV memory are released
             assert greedy(local, _middle(thread), prompt, 24) == expected
         finally:
             staller.socket.shutdown(socket.SHUT_RDWR)
@@ -396,7 +439,7 @@ def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # 
             with pytest.raises(ConnectionClosed) as closed:
                 raw.ws.recv(timeout=30)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
-        assert thread.server.info()["sessions"] == 0
+        assert thread.server.info(ANONYMOUS)["sessions"] == 0
         assert _sample(thread, "splitllm_connections_dropped_total", reason="idle") == 1
 
 

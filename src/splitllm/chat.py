@@ -60,6 +60,7 @@ def run_chat(
     console: Console | None = None,
 ) -> None:
     """Read lines until /quit or end of input; answer each one, streaming, then a status line."""
+    client.check_chat()
     console = console or Console(highlight=False)
     conv = client.conversation(system)
     turns: list[Generation] = []

@@ -200,7 +200,7 @@ def _with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., Any]]
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
+    model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
     head: Annotated[int, typer.Option(help="layers the client runs first")] = 2,
     tail: Annotated[int, typer.Option(help="layers the client runs last")] = 2,
     host: str = "127.0.0.1",
@@ -218,11 +218,24 @@ def serve(
     auth_token_file: Annotated[Optional[str], typer.Option(help="file of 'principal:token' lines; clients must present one")] = None,
     max_sessions_per_principal: Annotated[Optional[int], typer.Option(help="default: --max-sessions")] = None,
     max_kv_gib: Annotated[float, typer.Option(help="bound on the KV cache memory of all sessions, GiB")] = 8.0,
-    max_nodes_per_step: int = 4096,
+    max_nodes_per_step: Annotated[int, typer.Option(help="positions per step; clients split longer prompts")] = 256,
     max_frame_mib: Annotated[float, typer.Option(help="largest WebSocket message accepted, MiB")] = 64.0,
     idle_timeout_s: Annotated[float, typer.Option(help="seconds before a silent connection is closed")] = 600.0,
     send_timeout_s: Annotated[float, typer.Option(help="seconds a peer may take to read a reply")] = 30.0,
-    max_connections: int = 256,
+    max_connections: Annotated[int, typer.Option(help="open WebSockets; /health is never refused")] = 256,
+    max_connections_per_principal: Annotated[
+        Optional[int], typer.Option(help="default: a quarter of --max-connections with tokens, else all")
+    ] = None,
+    operator: Annotated[
+        Optional[list[str]], typer.Option(help="principal whose /health and /metrics show the whole server (repeatable)")
+    ] = None,
+    handshake_timeout_s: Annotated[float, typer.Option(help="seconds a connection may take to send its request head")] = 10.0,
+    max_header_kib: Annotated[int, typer.Option(help="largest request head (request line and headers), KiB")] = 16,
+    max_batch_rows: Annotated[int, typer.Option(help="positions in one shared forward pass")] = 256,
+    slice_rows: Annotated[
+        int, typer.Option(help="a longer step (a prompt) runs as forwards of this many positions, others' steps in between")
+    ] = 64,
+    max_batch_mib: Annotated[float, typer.Option(help="estimated activation and mask memory of one shared forward, MiB")] = 256.0,
     batch_window_ms: Annotated[
         float, typer.Option(help="steps of different sessions this close together share one forward; 0 disables")
     ] = 2.0,
@@ -239,7 +252,7 @@ def serve(
     from splitllm.server.app import MiddleServer, ServerSettings
     from splitllm.server.auth import TokenTable
     from splitllm.server.logs import configure
-    from splitllm.server.transport import TlsFiles, uvicorn_config
+    from splitllm.server.transport import TlsFiles, is_loopback, uvicorn_config
 
     if (tls_cert is None) != (tls_key is None) or (client_ca and not tls_cert):
         raise typer.BadParameter("--tls-cert and --tls-key go together, and --client-ca needs both")
@@ -259,6 +272,13 @@ def serve(
         max_sessions_per_principal=max_sessions_per_principal, max_kv_bytes=int(max_kv_gib * (1 << 30)),
         idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, max_connections=max_connections,
         batch_window_ms=batch_window_ms,
+        max_connections_per_principal=max_connections_per_principal,
+        operators=tuple(operator or ()),
+        max_batch_rows=max_batch_rows,
+        slice_rows=slice_rows,
+        max_batch_bytes=int(max_batch_mib * (1 << 20)),
+        handshake_timeout_s=handshake_timeout_s,
+        max_header_bytes=max_header_kib << 10,
     )
     tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
     scheme = "wss" if tls else "ws"
@@ -274,6 +294,8 @@ def serve(
     typer.echo(f"serving layers [{server.start}, {server.end}) on {scheme}://{host}:{port}/ws", err=True)
     if tokens is None:
         typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
+    elif tls is None and not is_loopback(host):
+        typer.echo(f"warning: tokens will cross the network in clear text to {host}; use --tls-cert or a tunnel", err=True)
     uvicorn.Server(uvicorn_config(server, host, port, tls)).run()
 
 
@@ -368,7 +390,11 @@ def chat(
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    run_chat(client, decode, sampling, max_new_tokens, system)
+    try:
+        run_chat(client, decode, sampling, max_new_tokens, system)
+    except ValueError as exc:  # a base model has no chat template
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("client-api")
@@ -562,6 +588,7 @@ def bench_exactness(
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
     max_new_tokens: int = 128,
     out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
+    model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
     setting: Annotated[str, typer.Option(help="dtype-quant of both sides (speculation against sequential in it)")] = (
         "float32-none"
     ),
@@ -569,7 +596,7 @@ def bench_exactness(
     """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
     from splitllm.bench.exactness import NEAR_TIE, run_exactness
 
-    report = run_exactness(prompts_per_category, max_new_tokens, out, _setting(setting))
+    report = run_exactness(prompts_per_category, max_new_tokens, out, model, _setting(setting))
     typer.echo(report.markdown())
     if not report.explained:
         typer.echo(f"error: a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", err=True)
@@ -590,12 +617,18 @@ def bench_load(
         str, typer.Option(help="device: clients replay solo runs, their compute a pause (own devices); real: all compute here")
     ] = "device",
     out: Annotated[str, typer.Option(help="folder for load.json, load.md and load.png")] = "results/load",
+    prefill: Annotated[
+        int, typer.Option(help="instead: the largest --clients decoders alone, then with one prompt of this many positions")
+    ] = 0,
+    max_nodes_per_step: Annotated[int, typer.Option(help="the server's positions per step (--prefill runs)")] = 256,
+    max_batch_rows: Annotated[int, typer.Option(help="the server's positions per shared forward (--prefill runs)")] = 256,
+    slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 64,
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
     import shlex
     from pathlib import Path
 
-    from splitllm.bench.load import LoadSettings, ServerKind, run_load
+    from splitllm.bench.load import LoadSettings, ServerKind, prefill_markdown, run_load, run_prefill
 
     _need_extra("bench")
     counts, windows, replicas = _numbers(clients, int), _numbers(batch_window_ms, float), _numbers(ray_replicas, int)
@@ -609,11 +642,24 @@ def bench_load(
         except ImportError:
             raise typer.BadParameter("--ray-replicas needs Ray Serve: pip install 'splitllm[ray]'") from None
     on = max(windows, default=2.0) or 2.0
-    kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
     settings = LoadSettings(
         max_new_tokens=max_new_tokens, rtt_ms=rtt_ms, prompts=prompts, context=max_context, max_kv_gib=max_kv_gib,
-        clients_compute=clients_compute,
+        clients_compute="device" if prefill > 0 else clients_compute,
     )
+    if prefill > 0:
+        serve_args = [
+            "--max-nodes-per-step", str(max_nodes_per_step), "--max-batch-rows", str(max_batch_rows),
+            "--slice-rows", str(slice_rows),
+        ]
+        result = run_prefill(max(counts), prefill, settings, on, serve_args, out, shlex.join(["splitllm", *sys.argv[1:]]),
+                             progress=lambda line: typer.echo(line, err=True))
+        typer.echo(prefill_markdown(result))
+        typer.echo(f"wrote {out}/prefill.json, prefill.md", err=True)
+        rows = (result["alone"], result["with_prefill"])
+        if not result["prefill_ok"] or any(r["errors"] or r["correct_clients"] != r["clients"] for r in rows):
+            raise typer.Exit(1)
+        return
+    kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
     result = run_load(counts, kinds, settings, out, shlex.join(["splitllm", *sys.argv[1:]]),
                       progress=lambda line: typer.echo(line, err=True))
     typer.echo(Path(out, "load.md").read_text())
@@ -629,7 +675,7 @@ app.add_typer(privacy_app, name="privacy")
 
 @privacy_app.command("audit")
 def privacy_audit(
-    model: Annotated[Optional[str], typer.Option(help="'default', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
     head: Annotated[Optional[str], typer.Option(help="comma-separated head depths K (layers before the state is sent) [default: 1,2,4,6,8,12; --quick: 1,2]")] = None,
     tail: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
     out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",
@@ -661,6 +707,45 @@ def privacy_audit(
         raise typer.Exit(2) from None
     typer.echo(markdown(report))
     typer.echo(f"wrote {out}/report.json, report.md, leakage.png", err=True)
+
+
+draft_app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train a draft head for a model.")
+app.add_typer(draft_app, name="draft")
+
+
+@draft_app.command("train")
+def draft_train(
+    out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
+    model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
+    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 96,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
+    texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 48,
+    vocab: Annotated[int, typer.Option(help="draft vocabulary: the most frequent target tokens")] = 8192,
+    epochs: Annotated[int, typer.Option(help="passes over the training data")] = 6,
+    passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 2,
+    seed: int = 0,
+    work: Annotated[Optional[str], typer.Option(help="folder caching answers and features [default: under the cache]")] = None,
+    threads: Annotated[int, typer.Option(help="compute threads")] = 1,
+) -> None:
+    """Train an EAGLE-style draft head on the model's own answers and features; write weights and metadata."""
+    from splitllm.draft.build import DataSettings, build_head
+    from splitllm.draft.train import TrainSettings
+
+    _threads(threads)
+    try:
+        meta = build_head(
+            model,
+            out,
+            DataSettings(prompts=prompts, max_new_tokens=max_new_tokens, texts=texts, seed=seed),
+            TrainSettings(vocab=vocab, epochs=epochs, passes=passes, seed=seed),
+            work=work,
+            command=["splitllm", *sys.argv[1:]],
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({k: meta[k] for k in ("validation", "seconds", "size_bytes")}, indent=1))
+    typer.echo(f"wrote {out}/head.safetensors and head.json", err=True)
 
 
 if __name__ == "__main__":

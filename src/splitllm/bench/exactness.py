@@ -45,6 +45,7 @@ class ExactnessReport:
     prompts: int
     identical: dict[str, int] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)
+    model: str = "default"
     precision: str = "float32-none"
 
     @property
@@ -54,7 +55,7 @@ class ExactnessReport:
 
     def markdown(self) -> str:
         lines = [
-            f"Exactness on the default model ({self.precision}), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
+            f"Exactness on the {self.model} model ({self.precision}), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
             "every mode against sequential greedy decoding.",
             "",
             "| mode | identical / total |",
@@ -113,13 +114,18 @@ def check_exactness(
 
 
 def run_exactness(
-    per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results", precision: Precision = Precision()
+    per_category: int = 8,
+    max_new_tokens: int = 128,
+    out: str | Path = "results",
+    model: str = "default",
+    precision: Precision = Precision(),
 ) -> ExactnessReport:
     """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it),
     every mode against sequential decoding in the same precision (float32 by default)."""
     set_compute_threads(1)
-    client = SplitClient(None, dtype=precision)
+    client = SplitClient(model, dtype=precision)
     report = check_exactness(client, [p.text for p in workload(per_category)], max_new_tokens)
+    report.model = model
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "exactness.json").write_text(json.dumps({**asdict(report), "explained": report.explained}, indent=1))

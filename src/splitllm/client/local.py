@@ -12,7 +12,7 @@ from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
 from splitllm.model.precision import Precision
 from splitllm.model.quant import Linear
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, read_norm
 from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -51,8 +51,11 @@ class LocalModel:
         embed_name = "model.embed_tokens.weight"
         head_name = embed_name if cfg.tie_word_embeddings or not files.has("lm_head.weight") else "lm_head.weight"
         weights = StoredWeights(files, self.head_precision)
-        dense = {n: self.head_precision.dense(t) for n, t in weights.dense([embed_name, "model.norm.weight"]).items()}
-        self.embed_weight, self.norm = dense[embed_name], dense["model.norm.weight"]
+        self.embed_weight = self.head_precision.dense(weights.dense([embed_name])[embed_name])
+        self.norm = read_norm(weights, "model.norm.weight")
+        # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as transformers does.
+        scale = torch.tensor(cfg.embed_scale).to(self.embed_weight.device, self.embed_weight.dtype)
+        self.embed_scale = scale if cfg.embed_scale != 1.0 else None
         tied_dense = head_name == embed_name and self.head_precision.quant == "none"
         self.lm_head = Linear(self.embed_weight) if tied_dense else weights.linear([head_name])
         # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
@@ -68,8 +71,16 @@ class LocalModel:
     def run_head(
         self, caches: LocalCaches, tokens: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
     ) -> torch.Tensor:
-        embedded = self.embed_weight[tokens.to(self.embed_weight.device)]
-        return self.head(caches.head, embedded, positions, vis, keep).cpu()
+        return self.head(caches.head, self.embed(tokens), positions, vis, keep).cpu()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The hidden states entering layer 0."""
+        x = self.embed_weight[tokens.to(self.embed_weight.device)]
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def input_table(self) -> torch.Tensor:
+        """The whole table as layer 0 sees it, for code that indexes it: a scaled copy when the model scales."""
+        return self.embed_weight if self.embed_scale is None else self.embed_weight * self.embed_scale
 
     @torch.inference_mode()
     def run_tail(
@@ -93,12 +104,16 @@ class LocalModel:
             out = torch.cat([self.lm_head(row) for row in x.split(1)])
         else:
             out = self.lm_head(x)
-        return out.to("cpu", torch.promote_types(out.dtype, torch.float32))
+        return self._softcap(out.to("cpu", torch.promote_types(out.dtype, torch.float32)))
 
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Approximate logits (a 16-bit or quantized LM head) for guesses that are never committed unverified."""
-        return self._draft_head(self._normed(hidden)).float().cpu()
+        return self._softcap(self._draft_head(self._normed(hidden)).float().cpu())
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
         hp = self.head_precision

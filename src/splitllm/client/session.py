@@ -124,6 +124,11 @@ class SplitClient:
         """A conversation whose turns reuse one server session and the KV caches of earlier turns."""
         return Conversation(self, system)
 
+    def check_chat(self) -> None:
+        """Chat turns go through the tokenizer's chat template; a base model has none."""
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template (a base model): generate from plain text instead")
+
     def stream(
         self,
         prompt: str | list[int],
@@ -211,6 +216,12 @@ class Conversation:
         if self._pipeline is None:
             self._pipeline = SplitPipeline(client.local, client._middle(), client.max_context)
         pipeline = self._pipeline
+        granted = pipeline.middle.max_context  # the server may hold fewer positions than we asked for
+        if len(self.ids) + len(new_ids) + max_new_tokens > granted:
+            raise ValueError(
+                f"context of {len(self.ids) + len(new_ids)} tokens plus {max_new_tokens} new exceeds the "
+                f"server's maximum context of {granted}; shorten the prompt or ask for fewer tokens"
+            )
         gen = Generation(list(new_ids))
         feed = self.ids[-1:] + gen.prompt_ids
         self.ids.extend(gen.prompt_ids)
@@ -277,6 +288,7 @@ class Conversation:
         text after it: the answer's closing tags, the user's message and the assistant prompt. A
         template that rewrites earlier turns gets what follows the longest common prefix.
         """
+        self.client.check_chat()
         tok = self.client.tokenizer
         full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         seen = tok.decode(self.ids, skip_special_tokens=False)

@@ -1,4 +1,5 @@
-"""Decoder math of the Llama family in plain PyTorch: RMSNorm, rotary, attention over a KV cache, MLP.
+"""Decoder math of the Llama family and Gemma 3 in plain PyTorch: RMSNorm, rotary, attention over a KV
+cache, MLP. Gemma's extras (q/k norms, sandwich norms, GELU) are optional weights and config constants.
 
 Projections are fused (q|k|v and gate|up) so a one-token step is a handful of matrix-vector
 products that stream the weights once; masks are explicit, so trees and windows need no special kernels.
@@ -6,16 +7,22 @@ products that stream the weights once; masks are explicit, so trees and windows 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitllm.model.config import ModelConfig
+from splitllm.model.config import ModelConfig, Rope
 from splitllm.model.precision import Precision
 from splitllm.model.quant import Linear
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,9 +40,9 @@ class Rotary:
     is exact).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32)
-        self.scaling = cfg.rope_scaling
+    def __init__(self, rope: Rope) -> None:
+        self.inv_freq = torch.tensor(rope.inv_freq, dtype=torch.float32)
+        self.scaling = rope.scaling
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -61,8 +68,22 @@ class Segment:
     offset: int
 
 
+_DENSE_NAMES = {"qkv": "qkv.weight", "qkv_bias": "qkv.bias", "o_proj": "o_proj.weight",
+                "gate_up": "gate_up.weight", "down": "down.weight"}
+
+
+def _dense_names(state_dict: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
+    """Weights saved when projections were bare tensors ("qkv", "qkv_bias", ...) load into the linear modules."""
+    for old, new in _DENSE_NAMES.items():
+        if prefix + old in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer; parameters are created empty and filled by the weight loader."""
+    """One pre-norm decoder layer; parameters are created empty and filled by the weight loader.
+
+    Norm weights are stored with the config's `norm_offset` already added, so every norm is `rms_norm`.
+    """
 
     def __init__(self, cfg: ModelConfig, precision: Precision) -> None:
         super().__init__()
@@ -75,13 +96,22 @@ class DecoderLayer(nn.Module):
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device=device)
 
-        self.input_norm = nn.Parameter(empty(d), requires_grad=False)
+        def norm(size: int, present: bool = True) -> nn.Parameter | None:
+            return nn.Parameter(empty(size), requires_grad=False) if present else None
+
+        self.input_norm = norm(d)
         # Linear modules: dense here; the loader swaps in the stored (possibly quantized) ones.
         self.qkv: nn.Module = Linear(empty(q + 2 * kv, d), empty(q + 2 * kv) if cfg.qkv_bias else None)
         self.o_proj: nn.Module = Linear(empty(d, q))
-        self.post_norm = nn.Parameter(empty(d), requires_grad=False)
+        self.post_norm = norm(d)
         self.gate_up: nn.Module = Linear(empty(2 * cfg.intermediate_size, d))
         self.down: nn.Module = Linear(empty(d, cfg.intermediate_size))
+        self.q_norm = norm(hd, cfg.qk_norm)
+        self.k_norm = norm(hd, cfg.qk_norm)
+        self.attn_out_norm = norm(d, cfg.sandwich_norm)
+        self.mlp_out_norm = norm(d, cfg.sandwich_norm)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self._register_load_state_dict_pre_hook(_dense_names)
 
     def forward(self, x: torch.Tensor, segments: Sequence[Segment], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x: (1, rows, d), the new positions of one or more sequences stacked along rows.
@@ -95,20 +125,26 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(h)
         outs = [self._attend(qkv[:, seg.rows], seg, k_cache, v_cache) for seg, (k_cache, v_cache) in zip(segments, kv)]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        x = x + self.o_proj(attn)
+        x = x + self._maybe_norm(self.o_proj(attn), self.attn_out_norm)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self._maybe_norm(self.down(self.act(gate) * up), self.mlp_out_norm)
+
+    def _maybe_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _attend(self, qkv: torch.Tensor, seg: Segment, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         n = qkv.shape[1]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
-        k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
+        q = self._maybe_norm(q.view(1, n, cfg.num_heads, cfg.head_dim), self.q_norm)
+        k = self._maybe_norm(k.view(1, n, cfg.num_kv_heads, cfg.head_dim), self.k_norm)
+        q = apply_rotary(q.transpose(1, 2), seg.cos, seg.sin)
+        k = apply_rotary(k.transpose(1, 2), seg.cos, seg.sin)
         k_cache[:, :, seg.offset :] = k
         v_cache[:, :, seg.offset :] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         attn = F.scaled_dot_product_attention(
-            q.to(k_cache.dtype), k_cache, v_cache, attn_mask=seg.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+            q.to(k_cache.dtype), k_cache, v_cache, attn_mask=seg.mask, scale=cfg.attn_scale,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )
         return attn.to(qkv.dtype).transpose(1, 2).reshape(1, n, self.q_size)

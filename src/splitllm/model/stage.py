@@ -16,14 +16,36 @@ from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
-# Each layer attribute and the checkpoint tensors it is made of (fused along the outputs).
-_NORMS = {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
+# Each linear attribute and the checkpoint modules it is made of (fused along the outputs).
 _LINEARS = {
     "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
     "o_proj": ["self_attn.o_proj"],
     "gate_up": ["mlp.gate_proj", "mlp.up_proj"],
     "down": ["mlp.down_proj"],
 }
+
+
+def _norm_tensors(cfg: ModelConfig) -> dict[str, str]:
+    """The layer's RMSNorm attributes and their tensors; with sandwich norms (Gemma) HF's
+    `post_attention_layernorm` norms the attention output and `pre_feedforward_layernorm` the MLP input."""
+    if not cfg.sandwich_norm:
+        norms = {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
+    else:
+        norms = {
+            "input_norm": "input_layernorm.weight",
+            "attn_out_norm": "post_attention_layernorm.weight",
+            "post_norm": "pre_feedforward_layernorm.weight",
+            "mlp_out_norm": "post_feedforward_layernorm.weight",
+        }
+    if cfg.qk_norm:
+        norms |= {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+    return norms
+
+
+def read_norm(weights: StoredWeights, name: str) -> torch.Tensor:
+    """An RMSNorm weight with the config's offset added in float32 (Gemma's 1 + w), then cast."""
+    weight = weights.dense([name])[name].float()
+    return weights.precision.dense(weight + weights.files.config.norm_offset)
 
 
 @dataclass(frozen=True)
@@ -52,8 +74,12 @@ class Stage(nn.Module):
         self.cfg, self.start, self.end, self.dtype = cfg, start, end, self.precision.dtype
         self.device = self.precision.torch_device
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.precision) for _ in range(start, end))
-        self.windows = cfg.layer_windows[start:end]
-        self.rotary = Rotary(cfg)
+        # Layers of one kind (window, rotary) share a step's masks and cos/sin tables.
+        kinds = list(zip(cfg.layer_windows[start:end], cfg.layer_ropes[start:end]))
+        distinct = list(dict.fromkeys(kinds))
+        self.layer_kinds = [distinct.index(k) for k in kinds]
+        self.windows = [w for w, _ in distinct]
+        self.rotaries = [Rotary(rope) for _, rope in distinct]
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
@@ -66,13 +92,13 @@ class Stage(nn.Module):
         """Build the stage reading only its own layers' tensors, in the form `precision` stores them."""
         stage = cls(files.config, start, end, precision)
         weights = StoredWeights(files, stage.precision)
+        norms = _norm_tensors(files.config)
         for i, layer in zip(range(start, end), stage.layers):
             prefix = f"model.layers.{i}."
-            for attr, name in _NORMS.items():
-                getattr(layer, attr).data = stage.precision.dense(weights.dense([prefix + name])[prefix + name])
+            for attr, name in norms.items():
+                getattr(layer, attr).data = read_norm(weights, prefix + name)
             for attr, modules in _LINEARS.items():
-                biases = [f"{prefix}{m}.bias" for m in modules]
-                bias = biases if attr == "qkv" and files.config.qkv_bias else None
+                bias = [f"{prefix}{m}.bias" for m in modules] if attr == "qkv" and files.config.qkv_bias else None
                 setattr(layer, attr, weights.linear([f"{prefix}{m}.weight" for m in modules], bias))
         return stage
 
@@ -121,21 +147,26 @@ class Stage(nn.Module):
             raise ValueError("a batch holds at most one step per cache")
         for s in steps:
             self.check_step(s.cache, s.hidden, s.positions, s.vis, s.keep)
-        segments: dict[int | None, list[Segment]] = {w: [] for w in set(self.windows)}
+        segments: list[list[Segment]] = [[] for _ in self.windows]
         row = 0
         for s in steps:
             n = s.hidden.shape[0]
             s.cache.keep(s.keep)
             s.cache.stage_new(s.positions)
-            cos, sin = (t.to(self.device) for t in self.rotary(s.positions, self.dtype))
             cache_pos = s.cache.positions[: s.cache.length]
-            for w, segs in segments.items():
-                mask = s.vis.additive_mask(cache_pos, s.positions, w, self.precision.attention_dtype)
-                mask = None if mask is None else mask.to(self.device)
-                segs.append(Segment(slice(row, row + n), cos, sin, mask, s.cache.length))
+            masks = {w: self._mask(s.vis, cache_pos, s.positions, w) for w in set(self.windows)}
+            for segs, w, rotary in zip(segments, self.windows, self.rotaries):
+                cos, sin = (t.to(self.device) for t in rotary(s.positions, self.dtype))
+                segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
             row += n
         x = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])[None]
-        for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
+        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
             kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
-            x = layer(x, segments[window], kv)
+            x = layer(x, segments[kind], kv)
         return list(x[0].split([s.hidden.shape[0] for s in steps]))
+
+    def _mask(
+        self, vis: Visibility, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None
+    ) -> torch.Tensor | None:
+        mask = vis.additive_mask(cache_positions, positions, window, self.precision.attention_dtype)
+        return None if mask is None else mask.to(self.device)
