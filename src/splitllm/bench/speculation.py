@@ -20,6 +20,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.launch import ServerProcess
+from splitllm.model.precision import FASTEST, Precision
 from splitllm.model.stage import Stage
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.threads import set_compute_threads
@@ -112,7 +113,7 @@ def measure(
 def divergences(client: SplitClient, prompts: Sequence[tuple[str, str]], runs: Sequence[dict]) -> list[dict]:
     """Where each run that differs from sequential first differs, with the model's top-2 logit gap there
     (recomputed in float32 without the wire): near-ties are rounding, anything else would be a bug."""
-    middle = Stage.load(client.files, *client.local.middle_range, client.dtype)
+    middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     reference = {r["prompt"]: r["ids"] for r in runs if r["mode"] == "sequential"}
     found = []
     for r in runs:
@@ -193,8 +194,9 @@ def run_speculation(
     sampling: SamplingParams | None = None,
     wire_dtype: str = "float32",
     draft_head: str | None = None,
+    precision: Precision = Precision.from_name(FASTEST),
 ) -> dict:
-    """The benchmark end to end; writes OUT/speculation.json and OUT/speculation.md.
+    """The benchmark end to end, both sides in `precision`; writes OUT/speculation.json and OUT/speculation.md.
 
     `draft_head`: a head folder (default: the one shipped for the model); without any head the
     `draft` mode is left out and `auto` drafts with n-gram sources only.
@@ -202,15 +204,16 @@ def run_speculation(
     if "sequential" not in modes:
         modes = ("sequential", *modes)
     set_compute_threads(1)
-    client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, draft_head=draft_head)
+    client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, dtype=precision, draft_head=draft_head)
     if client.local.draft_head is None and "draft" in modes:
         progress("no draft head for this model: the draft mode is left out")
         modes = tuple(m for m in modes if m != "draft")
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
     settings = {"rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens, "prompts_per_category": prompts_per_category,
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
-                "wire_dtype": wire_dtype, "draft_head": draft_head or ("shipped" if client.local.draft_head else "")}
-    with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1") as server:
+                "wire_dtype": wire_dtype, "draft_head": draft_head or ("shipped" if client.local.draft_head else ""),
+                "precision": precision.name}
+    with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args()) as server:
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
@@ -221,7 +224,7 @@ def run_speculation(
     folder.mkdir(parents=True, exist_ok=True)
     report = markdown(summary, settings)
     if diverged:
-        report += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix, float32):\n\n"
+        report += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix):\n\n"
         report += "| prompt | mode | at token | top-2 gap |\n| --- | --- | --- | --- |\n"
         report += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
     data = {"settings": settings, "summary": summary, "divergences": diverged, "runs": runs}

@@ -37,7 +37,6 @@ class ClientLayers(Protocol):
     (the client's `LocalModel`), and the head shipped or trained for the model, if any."""
 
     dtype: torch.dtype
-    lm_head: torch.Tensor
 
     @property
     def draft_head(self) -> DraftHead | None: ...
@@ -45,6 +44,8 @@ class ClientLayers(Protocol):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class BinnedCalibration:
@@ -91,7 +92,7 @@ class DraftHeadProposer:
     def __init__(self, head: DraftHead, local: ClientLayers, max_context: int, top_k: int = 6, beam: int = 4) -> None:
         self.head, self.local, self.top_k, self.beam = head, local, top_k, beam
         self.cache = head.new_cache(max_context + 32 * beam)
-        self.rows = local.lm_head[head.vocab].to(torch.bfloat16)  # guesses only: 4x faster than float32 here
+        self.rows = local.lm_head_rows(head.vocab).to(torch.bfloat16)  # guesses only: 4x faster than float32 here
         self.calibration = BinnedCalibration()
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
