@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import random_head
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import SplitClient
@@ -94,6 +95,7 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
 ) -> None:
     files = ModelFiles(tiny_models["mistral"])  # a sliding window: trees cross window edges
     local = LocalModel(files, 1, 1, precision)
+    local.draft_head = random_head(files, precision.dtype)  # the draft mode's noise must not change the output
     middle = Stage.load(files, 1, files.config.num_layers - 1, precision)
 
     def run(decoder) -> list[int]:  # type: ignore[no-untyped-def]
