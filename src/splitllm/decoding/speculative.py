@@ -169,6 +169,9 @@ class SpeculativeDecoder:
         proposers = self.custom() if self.custom else ngram_proposers(sources)
         drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context) if head and "draft" in sources else None
         policy = self.head_policy if drafter and self.head_policy else self.policy
+        if sampler.params.do_sample and sampler.params.seed is not None:
+            # A seeded sample repeats only if every step's tree does: size them without the clock.
+            policy = StaticPolicy(DEFAULT_BUDGETS["draft" if drafter else self.mode])
         window = next((p for p in proposers if isinstance(p, LookaheadWindow)), None)
         gate = DraftGate()
         calibration = Calibration()
