@@ -40,6 +40,23 @@ class AuditConfig:
     out_dir: Path = Path("results/privacy")
 
     @classmethod
+    def reduced(cls, **overrides: object) -> AuditConfig:
+        """The default model at fewer depths and settings: what a crowded 2-core machine finishes in
+        about an hour, with every white-box figure still over 1,000 positions."""
+        base = cls(
+            heads=(1, 2, 4, 8, 12),
+            tails=(0, 2, 8),
+            train_positions=6144,
+            sequence_epochs=4,
+            whitebox_windows=5,
+            long_windows=1,
+            noise_sigmas=(0.1, 1.0),
+            dp_epsilons=(128.0, 1024.0),
+            lowrank_scales=(0.1,),
+        )
+        return replace(base, **overrides)  # type: ignore[arg-type]
+
+    @classmethod
     def quick(cls, **overrides: object) -> AuditConfig:
         """A minute or two on a tiny random model (built once): for CI and for trying the pipeline out."""
         base = cls(
