@@ -76,6 +76,7 @@ def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
         tokenizer, cfg.window, cfg.train_positions, cfg.test_positions, cfg.long_window, cfg.long_windows, seed=cfg.seed
     )
     cuts = sorted(set(cfg.heads) | {cfg.defense_head} | {n - m for m in cfg.tails} | {n - cfg.defense_tail, n})
+    origin = provenance(files, corpus, cfg.seed)  # before anything runs: the code as it was started
     model = PublicModel(files, cuts)
     t0 = time.perf_counter()
     train, test = model.window_states(corpus.train, cuts), model.window_states(corpus.test, cuts)
@@ -88,7 +89,7 @@ def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
     defense = defense_sweep(ctx, attackers)
     vocab = files.config.vocab_size
     report = {
-        "provenance": provenance(files, corpus, cfg.seed),
+        "provenance": origin,
         "model": {"path": str(files.path), "layers": n, "hidden": files.config.hidden_size, "vocab": vocab},
         "corpus": corpus.describe(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "model"}
