@@ -19,7 +19,7 @@ from splitllm.privacy import defenses
 from splitllm.privacy.attacks.whitebox import LanguageModelPrior, invert
 from splitllm.privacy.checks import quick_checks
 from splitllm.privacy.rates import clopper_pearson
-from splitllm.privacy.report import DOCS, PUBLISHED, render_docs
+from splitllm.privacy.report import DOCS, PUBLISHED, load, render_docs
 from splitllm.privacy.states import WIRE_DTYPE, PublicModel
 from splitllm.visibility import Visibility
 
@@ -115,7 +115,7 @@ def test_docs_tables_match_the_committed_report() -> None:
     """README.md and docs/privacy.md carry the tables `splitllm privacy docs` generates from the
     committed report; editing either by hand, or committing a new report without regenerating, fails."""
     root = Path(__file__).resolve().parents[1]
-    report = json.loads((root / PUBLISHED / "report.json").read_text())
+    report = load(root / PUBLISHED / "report.json")
     for name in DOCS:
         text = (root / name).read_text()
         assert "<!-- privacy-audit:" in text

@@ -469,7 +469,7 @@ def privacy_audit(
     tails: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
     out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",
     quick: Annotated[bool, typer.Option(help="tiny random model and small settings, and fail unless every attack behaves (CI)")] = False,
-    reduced: Annotated[bool, typer.Option(help="the default model at K 1,2,4,8,12, M 0,2,8 and fewer defense settings (about an hour on a busy 2-core machine)")] = False,
+    reduced: Annotated[bool, typer.Option(help="the default model at K 1,2,6,12, M 0,2 and fewer defense settings (under an hour on a busy 2-core machine)")] = False,
     train_positions: Annotated[Optional[int], typer.Option(help="training positions for the learned attacks [default: 12288]")] = None,
     test_positions: Annotated[Optional[int], typer.Option(help="held-out positions [default: 3072]")] = None,
     whitebox_windows: Annotated[Optional[int], typer.Option(help="whole test windows the white-box search inverts [default: 6]")] = None,
@@ -481,6 +481,7 @@ def privacy_audit(
     """Train and run token-recovery attacks at each split depth, measure defenses, write a report."""
     import logging as _logging
     import shutil
+    from dataclasses import replace
     from pathlib import Path
 
     from splitllm.privacy import AuditConfig, run_audit
@@ -503,6 +504,8 @@ def privacy_audit(
         cfg = AuditConfig.quick(**settings, **({"model": model} if model else {}))
     elif reduced:
         cfg = AuditConfig.reduced(model=model, **settings)
+        if whitebox_max_candidates != 8192:
+            cfg = replace(cfg, whitebox_max_candidates=whitebox_max_candidates or None)
     else:
         cfg = AuditConfig(model=model, whitebox_max_candidates=whitebox_max_candidates or None, **settings)
     try:
@@ -520,6 +523,42 @@ def privacy_audit(
     if report["checks"]:
         typer.echo("failed checks:\n- " + "\n- ".join(report["checks"]), err=True)
         raise typer.Exit(1)
+
+
+@privacy_app.command("private-head")
+def privacy_private_head(
+    heads: Annotated[str, typer.Option(help="comma-separated head depths K to train a private head at")] = "2,4,8",
+    steps: Annotated[int, typer.Option(help="fine-tuning steps per head")] = 40,
+    kl_budget: Annotated[float, typer.Option(help="KL budget from the public next-token distribution (nats/token)")] = 0.05,
+    train_positions: Annotated[int, typer.Option(help="training positions for the attackers")] = 6144,
+    out: Annotated[str, typer.Option(help="folder for private_head.json")] = "results/privacy",
+    quick: Annotated[bool, typer.Option(help="tiny random model and small settings")] = False,
+    threads: Annotated[int, typer.Option(help="compute threads")] = 1,
+) -> None:
+    """Fine-tune the client's first K layers with a secret seed and attack them without the secret."""
+    import json as _json
+    import logging as _logging
+    from pathlib import Path
+
+    from splitllm.privacy import AuditConfig
+    from splitllm.privacy.audit import run_private_head
+
+    _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(message)s")
+    settings: dict = dict(
+        out_dir=Path(out),
+        threads=threads,
+        private_heads=tuple(int(x) for x in heads.split(",")),
+        private_steps=steps,
+        private_kl_budget=kl_budget,
+        long_windows=0,
+    )
+    cfg = AuditConfig.quick(**settings) if quick else AuditConfig(train_positions=train_positions, **settings)
+    try:
+        result = run_private_head(cfg)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(_json.dumps(result["private_head"], indent=1))
 
 
 @privacy_app.command("docs")

@@ -5,6 +5,7 @@ See docs/privacy.md for the threat model, the corpus and what the figures mean.
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 import time
@@ -21,6 +22,7 @@ from splitllm.privacy.config import AuditConfig
 from splitllm.privacy.corpus import Corpus, build_corpus
 from splitllm.privacy.defense_sweep import defense_sweep
 from splitllm.privacy.checks import quick_checks
+from splitllm.privacy.private_head import private_head_sweep
 from splitllm.privacy.report import write_report
 from splitllm.privacy import rates
 from splitllm.privacy.states import TEMPERATURES, PublicModel
@@ -59,13 +61,12 @@ def provenance(files: ModelFiles, corpus: Corpus, seed: int) -> dict:
     }
 
 
-def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
-    """Run the whole audit and write report.json, report.md and leakage.png under cfg.out_dir."""
+def prepare(cfg: AuditConfig, heads: tuple[int, ...]) -> Context:
+    """The corpus, the public model cut at every audited depth, and the states of every window."""
     torch.set_num_threads(cfg.threads)
-    start = time.perf_counter()
     files = ModelFiles(cfg.model)
     n = files.config.num_layers
-    for k in cfg.heads + (cfg.defense_head,):
+    for k in heads + (cfg.defense_head,):
         files.config.check_split(k, 0)
     for m in cfg.tails + (cfg.defense_tail,):
         if not 0 <= m < n:
@@ -75,21 +76,44 @@ def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
     corpus = build_corpus(
         tokenizer, cfg.window, cfg.train_positions, cfg.test_positions, cfg.long_window, cfg.long_windows, seed=cfg.seed
     )
-    cuts = sorted(set(cfg.heads) | {cfg.defense_head} | {n - m for m in cfg.tails} | {n - cfg.defense_tail, n})
+    cuts = sorted(set(heads) | {cfg.defense_head} | {n - m for m in cfg.tails} | {n - cfg.defense_tail, n})
     origin = provenance(files, corpus, cfg.seed)  # before anything runs: the code as it was started
     model = PublicModel(files, cuts)
     t0 = time.perf_counter()
     train, test = model.window_states(corpus.train, cuts), model.window_states(corpus.test, cuts)
-    long = model.window_states(corpus.long, cfg.heads) if corpus.long.numel() else None
-    ctx = Context(cfg, files, corpus, model, train, test, long, {"states": time.perf_counter() - t0})
+    long = model.window_states(corpus.long, heads) if corpus.long.numel() else None
+    ctx = Context(cfg, files, corpus, model, train, test, long, {"states": time.perf_counter() - t0}, origin)
     log.info("corpus %s; states in %.0f s", corpus.describe(), ctx.timings["states"])
+    return ctx
 
+
+def run_private_head(cfg: AuditConfig) -> dict:
+    """Only the private-head experiment (its own attackers included): private_head.json under cfg.out_dir."""
+    start = time.perf_counter()
+    ctx = prepare(cfg, cfg.private_heads)
+    out = {
+        "provenance": ctx.provenance,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "private_head": private_head_sweep(ctx, {}),
+        "seconds": time.perf_counter() - start,
+    }
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out_dir) / "private_head.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
+    """Run the whole audit and write report.json, report.md and leakage.png under cfg.out_dir."""
+    start = time.perf_counter()
+    ctx = prepare(cfg, tuple(sorted(set(cfg.heads) | set(cfg.private_heads))))
+    files, corpus, n = ctx.files, ctx.corpus, ctx.n_layers
+    train, test = ctx.train, ctx.test
     input_rows, attackers = input_side(ctx)
     output_rows = output_side(ctx)
     defense = defense_sweep(ctx, attackers)
     vocab = files.config.vocab_size
     report = {
-        "provenance": origin,
+        "provenance": ctx.provenance,
         "model": {"path": str(files.path), "layers": n, "hidden": files.config.hidden_size, "vocab": vocab},
         "corpus": corpus.describe(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "model"}
@@ -113,6 +137,9 @@ def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
         "full_model_ms_per_step": head_ms(ctx, n),
         "seconds": {**ctx.timings, "total": time.perf_counter() - start},
     }
+    if cfg.private_heads:
+        report["private_head"] = private_head_sweep(ctx, attackers)
+        report["seconds"]["total"] = time.perf_counter() - start
     report["checks"] = quick_checks(report) if quick else []
     write_report(report, cfg.out_dir)
     return report

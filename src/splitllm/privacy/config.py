@@ -35,6 +35,11 @@ class AuditConfig:
     lowrank_rank: int = 8
     known_pairs: int = 640  # state pairs a known-plaintext attacker gets to fit a rotation
     perplexity_windows: int = 8  # held-out windows the defenses' cost is measured on
+    private_heads: tuple[int, ...] = ()  # K at which to train and attack a private head (slow: opt in)
+    private_steps: int = 40
+    private_kl_budget: float = 0.05  # nats per token from the public model's next-token distribution
+    private_rank: int = 8
+    private_length: int = 64  # training window (tokens)
     threads: int = 1
     seed: int = 0
     out_dir: Path = Path("results/privacy")
@@ -42,16 +47,18 @@ class AuditConfig:
     @classmethod
     def reduced(cls, **overrides: object) -> AuditConfig:
         """The default model at fewer depths and settings: what a crowded 2-core machine finishes in
-        about an hour, with every white-box figure still over 1,000 positions."""
+        under an hour, with every undefended white-box figure still over 1,000 positions."""
         base = cls(
-            heads=(1, 2, 4, 8, 12),
-            tails=(0, 2, 8),
+            heads=(1, 2, 6, 12),
+            tails=(0, 2),
             train_positions=6144,
             sequence_epochs=4,
             whitebox_windows=5,
             long_windows=1,
+            whitebox_max_candidates=2048,
+            defense_whitebox_windows=1,
             noise_sigmas=(0.1, 1.0),
-            dp_epsilons=(128.0, 1024.0),
+            dp_epsilons=(1024.0,),
             lowrank_scales=(0.1,),
         )
         return replace(base, **overrides)  # type: ignore[arg-type]
@@ -83,5 +90,8 @@ class AuditConfig:
             lowrank_scales=(0.1,),
             known_pairs=128,
             perplexity_windows=2,
+            private_heads=(1,),
+            private_steps=4,
+            private_length=32,
         )
         return replace(base, **overrides)  # type: ignore[arg-type]

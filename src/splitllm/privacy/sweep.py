@@ -41,6 +41,7 @@ class Context:
     test: WindowStates
     long: WindowStates | None = None  # whole long test contexts (input side only)
     timings: dict[str, float] = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
