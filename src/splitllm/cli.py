@@ -531,6 +531,7 @@ def privacy_private_head(
     steps: Annotated[int, typer.Option(help="fine-tuning steps per head")] = 40,
     kl_budget: Annotated[float, typer.Option(help="KL budget from the public next-token distribution (nats/token)")] = 0.05,
     train_positions: Annotated[int, typer.Option(help="training positions for the attackers")] = 6144,
+    test_positions: Annotated[int, typer.Option(help="held-out positions")] = 3072,
     out: Annotated[str, typer.Option(help="folder for private_head.json")] = "results/privacy",
     quick: Annotated[bool, typer.Option(help="tiny random model and small settings")] = False,
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
@@ -552,7 +553,11 @@ def privacy_private_head(
         private_kl_budget=kl_budget,
         long_windows=0,
     )
-    cfg = AuditConfig.quick(**settings) if quick else AuditConfig(train_positions=train_positions, **settings)
+    if quick:
+        cfg = AuditConfig.quick(**settings)
+    else:
+        sizes = dict(train_positions=train_positions, test_positions=test_positions, tails=(0,))
+        cfg = AuditConfig(**sizes, whitebox_max_candidates=2048, defense_whitebox_windows=1, **settings)
     try:
         result = run_private_head(cfg)
     except ValueError as exc:

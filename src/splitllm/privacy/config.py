@@ -80,7 +80,7 @@ class AuditConfig:
             long_windows=0,
             whitebox_windows=2,
             whitebox_exhaustive_positions=1,
-            whitebox_max_candidates=None,
+            whitebox_max_candidates=2048,
             defense_whitebox_windows=1,
             defense_whitebox_positions=8,
             defense_head=1,

@@ -110,7 +110,7 @@ def train_private_head(
         opt.step()
         weight *= math.exp(0.5 * (float(kl) / kl_budget - 1.0))  # dual ascent on the KL budget
         weight = min(max(weight, 1e-2), 1e4)
-    stage = copy.deepcopy(Stage.load(files, 0, head, torch.float32))
+    stage = Stage.load(files, 0, head, torch.float32)
     for layer, loras in zip(stage.layers, adapters):
         for fused, names in _FUSED.items():
             delta = torch.cat([loras[n].delta() for n in names])
