@@ -53,7 +53,7 @@ def test_quick_audit_whitebox_inverts_and_certifies_an_undefended_split(quick_re
 
 def test_quick_audit_fills_every_report_field(quick_report) -> None:  # type: ignore[no-untyped-def]
     report, out = quick_report
-    assert _unfilled(report) == ["checks"]  # empty: every check passed
+    assert _unfilled(report) == [".checks"]  # empty: every check passed
     assert [row["K"] for row in report["input_side"]] == [1, 2]
     assert [row["M"] for row in report["output_side"]] == [0, 1]
     fields = {"client_ms_per_step", "mlp_top1", "mlp_top5", "sequence_top1", "whitebox_recovery", "whitebox_by_kind"}
