@@ -46,25 +46,25 @@ class AuditConfig:
 
     @classmethod
     def reduced(cls, **overrides: object) -> AuditConfig:
-        """The default model at three depths, smaller sets and one setting per defense: what a 2-core
-        machine shared with heavy jobs finishes in well under an hour."""
+        """The default model at two depths, small sets and one setting per defense: what a 2-core
+        machine shared with heavy jobs finishes in about half an hour."""
         base = cls(
-            heads=(1, 2, 12),
-            tails=(0, 2),
-            train_positions=2048,
-            test_positions=1024,
+            heads=(2, 12),
+            tails=(0,),
+            train_positions=1024,
+            test_positions=512,
             sequence_epochs=2,
             whitebox_windows=2,
-            long_window=288,
-            long_windows=1,
-            whitebox_exhaustive_positions=2,
+            long_windows=0,
+            whitebox_exhaustive_positions=1,
             whitebox_max_candidates=512,
             defense_whitebox_windows=1,
             defense_whitebox_positions=8,
-            noise_sigmas=(0.1, 1.0),
+            noise_sigmas=(1.0,),
             dp_epsilons=(1024.0,),
             lowrank_scales=(0.1,),
-            perplexity_windows=4,
+            known_pairs=640,
+            perplexity_windows=2,
         )
         return replace(base, **overrides)  # type: ignore[arg-type]
 

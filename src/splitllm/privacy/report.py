@@ -287,13 +287,13 @@ def blocks(r: dict) -> dict[str, str]:
 
 
 def _marked(name: str) -> re.Pattern[str]:
-    return re.compile(rf"(<!-- privacy-audit:{name} -->\n)(.*?)(\n<!-- /privacy-audit:{name} -->)", re.S)
+    return re.compile(rf"(<!-- privacy-audit:{name} -->\n)(.*?)(<!-- /privacy-audit:{name} -->)", re.S)
 
 
 def render_docs(r: dict, text: str) -> str:
     """`text` with every marked block replaced by its content generated from report `r`."""
     for name, body in blocks(r).items():
-        text = _marked(name).sub(lambda m, b=body: m.group(1) + b + m.group(3), text)
+        text = _marked(name).sub(lambda m, b=body: m.group(1) + b + "\n" + m.group(3), text)
     return text
 
 
