@@ -63,7 +63,6 @@ class AuditConfig:
             noise_sigmas=(1.0,),
             dp_epsilons=(1024.0,),
             lowrank_scales=(0.1,),
-            known_pairs=640,
             perplexity_windows=2,
         )
         return replace(base, **overrides)  # type: ignore[arg-type]

@@ -125,7 +125,7 @@ def rotation(ctx: Context, quality: Quality, public_mlp: Attacker) -> dict:
     q_pairs = defenses.procrustes(plain, seen)
     row["key_error_from_server_weights"] = float((q_weights - q).norm() / q.norm())
     row["key_error_from_known_pairs"] = float((q_pairs - q).norm() / q.norm())
-    row["known_pairs"] = cfg.known_pairs
+    row["known_pairs"] = len(plain)
     recovered = (test.float() @ q_weights.T).to(WIRE_DTYPE)
     row["recovered_key_mlp_top1"] = recovery(top_k(public_mlp, flat(recovered)), labels)[0]
     targets = whitebox_targets(ctx, recovered)
