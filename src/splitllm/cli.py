@@ -530,6 +530,7 @@ def privacy_private_head(
     heads: Annotated[str, typer.Option(help="comma-separated head depths K to train a private head at")] = "2,4,8",
     steps: Annotated[int, typer.Option(help="fine-tuning steps per head")] = 40,
     kl_budget: Annotated[float, typer.Option(help="KL budget from the public next-token distribution (nats/token)")] = 0.05,
+    length: Annotated[int, typer.Option(help="training window (tokens)")] = 64,
     train_positions: Annotated[int, typer.Option(help="training positions for the attackers")] = 6144,
     test_positions: Annotated[int, typer.Option(help="held-out positions")] = 3072,
     out: Annotated[str, typer.Option(help="folder for private_head.json")] = "results/privacy",
@@ -551,6 +552,7 @@ def privacy_private_head(
         private_heads=tuple(int(x) for x in heads.split(",")),
         private_steps=steps,
         private_kl_budget=kl_budget,
+        private_length=length,
         long_windows=0,
     )
     if quick:
