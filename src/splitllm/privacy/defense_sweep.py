@@ -88,7 +88,12 @@ def defense_sweep(ctx: Context, attackers: dict[int, Attacker]) -> dict:
     }
     out["noise"] = [
         noise_row(
-            ctx, quality, defenses.relative_noise(sigma), {"sigma": sigma}, WIRE_TOLERANCE + 1.25 * sigma, cfg.seed + 100 + i
+            ctx,
+            quality,
+            defenses.relative_noise(sigma),
+            {"sigma": sigma},
+            WIRE_TOLERANCE + 1.25 * sigma,
+            cfg.seed + 100 + i,
         )
         for i, sigma in enumerate(cfg.noise_sigmas)
     ]
@@ -157,7 +162,8 @@ def lowrank(ctx: Context, quality: Quality, public_mlp: Attacker) -> list[dict]:
         back = defenses.linear_map(flat(train)[: cfg.known_pairs], flat(ctx.train.states[k])[: cfg.known_pairs])
         mapped = (test.float() @ back).to(WIRE_DTYPE)
         row["fitted_map_mlp_top1"] = recovery(top_k(public_mlp, flat(mapped)), labels[1].flatten())[0]
-        row.update(_prefixed("fitted_map", whitebox_attack(ctx, k, whitebox_targets(ctx, mapped), public_mlp, certify=False)))
+        mapped_wb = whitebox_attack(ctx, k, whitebox_targets(ctx, mapped), public_mlp, certify=False)
+        row.update(_prefixed("fitted_map", mapped_wb))
         # Output side: the server runs the public tail on what it returns; the client's tail is private.
         windows = quality.windows
         client_next = client_next_tokens(local, quality.middle, windows)

@@ -32,10 +32,24 @@ from splitllm.model.stage import Stage
 from splitllm.privacy import defenses
 from splitllm.privacy.attacks.learned import Attacker, recovery, top_k
 from splitllm.privacy.states import WIRE_DTYPE
-from splitllm.privacy.sweep import Context, flat, fmt, head_states, learned_attacks, log, whitebox_attack, whitebox_targets
+from splitllm.privacy.sweep import (
+    Context,
+    flat,
+    fmt,
+    head_states,
+    learned_attacks,
+    log,
+    whitebox_attack,
+    whitebox_targets,
+)
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+_FUSED = {  # the runtime's fused matrices, made of these projections
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 class _LoRA(nn.Module):
@@ -148,7 +162,8 @@ def private_head_sweep(ctx: Context, attackers: dict[int, Attacker]) -> list[dic
             ctx, k, ctx.train.states[k], ctx.test.states[k], labels, ctx.model.embed, sequence=False
         )[1]
         stage, trace = train_private_head(
-            ctx, k, cfg.seed + 5000 + k, cfg.private_steps, cfg.private_kl_budget, cfg.private_rank, cfg.private_length, 4
+            ctx, k, cfg.seed + 5000 + k, cfg.private_steps, cfg.private_kl_budget, cfg.private_rank, cfg.private_length,
+            batch=4,
         )
         local = LocalModel(ctx.files, k, 0)
         middle = Stage.load(ctx.files, k, n, torch.float32)
@@ -162,7 +177,8 @@ def private_head_sweep(ctx: Context, attackers: dict[int, Attacker]) -> list[dic
         train = head_states(stage, ctx.model.embed, ctx.corpus.train)
         test = head_states(stage, ctx.model.embed, ctx.corpus.test)
         pub_test = ctx.test.states[k]
-        row["state_distance"] = float(((test.float() - pub_test.float()).norm(dim=-1) / pub_test.float().norm(dim=-1)).mean())
+        moved = (test.float() - pub_test.float()).norm(dim=-1) / pub_test.float().norm(dim=-1)
+        row["state_distance"] = float(moved.mean())
         row["public_mlp_top1"] = recovery(top_k(public, flat(test)), labels[1].flatten())[0]
         wb = whitebox_attack(ctx, k, whitebox_targets(ctx, test), public, certify=False)
         row["whitebox_recovery"] = wb["whitebox_recovery"]
