@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,7 @@ def test_docs_tables_match_the_committed_report() -> None:
 def test_corpus_test_windows_share_no_ngram_or_person_with_training(default_files) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
+    from splitllm.privacy import synthetic
     from splitllm.privacy.corpus import NGRAM, build_corpus, documents
 
     tokenizer = AutoTokenizer.from_pretrained(default_files.path)
@@ -137,6 +139,8 @@ def test_corpus_test_windows_share_no_ngram_or_person_with_training(default_file
         assert not any(tuple(window[i : i + NGRAM]) in seen for i in range(len(window) - NGRAM + 1))
     assert set(corpus.test_kinds) == {"prose", "code", "chat", "personal"}
     assert corpus.describe()["dedup"]["test_windows_dropped"] > 0  # help topics quote each other
+    generated = " ".join(d.text for d in train_docs if d.kind in ("chat", "personal"))
+    assert not any(re.search(rf"\b{name}\b", generated) for name in synthetic.FIRST[1::2])  # the test side's names
 
 
 def test_certified_search_falls_back_to_the_whole_vocabulary(tiny_models) -> None:  # type: ignore[no-untyped-def]
