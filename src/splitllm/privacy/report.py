@@ -186,8 +186,13 @@ def results(r: dict) -> str:
         f"vocabulary {r['model']['vocab']}). {c['train_positions']} training and {c['test_positions']} test "
         f"positions in {c['window']}-token windows (test windows by kind: "
         + ", ".join(f"{k} {v}" for k, v in c["test_windows_by_kind"].items())
-        + f"), plus {c['long_positions']} positions in whole {c['long_window']}-token contexts for the white-box "
-        f"search. {c['dedup']['test_windows_dropped']} of {c['dedup']['test_windows_considered']} candidate test "
+        + ")"
+        + (
+            f", plus {c['long_positions']} positions in whole {c['long_window']}-token contexts for the white-box search"
+            if c["long_positions"]
+            else ""
+        )
+        + f". {c['dedup']['test_windows_dropped']} of {c['dedup']['test_windows_considered']} candidate test "
         f"windows were dropped for sharing a {c['dedup']['ngram']}-token sequence with a training document. "
         "Every rate: 95% Clopper-Pearson interval in brackets (per position; n = positions).",
         "### Input side: tokens recovered from the state after layer K",
