@@ -469,7 +469,7 @@ def privacy_audit(
     tails: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
     out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",
     quick: Annotated[bool, typer.Option(help="tiny random model and small settings, and fail unless every attack behaves (CI)")] = False,
-    reduced: Annotated[bool, typer.Option(help="the default model at K 2,12, M 0, small sets and one setting per defense (for a busy 2-core machine)")] = False,
+    reduced: Annotated[bool, typer.Option(help="the default model at K 2, M 0, small sets and one setting per defense (for a busy 2-core machine)")] = False,
     train_positions: Annotated[Optional[int], typer.Option(help="training positions for the learned attacks [default: 12288]")] = None,
     test_positions: Annotated[Optional[int], typer.Option(help="held-out positions [default: 3072]")] = None,
     whitebox_windows: Annotated[Optional[int], typer.Option(help="whole test windows the white-box search inverts [default: 6]")] = None,

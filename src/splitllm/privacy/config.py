@@ -46,10 +46,10 @@ class AuditConfig:
 
     @classmethod
     def reduced(cls, **overrides: object) -> AuditConfig:
-        """The default model at two depths, small sets and one setting per defense: what a 2-core
+        """The default model at the default split, small sets and one setting per defense: what a 2-core
         machine shared with heavy jobs finishes in about half an hour."""
         base = cls(
-            heads=(2, 12),
+            heads=(2,),
             tails=(0,),
             train_positions=1024,
             test_positions=512,
