@@ -122,6 +122,7 @@ def train_private_head(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        kl, dist = kl.detach(), dist.detach()
         weight *= math.exp(0.5 * (float(kl) / kl_budget - 1.0))  # dual ascent on the KL budget
         weight = min(max(weight, 1e-2), 1e4)
     stage = Stage.load(files, 0, head, torch.float32)
