@@ -123,13 +123,15 @@ def whitebox_attack(
     proposer: Attacker,
     tolerance: float = WIRE_TOLERANCE,
     certify: bool = True,
+    exhaustive: int = 0,
 ) -> dict:
-    """Invert each target left to right with the public first `head` layers; rates per position."""
+    """Invert each target left to right with the public first `head` layers; rates per position. The
+    first `exhaustive` positions of the first target are searched over the whole vocabulary."""
     cfg, model = ctx.cfg, ctx.model
     stack = model.stack.upto(head)
     hits, certified, kinds, positions = [], [], [], []
     seconds, tried, collisions, exhaustive = 0.0, 0, 0, 0
-    checks = set(range(cfg.whitebox_exhaustive_positions)) if certify else set()
+    checks = set(range(exhaustive))
     for states, truth, kind in targets:
         prior = LanguageModelPrior(model, len(states) + 1)
         with torch.inference_mode():
@@ -198,7 +200,8 @@ def input_side(ctx: Context) -> tuple[list[dict], dict[int, Attacker]]:
         )
         row.update(learned)
         row["mlp_small_top1"] = small_mlp(ctx, k)
-        row.update(whitebox_attack(ctx, k, whitebox_targets(ctx, ctx.test.states[k], k), mlp))
+        targets = whitebox_targets(ctx, ctx.test.states[k], k)
+        row.update(whitebox_attack(ctx, k, targets, mlp, exhaustive=cfg.whitebox_exhaustive_positions))
         attackers[k] = mlp
         rows.append(row)
         ctx.timings[f"input_K{k}"] = time.perf_counter() - t0
