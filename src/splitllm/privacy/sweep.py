@@ -201,7 +201,7 @@ def input_side(ctx: Context) -> tuple[list[dict], dict[int, Attacker]]:
         row.update(learned)
         row["mlp_small_top1"] = small_mlp(ctx, k)
         targets = whitebox_targets(ctx, ctx.test.states[k], k)
-        row.update(whitebox_attack(ctx, k, targets, mlp, exhaustive=cfg.whitebox_exhaustive_positions))
+        row.update(whitebox_attack(ctx, k, targets, mlp, exhaustive=ctx.cfg.whitebox_exhaustive_positions))
         attackers[k] = mlp
         rows.append(row)
         ctx.timings[f"input_K{k}"] = time.perf_counter() - t0
