@@ -130,7 +130,7 @@ def whitebox_attack(
     cfg, model = ctx.cfg, ctx.model
     stack = model.stack.upto(head)
     hits, certified, kinds, positions = [], [], [], []
-    seconds, tried, collisions, exhaustive = 0.0, 0, 0, 0
+    seconds, tried, collisions, searched_all = 0.0, 0, 0, 0
     checks = set(range(exhaustive))
     for states, truth, kind in targets:
         prior = LanguageModelPrior(model, len(states) + 1)
@@ -161,7 +161,7 @@ def whitebox_attack(
         seconds += inv.seconds
         tried += sum(inv.candidates)
         collisions += sum(inv.collisions)
-        exhaustive += sum(inv.exhaustive)
+        searched_all += sum(inv.exhaustive)
     hit, n = torch.tensor(hits), len(hits)
     out = {
         "whitebox_recovery": rates.of(hit),
@@ -169,7 +169,7 @@ def whitebox_attack(
         "whitebox_seconds_per_token": seconds / n,
         "whitebox_candidates_per_token": tried / n,
         "whitebox_collisions": collisions,
-        "whitebox_exhaustive_positions": exhaustive,
+        "whitebox_exhaustive_positions": searched_all,
         "whitebox_by_kind": {k: rates.of(hit[torch.tensor([x == k for x in kinds])]) for k in KINDS if k in kinds},
     }
     late = torch.tensor(positions) >= 256
