@@ -52,7 +52,7 @@ class AuditConfig:
             heads=(2,),
             tails=(0,),
             train_positions=1024,
-            test_positions=512,
+            test_positions=640,  # five windows: every kind of text is tested
             sequence_epochs=2,
             whitebox_windows=2,
             long_windows=0,
