@@ -97,10 +97,16 @@ def _broken(report: dict, path: tuple, value: dict) -> dict:
 def test_quick_checks_fail_on_broken_or_peeking_attacks(quick_report) -> None:  # type: ignore[no-untyped-def]
     report, _ = quick_report
     assert quick_checks(report) == []
-    chance = {"rate": 0.05, "hits": 26, "n": 512, "ci95": [0.033, 0.073]}  # what an untrained attack scores
+
+    def at(base: float) -> dict:  # what an attack that learned nothing scores: its baseline
+        return {"rate": base, "hits": round(512 * base), "n": 512, "ci95": [0.8 * base, min(1.0, 1.2 * base)]}
+
+    baselines = report["baselines"]
     perfect = {"rate": 1.0, "hits": 8, "n": 8, "ci95": [0.631, 1.0]}
-    assert any("learned attack" in f for f in quick_checks(_broken(report, ("input_side", 0, "mlp_top1"), chance)))
-    assert any("output probe" in f for f in quick_checks(_broken(report, ("output_side", 1, "probe_top1"), chance)))
+    broken = _broken(report, ("input_side", 0, "mlp_top1"), at(baselines["input"]["most_frequent_top1"]))
+    assert any("learned attack" in f for f in quick_checks(broken))
+    broken = _broken(report, ("output_side", 1, "probe_top1"), at(baselines["output"]["most_frequent_top1"]))
+    assert any("output probe" in f for f in quick_checks(broken))
     peeking = _broken(report, ("defenses", "rotation", "public_weights_whitebox_recovery"), perfect)
     assert any("negative control" in f for f in quick_checks(peeking))
 
