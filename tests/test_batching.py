@@ -104,3 +104,39 @@ def test_load_report_scales_each_server_against_its_own_single_client(tmp_path) 
     assert "| batching 2 ms | 16 | 16/16 | 35.0 | 5.0x | 180.0 / 360.0 | 1.5x | 30.0 |" in table
     plot(rows, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 0
+
+
+def _schedule(items: list[tuple[str, int, int]], max_rows: int) -> list[list[str]]:
+    """Names per forward of a StepBatcher fed (name, principal index, rows) items at once; an item
+    named with '*' has one more part after its first forward (it is queued again)."""
+    import asyncio
+
+    from splitllm.server.batching import StepBatcher
+
+    forwards: list[list[str]] = []
+    again: set[str] = {name for name, _, _ in items if name.endswith("*")}
+
+    def run(batch: list[tuple[str, int, int]]) -> list[bytes | None]:
+        forwards.append([name for name, _, _ in batch])
+        replies: list[bytes | None] = []
+        for name, _, _ in batch:
+            replies.append(None if name in again else name.encode())
+            again.discard(name)
+        return replies
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            batcher = StepBatcher(run, pool, 0.05, lambda: len(items), owner=lambda i: f"p{i[1]}",
+                                  cost=lambda i: (i[2], 0), max_rows=max_rows)
+            assert [r.decode() for r in await asyncio.gather(*(batcher.submit(i) for i in items))] == [n for n, _, _ in items]
+
+    asyncio.run(main())
+    return forwards
+
+
+def test_batches_are_capped_and_principals_take_turns() -> None:
+    # principal 0 queued four 1-row steps before principal 1's one: both get into the first forward
+    assert _schedule([("a1", 0, 1), ("a2", 0, 1), ("a3", 0, 1), ("a4", 0, 1), ("b1", 1, 1)], 3) == [
+        ["a1", "b1", "a2"], ["a3", "a4"]]
+    # a step with parts left goes behind the steps waiting meanwhile; a step over the cap runs alone
+    assert _schedule([("long*", 0, 8), ("b1", 1, 1), ("c1", 2, 1)], 4) == [["long*"], ["b1", "c1"], ["long*"]]

@@ -6,6 +6,7 @@ import pytest
 
 from splitllm.client.session import SplitClient
 from splitllm.decoding.budget import CANDIDATE_BUDGETS, AdaptivePolicy, AutoProfile, Candidate
+from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.policy import SpecBudget
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, Linear, Link
@@ -115,12 +116,14 @@ def test_a_slower_server_than_profiled_moves_to_a_smaller_budget() -> None:
     assert slow.nodes < plain.nodes
 
 
-def test_interleaved_generations_keep_their_own_estimates() -> None:
-    policy = AdaptivePolicy(AUTO)
+def test_interleaved_conversations_keep_their_own_estimates() -> None:
+    """Each conversation builds its decoder from `DECODERS`, so its policy's estimates are its own."""
+    assert DECODERS["auto"]().policy is not DECODERS["auto"]().policy
     near, far = [], []
-    for _ in range(30):  # two generations taking turns, as concurrent requests would
+    policies = {id(near): AdaptivePolicy(AUTO), id(far): AdaptivePolicy(AUTO)}
+    for _ in range(30):  # two conversations taking turns, as concurrent requests would
         for history, link in ((near, Link(0.0)), (far, Link(200.0))):
-            budget = policy.choose(history)
+            budget = policies[id(history)].choose(history)
             c = _candidate(AUTO, budget)
             history.append(_step(AUTO, c, link, history))
     assert near[-1].nodes <= 3 and far[-1].nodes >= 12

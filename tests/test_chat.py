@@ -40,7 +40,7 @@ def test_turns_send_the_server_only_new_positions(server, monkeypatch: pytest.Mo
         for question in TURNS:
             before, first_step = len(conv.ids), len(log.steps)
             gen = None
-            for gen, _ in conv.say(question, max_new_tokens=12):
+            for gen, _ in conv.say(question, max_new_tokens=12, decode="sequential"):
                 pass
             assert gen is not None and gen.ids
             # The turn's first step: the previous answer's last token, then the new template tokens.

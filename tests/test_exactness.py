@@ -20,7 +20,12 @@ DEFAULT_PROMPTS = [
     "Describe the water cycle for a ten-year-old, in several paragraphs.",
     "Compare cats and dogs as pets: temperament, cost, care and lifespan.",
 ]
-TINY_SPLITS = {"llama": [(1, 2)], "qwen2": [(1, 1), (2, 0)], "mistral": [(1, 1), (2, 3), (4, 0)]}
+TINY_SPLITS = {
+    "llama": [(1, 2)],
+    "qwen2": [(1, 1), (2, 0)],
+    "mistral": [(1, 1), (2, 3), (4, 0)],
+    "gemma3": [(1, 1), (2, 3)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +47,7 @@ def test_default_model_split_greedy_equals_transformers(head, tail, server, defa
     url = server(None, head, tail).url
     client = SplitClient(None, url, head, tail, wire_dtype="float32", max_context=256)
     for i, (ids, ref) in enumerate(zip(default_prompts, default_reference)):
-        gen = client.generate(ids, NEW_TOKENS)
+        gen = client.generate(ids, NEW_TOKENS, decode="sequential")
         assert gen.ids == ref, f"prompt {i}: split {head}+{tail} diverges at token {_first_difference(gen.ids, ref)}"
 
 
@@ -53,7 +58,7 @@ def test_tiny_model_split_greedy_equals_transformers(
     folder = tiny_models[name]
     url = server(folder, head, tail).url
     local = local_model(folder, head, tail)
-    for seed, length in enumerate([1, 3, 5, 8, 9, 13, 21, 30]):  # around and past the Mistral's 8-token window
+    for seed, length in enumerate([1, 3, 5, 8, 9, 13, 21, 30]):  # around and past the 8-token windows
         prompt = random_ids(length, seed=100 + seed)
         ref = hf_greedy(folder, prompt, NEW_TOKENS)
         assert len(ref) == NEW_TOKENS

@@ -124,7 +124,7 @@ def test_step_decomposition_adds_up_on_a_loopback_run(server) -> None:  # type: 
     the steps' wall times cover the whole generation (nothing is lost between steps)."""
     url = server(None, 2, 2).url
     client = SplitClient(None, server=url, head=2, tail=2)
-    gen = client.generate("Name three primary colors.", max_new_tokens=24)
+    gen = client.generate("Name three primary colors.", max_new_tokens=24, decode="sequential")
     prefill, steps = gen.steps[0], gen.steps[1:]
     assert prefill.nodes == len(gen.prompt_ids) and len(steps) >= 8
     for s in gen.steps:

@@ -29,6 +29,15 @@ def test_tiny_configs_are_read_as_their_architecture(tiny_models) -> None:
     assert mistral.layer_windows == (8,) * 6
 
 
+def test_tiny_gemma3_config_is_read_with_its_layer_kinds(tiny_models) -> None:
+    cfg = ModelFiles(tiny_models["gemma3"]).config
+    assert cfg.layer_windows == (8, None) * 3
+    sliding, full = cfg.layer_ropes[:2]
+    assert cfg.layer_ropes == (sliding, full) * 3 and sliding != full
+    assert (cfg.norm_offset, cfg.qk_norm, cfg.sandwich_norm, cfg.hidden_act) == (1.0, True, True, "gelu_pytorch_tanh")
+    assert (cfg.embed_scale, cfg.attn_scale, cfg.final_logit_softcap) == (8.0, 24**-0.5, 50.0)
+
+
 def test_default_config(default_files) -> None:
     cfg = default_files.config
     assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
@@ -40,11 +49,11 @@ def test_unsupported_architecture_is_refused() -> None:
         ModelConfig.from_hf(GPT2Config())
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3"])
 @pytest.mark.parametrize(("head", "tail"), [(1, 1), (2, 0), (1, 2)])
 def test_tiny_logits_match_transformers(name, head, tail, tiny_models, pipeline, hf_model, random_ids) -> None:
     folder = tiny_models[name]
-    tokens = random_ids(40, seed=7)  # five of the Mistral's windows
+    tokens = random_ids(40, seed=7)  # five of the Mistral's and the Gemma's windows
     ours = _logits(pipeline(folder, head, tail), tokens)
     with torch.no_grad():
         ref = hf_model(folder)(torch.tensor([tokens])).logits[0]

@@ -22,6 +22,7 @@ from splitllm.privacy.checks import quick_checks
 from splitllm.privacy.rates import clopper_pearson
 from splitllm.privacy.report import DOCS, PUBLISHED, load, render_docs
 from splitllm.privacy.states import WIRE_DTYPE, PublicModel
+from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
 
@@ -211,3 +212,15 @@ def test_rotation_preserves_the_default_model_and_leaks_its_key(default_files, l
     assert torch.equal(plain.argmax(-1), secret.argmax(-1))
     recovered = defenses.rotation_from_weights(middle, rotated_middle)
     assert (recovered - q).norm() / q.norm() < 1e-4
+
+
+def test_audit_states_of_a_gemma_are_the_splits_and_rotation_refuses_it(tiny_models, pipeline, random_ids) -> None:  # type: ignore[no-untyped-def]
+    """The audit feeds scaled embeddings as the client does; the rotation defense needs Llama's norms only."""
+    folder = tiny_models["gemma3"]
+    model = PublicModel(ModelFiles(folder), [2])
+    tokens = random_ids(12, seed=5)
+    states = model.window_states(torch.tensor([tokens]), [2])
+    split = pipeline(folder, 2, 1).score(torch.tensor(tokens), torch.arange(12), Visibility.chain(12), [])[0]
+    assert torch.equal(states.greedy[0], split.argmax(-1))
+    with pytest.raises(ValueError, match="rotation defense"):
+        defenses.rotate_stage(model.local.head, defenses.random_rotation(model.cfg.hidden_size, seed=0))

@@ -22,6 +22,7 @@ ray_deployment = pytest.importorskip("splitllm.server.ray_deployment")
 pytestmark = pytest.mark.slow
 HEAD, TAIL = 2, 2
 CLIENTS, NEW = 8, 24
+MAX_NODES = 16  # the replicas' positions per step: the longer prompts go as several steps
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def ray_url(default_files):  # type: ignore[no-untyped-def]
     """ws:// address of a 2-replica deployment (each replica: one compute thread, no CPU reservation)."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
     port = free_port()
-    spec = ray_deployment.ReplicaSpec(str(default_files.path), ServerSettings(HEAD, TAIL, max_sessions=16))
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_sessions=16, max_nodes_per_step=MAX_NODES)
+    spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=settings)
     try:
         ray_deployment.start(spec, replicas=2, host="127.0.0.1", port=port, cpus_per_replica=0)
         yield f"ws://127.0.0.1:{port}"
@@ -92,12 +94,32 @@ def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files,
     assert victim not in ray_deployment.replica_actor_names()
 
 
+def test_a_prompt_three_times_max_nodes_on_ray(ray_url, default_files, server, local_model, split_greedy, random_ids) -> None:  # type: ignore[no-untyped-def]
+    prompt = random_ids(3 * MAX_NODES + 5, seed=7, vocab=49152)
+    local = local_model(str(default_files.path), HEAD, TAIL)
+    want = split_greedy(local, server(str(default_files.path), HEAD, TAIL).url, prompt, 8)  # one step, unsplit
+    assert greedy(local, _middle(ray_url, default_files, prompt), prompt, 8) == want[:8]
+
+
+def test_every_limit_is_settable_and_public_addresses_need_tokens(default_files) -> None:  # type: ignore[no-untyped-def]
+    settings = ray_deployment.settings_from_args(
+        {"max_kv_bytes": "1048576", "max_connections_per_principal": 3, "operators": "ops,admin",
+         "max_sessions_per_principal": "none", "handshake_timeout_s": "2.5", "max_batch_rows": 64}
+    )
+    assert (settings.max_kv_bytes, settings.max_connections_per_principal, settings.operators) == (1 << 20, 3, ("ops", "admin"))
+    assert (settings.max_sessions_per_principal, settings.handshake_timeout_s, settings.max_batch_rows) == (None, 2.5, 64)
+    spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=ServerSettings(head=HEAD, tail=TAIL))
+    with pytest.raises(ValueError, match="needs a token file"):
+        ray_deployment.start(spec, replicas=1, host="0.0.0.0", port=free_port())
+
+
 def test_the_documented_serve_run_config_builds(default_files) -> None:  # type: ignore[no-untyped-def]
     import yaml
 
     config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "ray-serve.yaml").read_text())
     (app,) = config["applications"]
     assert app["name"] == ray_deployment.APP_NAME
+    assert config["http_options"]["host"] == "127.0.0.1"  # loopback unless told otherwise
     module, _, builder = app["import_path"].partition(":")
     assert module == ray_deployment.__name__ and builder == "app_builder"
     ray_deployment.app_builder({**app["args"], "model": str(default_files.path)})
@@ -110,5 +132,5 @@ def test_the_documented_serve_run_config_builds(default_files) -> None:  # type:
 def test_steps_are_capped_to_what_rays_proxy_passes() -> None:
     settings = ray_deployment.fit_to_proxy(ServerSettings(max_nodes_per_step=8192), hidden_size=576)
     assert settings.max_nodes_per_step == 7253 and settings.max_frame_bytes == 16 << 20
-    assert ray_deployment.fit_to_proxy(ServerSettings(), 4096).max_nodes_per_step == 1020
+    assert ray_deployment.fit_to_proxy(ServerSettings(max_nodes_per_step=4096), 4096).max_nodes_per_step == 1020
     assert ray_deployment.fit_to_proxy(ServerSettings(max_nodes_per_step=64), 4096).max_nodes_per_step == 64

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import DECODERS, SplitClient
-from splitllm.client.stopping import StopRule
+from splitllm.client.stopping import IncrementalText, StopRule
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
@@ -141,7 +141,7 @@ def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler) -> t
     samples, tokens, steps = [], 0, 0
     for seed in range(SAMPLES):
         sampler = sampler_class(replace(PARAMS, seed=seed), PROMPT)
-        out = list(DECODERS[mode](_pipeline(model), PROMPT, 2, frozenset(), sampler=sampler))
+        out = list(DECODERS[mode]()(_pipeline(model), PROMPT, 2, frozenset(), sampler=sampler))
         ids = [t for o in out for t in o.tokens][:2]
         samples.append(tuple(ids))
         tokens, steps = tokens + len(ids), steps + len(out)
@@ -205,10 +205,32 @@ class _Tokens:
 
 
 def test_stop_rule_clips_overshooting_steps() -> None:
-    rule = StopRule(_Tokens(), frozenset({7}), stop=["</s>"], max_new_tokens=6)  # type: ignore[arg-type]
-    assert rule.clip([], [0, 1, 7, 0]) == ([0, 1, 7], "stop")  # nothing after EOS
-    assert rule.clip([0], [1, 2, 3, 4, 5, 0]) == ([1, 2, 3, 4, 5], "stop")  # the token completing the string
-    assert rule.text([0, 1, 2, 3, 4, 5]) == "ab"
-    assert rule.clip([0, 1], [0, 1, 0, 1, 0]) == ([0, 1, 0, 1], "length")
-    assert rule.clip([0], [1]) == ([1], None)
-    assert rule.stable("ab</") == "ab" and rule.stable("ab/") == "ab/" and rule.stable("ab\ufffd") == "ab"
+    def rule() -> StopRule:
+        return StopRule(_Tokens(), frozenset({7}), stop=["</s>"], max_new_tokens=6)  # type: ignore[arg-type]
+
+    eos = rule()
+    assert eos.clip([0, 1, 7, 0]) == ([0, 1, 7], "stop")  # nothing after EOS
+    stop = rule()
+    assert stop.clip([0]) == ([0], None) and stop.text() == "a"
+    assert stop.clip([1, 2, 3]) == ([1, 2, 3], None) and stop.text() == "ab"  # "</" may grow into "</s>"
+    assert stop.clip([4, 5, 0]) == ([4, 5], "stop")  # the token completing the string
+    assert stop.text(final=True) == "ab"
+    length = rule()
+    assert length.clip([0, 1]) == ([0, 1], None)
+    assert length.clip([0, 1, 0, 1, 0]) == ([0, 1, 0, 1], "length")
+    assert length.text(final=True) == "ababab" and rule().clip([1]) == ([1], None)
+
+
+def test_incremental_text_equals_decoding_everything(default_files) -> None:  # type: ignore[no-untyped-def]
+    """Spaces, punctuation and characters split over several byte tokens (emoji, CJK, accents)."""
+    tok = AutoTokenizer.from_pretrained(default_files.path)
+    text = "Héllo, wörld! 你好 🙂🚀 — it's   spaced\n\tand tabbed: x=1; <b>tag</b>. " * 3
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    stream = IncrementalText(tok)
+    pieces = [stream.push(i) for i in ids]
+    assert "".join(pieces) == stream.text == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)
+    rule = StopRule(tok, frozenset(), stop=["🚀"], max_new_tokens=1000)
+    kept, reason = rule.clip(ids)
+    assert reason == "stop" and rule.text(final=True) == text[: text.index("🚀")]
+    assert "🚀" in tok.decode(kept) and "🚀" not in tok.decode(kept[:-1])

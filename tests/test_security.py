@@ -45,7 +45,7 @@ from splitllm.client.remote import RemoteMiddle
 from splitllm.launch import ServerThread
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings
-from splitllm.server.auth import TokenTable
+from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import formatter
 from splitllm.server.transport import TlsFiles
 
@@ -114,13 +114,13 @@ def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
     """A wss:// server that wants a bearer token."""
-    server = MiddleServer(tiny, ServerSettings(HEAD, TAIL), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, operators=("carol",)), TokenTable.load(token_file))
     with ServerThread(server, tls=TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))) as thread:
         yield thread
 
 
 def _options(certs: Path, principal: str | None = None, **kw: object) -> ConnectionOptions:
-    return ConnectionOptions(TOKENS.get(principal or ""), str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
+    return ConnectionOptions(token=TOKENS.get(principal or ""), ca_file=str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
 
 
 def _middle(thread: ServerThread, options: ConnectionOptions | None = None, context: int = CONTEXT) -> RemoteMiddle:
@@ -129,7 +129,7 @@ def _middle(thread: ServerThread, options: ConnectionOptions | None = None, cont
 
 
 def _sample(thread: ServerThread, name: str, **labels: str) -> float:
-    return thread.server.metrics.registry.get_sample_value(name, labels) or 0.0
+    return thread.server.metrics.total(name, **labels)
 
 
 # --- transport security ---------------------------------------------------------------------------------
@@ -142,16 +142,26 @@ def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server
     assert greedy(local, _middle(secure, _options(certs, "alice")), prompt, 16) == plain
 
 
+def test_tls_is_1_2_or_later_and_heads_go_through_h11(tiny, certs) -> None:  # type: ignore[no-untyped-def]
+    from splitllm.server.http_guard import GuardedH11Protocol
+    from splitllm.server.transport import uvicorn_config
+
+    tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))
+    config = uvicorn_config(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), "127.0.0.1", 0, tls)
+    assert config.ssl is not None and config.ssl.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert issubclass(config.http_protocol_class, GuardedH11Protocol)  # never httptools, even when installed
+
+
 def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ssl.SSLCertVerificationError):
-        _middle(secure, ConnectionOptions(TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
-    insecure = _middle(secure, ConnectionOptions(TOKENS["alice"], insecure=True))  # encrypted, unverified
+        _middle(secure, ConnectionOptions(token=TOKENS["alice"], deadline_s=30.0))  # not retried for 30 s
+    insecure = _middle(secure, ConnectionOptions(token=TOKENS["alice"], insecure=True))  # encrypted, unverified
     insecure.close()
 
 
 def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
     tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
-    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL)), tls=tls) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), tls=tls) as thread:
         mine = _options(certs, client_cert=str(certs / "client.pem"), client_key=str(certs / "client.key"))
         assert len(greedy(local_model(tiny, HEAD, TAIL), _middle(thread, mine), random_ids(4, 2), 4)) == 4
         stranger = str(certs / "stranger.pem"), str(certs / "stranger.key")
@@ -159,6 +169,21 @@ def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model,
             with pytest.raises(ServerUnreachable, match="client certificate"):
                 _middle(thread, options)
         assert _sample(thread, "splitllm_sessions_opened_total") == 1
+
+
+def test_client_certificate_names_the_principal(tiny, certs, token_file, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+    """Under mutual TLS the certificate's common name (alice) is the principal; with tokens too, only
+    alice's token goes with alice's certificate."""
+    tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
+    cert = {"client_cert": str(certs / "client.pem"), "client_key": str(certs / "client.key")}
+    local = local_model(tiny, HEAD, TAIL)
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), tls=tls) as thread:
+        greedy(local, _middle(thread, _options(certs, **cert)), random_ids(4, 5), 2)
+        assert thread.server.metrics.total("splitllm_sessions_opened_total", principal="alice") == 1
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL), TokenTable.load(token_file)), tls=tls) as thread:
+        with pytest.raises(AuthenticationError):
+            _middle(thread, _options(certs, "bob", **cert))
+        greedy(local, _middle(thread, _options(certs, "alice", **cert)), random_ids(4, 5), 2)
 
 
 # --- authentication -------------------------------------------------------------------------------------
@@ -169,7 +194,7 @@ def test_refused_handshakes_do_no_model_work(secure, certs) -> None:  # type: ig
     refused = _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated")
     for token in (None, "wrong-token", TOKENS["alice"] + "x", f"alice:{TOKENS['alice']}"):
         with pytest.raises(AuthenticationError, match="authentication failed") as info:
-            _middle(secure, ConnectionOptions(token, str(certs / "ca.pem"), deadline_s=30.0))
+            _middle(secure, ConnectionOptions(token=token, ca_file=str(certs / "ca.pem"), deadline_s=30.0))
         assert info.value.code == "unauthenticated" and not info.value.retryable
     assert {n: _sample(secure, n) for n in before} == before
     assert _sample(secure, "splitllm_handshakes_refused_total", reason="unauthenticated") == refused + 4
@@ -198,20 +223,38 @@ def test_token_table_format(tmp_path) -> None:  # type: ignore[no-untyped-def]
             TokenTable.load(tmp_path / "t")
 
 
-def test_metrics_need_a_token_when_the_server_does(secure, certs) -> None:  # type: ignore[no-untyped-def]
+def _get(url: str, ctx: ssl.SSLContext, principal: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {TOKENS[principal]}"} if principal else {}
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), context=ctx, timeout=10).read().decode()
+
+
+def test_metrics_need_a_token_and_show_each_principal_only_its_own(secure, certs, local_model, tiny, random_ids) -> None:  # type: ignore[no-untyped-def]
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     url = f"https://127.0.0.1:{secure.port}/metrics"
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url, context=ctx, timeout=10)
     assert refused.value.code == 401
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKENS['bob']}"})
-    body = urllib.request.urlopen(request, context=ctx, timeout=10).read().decode()
-    for name in ("splitllm_sessions ", "splitllm_kv_bytes ", "splitllm_step_seconds_bucket", "splitllm_errors_total"):
-        assert name in body or name.strip() in body, name
+    for principal in ("alice", "bob"):
+        greedy(local_model(tiny, HEAD, TAIL), _middle(secure, _options(certs, principal)), random_ids(4, 3), 2)
+    bob = _get(url, ctx, "bob")
+    assert 'splitllm_steps_total{principal="bob"}' in bob
+    assert "alice" not in bob and "splitllm_sessions " not in bob and "splitllm_step_seconds_bucket" not in bob
+    operator = _get(url, ctx, "carol")  # an operator principal sees the whole server
+    for name in ("splitllm_sessions ", "splitllm_kv_bytes ", "splitllm_step_seconds_bucket", 'principal="alice"'):
+        assert name in operator, name
+
+
+def test_health_shows_load_only_to_authenticated_callers(secure, certs) -> None:  # type: ignore[no-untyped-def]
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    url = f"https://127.0.0.1:{secure.port}/health"
+    anonymous = json.loads(_get(url, ctx))
+    assert anonymous["status"] == "ok" and not {"sessions", "kv_bytes", "connections"} & set(anonymous)
+    assert set(json.loads(_get(url, ctx, "bob"))) >= {"sessions", "kv_bytes"}
+    assert "connections" in json.loads(_get(url, ctx, "carol"))
 
 
 def test_cli_generate_with_token_file_and_environment(default_files, token_file, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    server = MiddleServer(None, ServerSettings(2, 2), TokenTable.load(token_file))
+    server = MiddleServer(None, ServerSettings(head=2, tail=2), TokenTable.load(token_file))
     wrong = tmp_path / "wrong"
     wrong.write_text("not-a-token\n")
     base = [sys.executable, "-m", "splitllm.cli", "generate", "Say hi.", "--max-new-tokens", "4", "--json"]
@@ -256,16 +299,16 @@ def test_sessions_belong_to_their_principal_and_connection(tiny, secure, certs) 
 def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL, session_ttl_s=0.3))) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, session_ttl_s=0.3))) as thread:
         with RawClient(thread.url) as owner, RawClient(thread.url) as other:
             session = owner.open(files, layers).header["session"]
             deadline = time.monotonic() + 10
-            while thread.server.info()["sessions"] and time.monotonic() < deadline:
+            while thread.server.info(ANONYMOUS)["sessions"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             hidden = torch.randn(1, files.config.hidden_size)
             assert owner.step(session, hidden, [0], []).header["code"] == "session_expired"
             assert other.step(session, hidden, [0], []).header["code"] == "unknown_session"
-            assert thread.server.info()["kv_bytes"] == 0
+            assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0
 
 
 # --- bounded resources ----------------------------------------------------------------------------------
@@ -274,9 +317,9 @@ def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None: 
 def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    settings = ServerSettings(HEAD, TAIL, max_sessions=3, max_sessions_per_principal=2)
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_sessions=3, max_sessions_per_principal=2)
     with ServerThread(MiddleServer(tiny, settings, TokenTable.load(token_file))) as thread:
-        clients = {p: RawClient(thread.url, ConnectionOptions(TOKENS[p])) for p in TOKENS}
+        clients = {p: RawClient(thread.url, ConnectionOptions(token=TOKENS[p])) for p in TOKENS}
         try:
             a1, a2 = (clients["alice"].open(files, layers).header["session"] for _ in range(2))
             third = clients["alice"].open(files, layers).header
@@ -296,26 +339,26 @@ def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_
 def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    probe = MiddleServer(tiny, ServerSettings(HEAD, TAIL))
+    probe = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))
     per_session = probe.stage.new_cache(CONTEXT).nbytes
-    settings = ServerSettings(HEAD, TAIL, max_kv_bytes=int(2.5 * per_session))
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_kv_bytes=int(2.5 * per_session))
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
         for _ in range(2):
             assert "session" in raw.open(files, layers, CONTEXT).header
-        assert thread.server.info()["kv_bytes"] == 2 * per_session
+        assert thread.server.info(ANONYMOUS)["kv_bytes"] == 2 * per_session
         full = raw.open(files, layers, CONTEXT).header
         assert (full["code"], full["retryable"]) == ("server_full", True) and "KV" in full["message"]
         assert "session" in raw.open(files, layers, CONTEXT // 4).header  # a smaller one still fits
         too_big = raw.open(files, layers, 4 * CONTEXT).header
         assert too_big["code"] == "context_too_large" and "retryable" not in too_big
-        assert thread.server.info()["kv_bytes"] <= settings.max_kv_bytes
-    assert thread.server.info()["kv_bytes"] == 0  # released with the connection
+        assert thread.server.info(ANONYMOUS)["kv_bytes"] <= settings.max_kv_bytes
+    assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0  # released with the connection
 
 
 def test_nodes_per_step_and_context_are_capped(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
     layers = (HEAD, files.config.num_layers - TAIL)
-    settings = ServerSettings(HEAD, TAIL, max_context=32, max_nodes_per_step=8)
+    settings = ServerSettings(head=HEAD, tail=TAIL, max_context=32, max_nodes_per_step=8)
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
         opened = raw.open(files, layers, 10_000).header
         assert (opened["max_context"], opened["max_nodes"]) == (32, 8)
@@ -353,7 +396,7 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
     files = ModelFiles(tiny)
     layers = [HEAD, files.config.num_layers - TAIL]
     local, prompt = local_model(tiny, HEAD, TAIL), random_ids(8, 3)
-    settings = ServerSettings(HEAD, TAIL, send_timeout_s=1.0)
+    settings = ServerSettings(head=HEAD, tail=TAIL, send_timeout_s=1.0)
     with ServerThread(MiddleServer(tiny, settings)) as thread:
         expected = greedy(local, _middle(thread), prompt, 24)
         # max_queue=1: this client's reader thread stops taking data after one message
@@ -382,7 +425,7 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
             while _sample(thread, "splitllm_connections_dropped_total", reason="stalled") < 1:
                 assert time.monotonic() < deadline, "the stalled connection was never dropped"
                 time.sleep(0.1)
-            assert thread.server.info()["sessions"] == 0  # its session and KV memory are released
+            assert thread.server.info(ANONYMOUS)["sessions"] == 0  # its session and KV memory are released
             assert greedy(local, _middle(thread), prompt, 24) == expected
         finally:
             staller.socket.shutdown(socket.SHUT_RDWR)
@@ -390,13 +433,13 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
 
 def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL, idle_timeout_s=0.5))) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, idle_timeout_s=0.5))) as thread:
         with RawClient(thread.url) as raw:
             assert "session" in raw.open(files, (HEAD, files.config.num_layers - TAIL)).header
             with pytest.raises(ConnectionClosed) as closed:
                 raw.ws.recv(timeout=30)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
-        assert thread.server.info()["sessions"] == 0
+        assert thread.server.info(ANONYMOUS)["sessions"] == 0
         assert _sample(thread, "splitllm_connections_dropped_total", reason="idle") == 1
 
 
@@ -406,7 +449,7 @@ def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # 
 def test_logs_are_structured_and_carry_no_tensors(tiny, local_model, random_ids, caplog) -> None:  # type: ignore[no-untyped-def]
     local = local_model(tiny, HEAD, TAIL)
     with caplog.at_level(logging.DEBUG, logger="splitllm.server"):
-        with ServerThread(MiddleServer(tiny, ServerSettings(HEAD, TAIL))) as thread:
+        with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))) as thread:
             greedy(local, _middle(thread), random_ids(8, 4), 6)
             with RawClient(thread.url) as raw:
                 raw.send_raw(b"garbage")

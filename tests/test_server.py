@@ -242,6 +242,25 @@ def test_a_session_dies_with_its_connection_only(default_url, default_files) -> 
         assert ok.header["op"] == "result"
 
 
+def test_a_text_frame_closes_that_connection_with_a_reason(default_url, default_files) -> None:
+    from websockets.exceptions import ConnectionClosed
+
+    with RawClient(default_url) as keeper:
+        kept = keeper.request(_open_header(default_files)).header["session"]
+        with RawClient(default_url) as texter:
+            texter.ws.send("not a frame")
+            with pytest.raises(ConnectionClosed) as closed:
+                texter.ws.recv(timeout=30)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1003
+        ok = keeper.request({"op": "step", "session": kept, "positions": [0], "keep": []}, torch.zeros(1, HIDDEN))
+        assert ok.header["op"] == "result"
+
+
+def test_server_settings_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        ServerSettings(2, 2)  # type: ignore[misc]
+
+
 # --- concurrency ----------------------------------------------------------------------------------------
 
 
@@ -256,7 +275,7 @@ def test_concurrent_sessions_do_not_interfere(default_url) -> None:
         "What is the boiling point of water?",
     ]
     prompts = [client.encode_prompt(t) for t in texts]  # token ids: the threads share no tokenizer state
-    solo = [client.generate(p, 20).ids for p in prompts]
+    solo = [client.generate(p, 20, "sequential").ids for p in prompts]
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(prompts))
@@ -264,7 +283,7 @@ def test_concurrent_sessions_do_not_interfere(default_url) -> None:
     def run(i: int) -> None:
         try:
             barrier.wait()
-            results[i] = client.generate(prompts[i], 20).ids
+            results[i] = client.generate(prompts[i], 20, "sequential").ids
         except BaseException as exc:  # surfaced below: a thread's failure must fail the test
             errors.append(exc)
 

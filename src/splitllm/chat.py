@@ -13,6 +13,7 @@ from rich.table import Table
 
 from splitllm.client.connection import ServerError
 from splitllm.client.session import Generation, SplitClient
+from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.stats import mean_stats
 
@@ -51,7 +52,7 @@ def stats_table(turns: list[Generation]) -> Table:
 
 def run_chat(
     client: SplitClient,
-    decode: str = "sequential",
+    decode: str = DEFAULT_DECODE,
     sampling: SamplingParams | None = None,
     max_new_tokens: int = 256,
     system: str | None = None,
@@ -59,6 +60,7 @@ def run_chat(
     console: Console | None = None,
 ) -> None:
     """Read lines until /quit or end of input; answer each one, streaming, then a status line."""
+    client.check_chat()
     console = console or Console(highlight=False)
     conv = client.conversation(system)
     turns: list[Generation] = []

@@ -1,4 +1,8 @@
-"""Command line: wiring only; every command calls the public Python API."""
+"""Command line: wiring only; every command calls the public Python API.
+
+Names follow one vocabulary (docs/cli.md): durations and sizes carry their unit (`--rtt-ms`,
+`--session-ttl-s`, `--max-kv-gib`), several values are comma-separated, `--out` is a folder.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,74 @@ import functools
 import inspect
 import json
 import sys
-from collections.abc import Callable
-from typing import Annotated, Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, Optional
 
 import typer
+
+from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Split LLM inference over a WAN.")
 
 _DTYPES = {"float32", "bfloat16"}
+# `--decode`: the registry's modes, listed in --help and checked before anything loads.
+DecodeMode = Literal[tuple(DECODERS)]  # type: ignore[valid-type]
+_DECODE = typer.Option(help="decoding mode: auto sizes speculation for the link; greedy output is the same in all")
+
+# Spellings of an earlier release, still accepted with a notice: (command path, old) -> new option,
+# or None for an option that is ignored now. Value conversions are done by the commands themselves.
+DEPRECATED: dict[tuple[tuple[str, ...], str], str | None] = {
+    **{((cmd,), "--reconnect-deadline"): "--reconnect-deadline-s" for cmd in ("generate", "chat", "client-api")},
+    (("serve",), "--session-ttl"): "--session-ttl-s",
+    (("serve",), "--idle-timeout"): "--idle-timeout-s",
+    (("serve",), "--send-timeout"): "--send-timeout-s",
+    (("serve",), "--wire-dtype"): None,
+    (("demo",), "--rtt"): "--rtt-ms",
+    (("netem",), "--rtt"): "--rtt-ms",
+    (("netem",), "--jitter"): "--jitter-ms",
+    (("netem",), "--bandwidth"): "--bandwidth-mbit",
+    (("bench", "runtime"), "--rtt"): "--rtt-ms",
+    (("bench", "sweep"), "--points"): "--links",
+    (("bench", "sweep"), "--per-category"): "--prompts-per-category",
+    (("bench", "sweep"), "--quiet-deadline"): "--quiet-deadline-min",
+    (("bench", "speculation"), "--rtt"): "--rtt-ms",
+    (("bench", "speculation"), "--modes"): "--decode",
+    (("bench", "load"), "--rtt"): "--rtt-ms",
+    (("bench", "load"), "--context"): "--max-context",
+    (("privacy", "audit"), "--heads"): "--head",
+    (("privacy", "audit"), "--tails"): "--tail",
+}
+_TAKES_VALUE_IGNORED = {"--wire-dtype"}
+_ADVICE = {"--quiet-deadline-min": "--quiet-deadline-s (seconds)"}  # where the new name is not the advice
+
+
+def upgrade_argv(argv: Sequence[str], warn: Callable[[str], None]) -> list[str]:
+    """`argv` with deprecated option spellings replaced by the current ones, each with a notice."""
+    path = tuple(a for a in argv[:2] if not a.startswith("-"))
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name, eq, value = arg.partition("=")
+        key = next((k for k in ((path[:n], name) for n in (2, 1)) if k in DEPRECATED), None)
+        if key is None:
+            out.append(arg)
+            continue
+        new = DEPRECATED[key]
+        if new is None:
+            warn(f"warning: {name} is deprecated and ignored (it will be removed in the next release)")
+            skip = not eq and name in _TAKES_VALUE_IGNORED and i + 1 < len(argv)
+            continue
+        warn(f"warning: {name} is deprecated; use {_ADVICE.get(new, new)} (the old name goes in the next release)")
+        out.append(f"{new}{eq}{value}" if eq else new)
+    return out
+
+
+def main() -> None:
+    """The `splitllm` entry point: today's spellings of the arguments, then the commands."""
+    app(upgrade_argv(sys.argv[1:], lambda line: print(line, file=sys.stderr)), prog_name="splitllm")
 
 
 def _torch_dtype(name: str):  # type: ignore[no-untyped-def]
@@ -25,9 +89,26 @@ def _torch_dtype(name: str):  # type: ignore[no-untyped-def]
 
 
 def _threads(n: int) -> None:
-    import torch
+    from splitllm.threads import set_compute_threads
 
-    torch.set_num_threads(n)
+    set_compute_threads(n)
+
+
+def _numbers(text: str, kind: type) -> tuple:
+    """A comma-separated list of numbers, the form every option taking several values uses."""
+    try:
+        return tuple(kind(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise typer.BadParameter(f"not a comma-separated list of numbers: {text!r}") from None
+
+
+def _need_extra(extra: str) -> None:
+    """Stop with the install line when an optional part's dependencies are missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        typer.echo(f"error: this command needs the '{extra}' extra: pip install 'splitllm[{extra}]'", err=True)
+        raise typer.Exit(2)
 
 
 def _client(
@@ -44,7 +125,7 @@ def _client(
     client_cert: Annotated[Optional[str], typer.Option(help="PEM client certificate for mutual TLS")] = None,
     client_key: Annotated[Optional[str], typer.Option(help="PEM key of --client-cert")] = None,
     fallback: Annotated[Optional[list[str]], typer.Option(help="another server to fail over to (repeatable)")] = None,
-    reconnect_deadline: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
+    reconnect_deadline_s: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
 ) -> Any:
     """The SplitClient that the model and connection options of every client command describe."""
     from splitllm.client.connection import ConnectionOptions, read_token
@@ -52,8 +133,8 @@ def _client(
 
     _threads(threads)
     options = ConnectionOptions(
-        read_token(token_file), ca, insecure, client_cert, client_key, tuple(fallback or ()),
-        deadline_s=reconnect_deadline,
+        token=read_token(token_file), ca_file=ca, insecure=insecure, client_cert=client_cert, client_key=client_key,
+        fallbacks=tuple(fallback or ()), deadline_s=reconnect_deadline_s,
     )
     return SplitClient(model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype), connection=options)
 
@@ -101,16 +182,15 @@ def _with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., Any]]
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
+    model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
     head: Annotated[int, typer.Option(help="layers the client runs first")] = 2,
     tail: Annotated[int, typer.Option(help="layers the client runs last")] = 2,
     host: str = "127.0.0.1",
     port: int = 8765,
-    wire_dtype: Annotated[str, typer.Option(help="accepted for symmetry; each session picks its own")] = "float16",
     dtype: Annotated[str, typer.Option(help="compute dtype")] = "float32",
-    max_context: int = 4096,
+    max_context: Annotated[int, typer.Option(help="longest session, in tokens")] = 4096,
     max_sessions: int = 64,
-    session_ttl: Annotated[float, typer.Option(help="idle seconds before a session is dropped")] = 600.0,
+    session_ttl_s: Annotated[float, typer.Option(help="idle seconds before a session is dropped")] = 600.0,
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
     tls_cert: Annotated[Optional[str], typer.Option(help="PEM certificate chain: serve wss://")] = None,
     tls_key: Annotated[Optional[str], typer.Option(help="PEM private key of --tls-cert")] = None,
@@ -118,11 +198,24 @@ def serve(
     auth_token_file: Annotated[Optional[str], typer.Option(help="file of 'principal:token' lines; clients must present one")] = None,
     max_sessions_per_principal: Annotated[Optional[int], typer.Option(help="default: --max-sessions")] = None,
     max_kv_gib: Annotated[float, typer.Option(help="bound on the KV cache memory of all sessions, GiB")] = 8.0,
-    max_nodes_per_step: int = 4096,
+    max_nodes_per_step: Annotated[int, typer.Option(help="positions per step; clients split longer prompts")] = 256,
     max_frame_mib: Annotated[float, typer.Option(help="largest WebSocket message accepted, MiB")] = 64.0,
-    idle_timeout: Annotated[float, typer.Option(help="seconds before a silent connection is closed")] = 600.0,
-    send_timeout: Annotated[float, typer.Option(help="seconds a peer may take to read a reply")] = 30.0,
-    max_connections: int = 256,
+    idle_timeout_s: Annotated[float, typer.Option(help="seconds before a silent connection is closed")] = 600.0,
+    send_timeout_s: Annotated[float, typer.Option(help="seconds a peer may take to read a reply")] = 30.0,
+    max_connections: Annotated[int, typer.Option(help="open WebSockets; /health is never refused")] = 256,
+    max_connections_per_principal: Annotated[
+        Optional[int], typer.Option(help="default: a quarter of --max-connections with tokens, else all")
+    ] = None,
+    operator: Annotated[
+        Optional[list[str]], typer.Option(help="principal whose /health and /metrics show the whole server (repeatable)")
+    ] = None,
+    handshake_timeout_s: Annotated[float, typer.Option(help="seconds a connection may take to send its request head")] = 10.0,
+    max_header_kib: Annotated[int, typer.Option(help="largest request head (request line and headers), KiB")] = 16,
+    max_batch_rows: Annotated[int, typer.Option(help="positions in one shared forward pass")] = 256,
+    slice_rows: Annotated[
+        int, typer.Option(help="a longer step (a prompt) runs as forwards of this many positions, others' steps in between")
+    ] = 64,
+    max_batch_mib: Annotated[float, typer.Option(help="estimated activation and mask memory of one shared forward, MiB")] = 256.0,
     batch_window_ms: Annotated[
         float, typer.Option(help="steps of different sessions this close together share one forward; 0 disables")
     ] = 2.0,
@@ -139,11 +232,8 @@ def serve(
     from splitllm.server.app import MiddleServer, ServerSettings
     from splitllm.server.auth import TokenTable
     from splitllm.server.logs import configure
-    from splitllm.server.transport import TlsFiles, uvicorn_config
-    from splitllm.wire import WIRE_DTYPES
+    from splitllm.server.transport import TlsFiles, is_loopback, uvicorn_config
 
-    if wire_dtype not in WIRE_DTYPES:
-        raise typer.BadParameter(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}")
     if (tls_cert is None) != (tls_key is None) or (client_ca and not tls_cert):
         raise typer.BadParameter("--tls-cert and --tls-key go together, and --client-ca needs both")
     if engine not in ("uvicorn", "ray"):
@@ -155,9 +245,18 @@ def serve(
     configure(log_format)
     _threads(threads)
     settings = ServerSettings(
-        head, tail, _torch_dtype(dtype), max_context, max_sessions, session_ttl, max_nodes_per_step,
-        int(max_frame_mib * (1 << 20)), max_sessions_per_principal, int(max_kv_gib * (1 << 30)),
-        idle_timeout, send_timeout, max_connections, batch_window_ms,
+        head=head, tail=tail, dtype=_torch_dtype(dtype), max_context=max_context, max_sessions=max_sessions,
+        session_ttl_s=session_ttl_s, max_nodes_per_step=max_nodes_per_step, max_frame_bytes=int(max_frame_mib * (1 << 20)),
+        max_sessions_per_principal=max_sessions_per_principal, max_kv_bytes=int(max_kv_gib * (1 << 30)),
+        idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, max_connections=max_connections,
+        batch_window_ms=batch_window_ms,
+        max_connections_per_principal=max_connections_per_principal,
+        operators=tuple(operator or ()),
+        max_batch_rows=max_batch_rows,
+        slice_rows=slice_rows,
+        max_batch_bytes=int(max_batch_mib * (1 << 20)),
+        handshake_timeout_s=handshake_timeout_s,
+        max_header_bytes=max_header_kib << 10,
     )
     tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
     scheme = "wss" if tls else "ws"
@@ -173,6 +272,8 @@ def serve(
     typer.echo(f"serving layers [{server.start}, {server.end}) on {scheme}://{host}:{port}/ws", err=True)
     if tokens is None:
         typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
+    elif tls is None and not is_loopback(host):
+        typer.echo(f"warning: tokens will cross the network in clear text to {host}; use --tls-cert or a tunnel", err=True)
     uvicorn.Server(uvicorn_config(server, host, port, tls)).run()
 
 
@@ -189,7 +290,9 @@ def _serve_on_ray(
     except ImportError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    spec = ray_deployment.ReplicaSpec(model, settings, tokens_file, threads, log_format)
+    spec = ray_deployment.ReplicaSpec(
+        model=model, settings=settings, tokens_file=tokens_file, threads=threads, log_format=log_format
+    )
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a terminated server still stops its Ray cluster
     try:
         ray_deployment.start(spec, replicas, host, port, address, tls)
@@ -215,7 +318,7 @@ def generate(
     sampling: Any,
     prompt: str,
     max_new_tokens: int = 128,
-    decode: Annotated[str, typer.Option(help="decoding mode")] = "sequential",
+    decode: Annotated[DecodeMode, _DECODE] = DEFAULT_DECODE,
     stop: Annotated[Optional[list[str]], typer.Option(help="end the answer before this text (repeatable)")] = None,
     raw: Annotated[bool, typer.Option(help="skip the chat template")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
@@ -254,7 +357,7 @@ def generate(
 def chat(
     client: Any,
     sampling: Any,
-    decode: Annotated[str, typer.Option(help="decoding mode")] = "sequential",
+    decode: Annotated[DecodeMode, _DECODE] = DEFAULT_DECODE,
     max_new_tokens: Annotated[int, typer.Option(help="longest answer, in tokens")] = 256,
     system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
 ) -> None:
@@ -265,7 +368,11 @@ def chat(
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    run_chat(client, decode, sampling, max_new_tokens, system)
+    try:
+        run_chat(client, decode, sampling, max_new_tokens, system)
+    except ValueError as exc:  # a base model has no chat template
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("client-api")
@@ -274,44 +381,53 @@ def client_api(
     client: Any,
     host: Annotated[str, typer.Option(help="address to listen on (keep it on the trusted device)")] = "127.0.0.1",
     port: int = 8000,
-    decode: Annotated[str, typer.Option(help="default decoding mode (a request's 'decode' overrides it)")] = "sequential",
+    decode: Annotated[DecodeMode, _DECODE] = DEFAULT_DECODE,
     served_model_name: Annotated[Optional[str], typer.Option(help="the model id clients see")] = None,
 ) -> None:
-    """A local OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, /v1/models) over the split."""
+    """A local web chat at / and an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
+    /v1/models) over the split; a request's 'decode' overrides --decode."""
     import uvicorn
 
     from splitllm.api.openai import create_app
 
-    typer.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 ({client.server or 'in-process middle'})", err=True)
+    where = client.server or "in-process middle"
+    typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})", err=True)
     uvicorn.run(create_app(client, served_model_name, decode), host=host, port=port, log_level="warning")
 
 
 @app.command()
 def demo(
     prompt: Annotated[Optional[str], typer.Argument(help="what to ask")] = None,
-    rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
+    rtt_ms: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
     max_new_tokens: int = 96,
-    decode: str = "sequential",
+    decode: Annotated[DecodeMode, _DECODE] = DEFAULT_DECODE,
 ) -> None:
-    """Start a server, an emulated WAN link and a client on loopback; stream an answer and step stats."""
+    """Start a server, an emulated WAN link and a client on loopback; stream an answer, then compare
+    its speed with sequential decoding of the same answer."""
     from splitllm.demo import DEMO_PROMPT, run_demo
 
-    run_demo(prompt or DEMO_PROMPT, rtt, max_new_tokens, decode)
+    run_demo(prompt or DEMO_PROMPT, rtt_ms, max_new_tokens, decode)
 
 
 @app.command()
 def netem(
-    listen: Annotated[int, typer.Option(help="port to listen on")],
+    listen: Annotated[str, typer.Option(help="HOST:PORT to listen on (a bare PORT listens on --host)")],
     target: Annotated[str, typer.Option(help="HOST:PORT to forward to")],
-    rtt: Annotated[float, typer.Option(help="added round-trip time, ms")] = 80.0,
-    jitter: Annotated[float, typer.Option(help="jitter, ms")] = 0.0,
-    bandwidth: Annotated[Optional[float], typer.Option(help="cap in Mbit/s each way")] = None,
-    host: str = "127.0.0.1",
+    rtt_ms: Annotated[float, typer.Option(help="added round-trip time, ms")] = 80.0,
+    jitter_ms: Annotated[float, typer.Option(help="jitter, ms")] = 0.0,
+    bandwidth_mbit: Annotated[Optional[float], typer.Option(help="cap in Mbit/s each way")] = None,
+    host: Annotated[Optional[str], typer.Option(hidden=True, help="deprecated: put the host in --listen")] = None,
 ) -> None:
     """A WAN emulator: a TCP proxy adding delay, jitter and a bandwidth cap."""
     from splitllm.netem import LinkProfile, run_netem
 
-    run_netem(host, listen, target, LinkProfile(rtt_ms=rtt, jitter_ms=jitter, bandwidth_mbit=bandwidth))
+    if host is not None:
+        typer.echo("warning: --host is deprecated; use --listen HOST:PORT (the old name goes in the next release)", err=True)
+    listen_host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise typer.BadParameter(f"--listen takes HOST:PORT, not {listen!r}")
+    listen_host = listen_host or host or "127.0.0.1"
+    run_netem(listen_host, int(port), target, LinkProfile(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbit=bandwidth_mbit))
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks over the real client, server and WAN proxy.")
@@ -321,32 +437,51 @@ app.add_typer(bench_app, name="bench")
 # --- bench runtime: cost of the split runtime itself (server forward, loads, memory, decode steps) ---
 @bench_app.command("runtime")
 def bench_runtime(
-    out: Annotated[str, typer.Option(help="JSON report path")] = "results/runtime.json",
+    out: Annotated[str, typer.Option(help="folder for runtime.json")] = "results",
     head: int = 2,
     tail: int = 2,
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for decoding (1-8)")] = 1,
     dtype_prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for the wire dtype check")] = 2,
     max_new_tokens: int = 64,
-    rtt: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
+    rtt_ms: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
     wire_dtype: Annotated[str, typer.Option(help="wire dtype of the decoding runs")] = "float16",
 ) -> None:
     """Server forward vs the memory-bandwidth floor, load times, peak RSS, decode steps, wire dtype drift."""
+    from pathlib import Path
+
     from splitllm.bench.runtime import run_runtime, summary
 
+    if out.endswith(".json"):  # an earlier release took the report's path
+        typer.echo("warning: --out takes a folder now; a .json path still works until the next release", err=True)
+        path = Path(out)
+    else:
+        path = Path(out, "runtime.json")
     result = run_runtime(
-        out, head, tail, prompts_per_category, max_new_tokens, tuple(float(r) for r in rtt.split(",")), wire_dtype,
+        str(path), head, tail, prompts_per_category, max_new_tokens, _numbers(rtt_ms, float), wire_dtype,
         dtype_prompts_per_category,
     )
     typer.echo(summary(result))
-    typer.echo(f"wrote {out}", err=True)
+    typer.echo(f"wrote {path}", err=True)
 # --- end bench runtime ---
+
+
+@bench_app.command("streaming")
+def bench_streaming(
+    max_new_tokens: Annotated[int, typer.Option(help="length of the answer streamed")] = 2000,
+    window: Annotated[int, typer.Option(help="steps compared at each end")] = 100,
+    out: Annotated[str, typer.Option(help="folder for streaming.json and streaming.md")] = "results",
+) -> None:
+    """The client's per-step bookkeeping (stop strings, detokenizing) at the first and last tokens of a long answer."""
+    from splitllm.bench.streaming import run_streaming
+
+    typer.echo(run_streaming(out, max_new_tokens, window)["markdown"])
 
 
 @bench_app.command("sweep")
 def bench_sweep(
     out: Annotated[str, typer.Option(help="folder for steps.json, sweep.json, sweep.md and the plots")] = "results/sweep",
-    points: Annotated[str, typer.Option(help="links: RTT ms, or RTT@Mbit/s for a bandwidth cap")] = "0,20,40,80,120,200,80@20",
-    per_category: Annotated[int, typer.Option(help="workload prompts per category")] = 1,
+    links: Annotated[str, typer.Option(help="comma-separated links: RTT ms, or RTT@Mbit/s for a bandwidth cap")] = "0,20,40,80,120,200,80@20",
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category")] = 1,
     max_new_tokens: int = 64,
     profile: Annotated[Optional[str], typer.Option(help="auto profile to use instead of calibrating one")] = None,
     merge: Annotated[bool, typer.Option(help="keep OUT/steps.json's runs at links not measured now")] = False,
@@ -354,9 +489,10 @@ def bench_sweep(
     max_other_cores: Annotated[
         float, typer.Option(help="wait for, and redo generations until, others use fewer cores (0: never)")
     ] = 0.3,
-    quiet_deadline: Annotated[
-        float, typer.Option(help="minutes to wait for quiet moments; then what is left runs regardless")
-    ] = 60.0,
+    quiet_deadline_s: Annotated[
+        float, typer.Option(help="seconds to wait for quiet moments; then what is left runs regardless")
+    ] = 3600.0,
+    quiet_deadline_min: Annotated[Optional[float], typer.Option(hidden=True, help="deprecated: --quiet-deadline-s")] = None,
 ) -> None:
     """Tokens per second against RTT for every mode: measured, predicted (cross-validated), plotted."""
     import shlex
@@ -364,9 +500,10 @@ def bench_sweep(
     from splitllm.bench.sweep import Quiet
     from splitllm.bench.sweep_report import sweep
 
+    _need_extra("bench")
     command = shlex.join(["splitllm", *sys.argv[1:]])
-    quiet = Quiet(max_other_cores, quiet_deadline * 60)
-    summary = sweep(out, points, per_category, max_new_tokens, profile, merge, reanalyze, command, quiet)
+    quiet = Quiet(max_other_cores, quiet_deadline_s if quiet_deadline_min is None else quiet_deadline_min * 60)
+    summary = sweep(out, links, prompts_per_category, max_new_tokens, profile, merge, reanalyze, command, quiet)
     typer.echo(summary["markdown"])
     typer.echo(f"overall MAPE {100 * summary['mape']['overall']:.2f}%; plots: {', '.join(summary['plots'])}", err=True)
 
@@ -377,17 +514,21 @@ def bench_speculation(
     sampling: Any,
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 3,
     max_new_tokens: int = 200,
-    rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
-    modes: Annotated[
+    rtt_ms: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
+    decode: Annotated[
         str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget)")
     ] = "sequential,lookup,lookahead,auto,auto-static",
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
-    from splitllm.bench.speculation import run_speculation
+    from splitllm.bench.speculation import EXTRA_DECODERS, run_speculation
 
+    modes = tuple(m.strip() for m in decode.split(",") if m.strip())
+    unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
+    if unknown:
+        raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
     result = run_speculation(
-        prompts_per_category, max_new_tokens, rtt, tuple(m.strip() for m in modes.split(",") if m.strip()), out,
+        prompts_per_category, max_new_tokens, rtt_ms, modes, out,
         progress=lambda line: typer.echo(line, err=True), sampling=sampling,
     )
     typer.echo(result["markdown"])
@@ -398,11 +539,12 @@ def bench_exactness(
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
     max_new_tokens: int = 128,
     out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
+    model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
 ) -> None:
     """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
     from splitllm.bench.exactness import NEAR_TIE, run_exactness
 
-    report = run_exactness(prompts_per_category, max_new_tokens, out)
+    report = run_exactness(prompts_per_category, max_new_tokens, out, model)
     typer.echo(report.markdown())
     if not report.explained:
         typer.echo(f"error: a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", err=True)
@@ -415,28 +557,29 @@ def bench_load(
     batch_window_ms: Annotated[str, typer.Option(help="comma-separated batching windows, one server each; 0: off")] = "0,2",
     ray_replicas: Annotated[str, typer.Option(help="comma-separated Ray Serve replica counts, one deployment each (batching on); empty: none")] = "1,2",
     max_new_tokens: int = 32,
-    rtt: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
+    rtt_ms: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
     prompts: Annotated[int, typer.Option(help="distinct workload prompts, cycled over the clients")] = 8,
-    context: Annotated[int, typer.Option(help="max_context of each session")] = 256,
+    max_context: Annotated[int, typer.Option(help="longest session, in tokens")] = 256,
     max_kv_gib: Annotated[float, typer.Option(help="the server's KV memory bound, GiB")] = 1.0,
     clients_compute: Annotated[
         str, typer.Option(help="device: clients replay solo runs, their compute a pause (own devices); real: all compute here")
     ] = "device",
     out: Annotated[str, typer.Option(help="folder for load.json, load.md and load.png")] = "results/load",
+    prefill: Annotated[
+        int, typer.Option(help="instead: the largest --clients decoders alone, then with one prompt of this many positions")
+    ] = 0,
+    max_nodes_per_step: Annotated[int, typer.Option(help="the server's positions per step (--prefill runs)")] = 256,
+    max_batch_rows: Annotated[int, typer.Option(help="the server's positions per shared forward (--prefill runs)")] = 256,
+    slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 64,
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
     import shlex
     from pathlib import Path
 
-    from splitllm.bench.load import LoadSettings, ServerKind, run_load
+    from splitllm.bench.load import LoadSettings, ServerKind, prefill_markdown, run_load, run_prefill
 
-    def numbers(text: str, kind: type) -> list:
-        try:
-            return [kind(t) for t in text.split(",") if t.strip()]
-        except ValueError:
-            raise typer.BadParameter(f"not a comma-separated list of numbers: {text!r}") from None
-
-    counts, windows, replicas = numbers(clients, int), numbers(batch_window_ms, float), numbers(ray_replicas, int)
+    _need_extra("bench")
+    counts, windows, replicas = _numbers(clients, int), _numbers(batch_window_ms, float), _numbers(ray_replicas, int)
     if clients_compute not in ("device", "real"):
         raise typer.BadParameter("--clients-compute is device or real")
     if not counts or min(counts) < 1 or any(r < 1 for r in replicas) or any(w < 0 for w in windows):
@@ -447,8 +590,24 @@ def bench_load(
         except ImportError:
             raise typer.BadParameter("--ray-replicas needs Ray Serve: pip install 'splitllm[ray]'") from None
     on = max(windows, default=2.0) or 2.0
+    settings = LoadSettings(
+        max_new_tokens=max_new_tokens, rtt_ms=rtt_ms, prompts=prompts, context=max_context, max_kv_gib=max_kv_gib,
+        clients_compute="device" if prefill > 0 else clients_compute,
+    )
+    if prefill > 0:
+        serve_args = [
+            "--max-nodes-per-step", str(max_nodes_per_step), "--max-batch-rows", str(max_batch_rows),
+            "--slice-rows", str(slice_rows),
+        ]
+        result = run_prefill(max(counts), prefill, settings, on, serve_args, out, shlex.join(["splitllm", *sys.argv[1:]]),
+                             progress=lambda line: typer.echo(line, err=True))
+        typer.echo(prefill_markdown(result))
+        typer.echo(f"wrote {out}/prefill.json, prefill.md", err=True)
+        rows = (result["alone"], result["with_prefill"])
+        if not result["prefill_ok"] or any(r["errors"] or r["correct_clients"] != r["clients"] for r in rows):
+            raise typer.Exit(1)
+        return
     kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
-    settings = LoadSettings(max_new_tokens, rtt, prompts, context, max_kv_gib, clients_compute=clients_compute)
     result = run_load(counts, kinds, settings, out, shlex.join(["splitllm", *sys.argv[1:]]),
                       progress=lambda line: typer.echo(line, err=True))
     typer.echo(Path(out, "load.md").read_text())
@@ -464,9 +623,9 @@ app.add_typer(privacy_app, name="privacy")
 
 @privacy_app.command("audit")
 def privacy_audit(
-    model: Annotated[Optional[str], typer.Option(help="'default', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
-    heads: Annotated[Optional[str], typer.Option(help="comma-separated head depths K (layers before the state is sent) [default: 1,2,4,6,8,12; --quick: 1,2]")] = None,
-    tails: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file; --quick: a tiny random model")] = None,
+    head: Annotated[Optional[str], typer.Option(help="comma-separated head depths K (layers before the state is sent) [default: 1,2,4,6,8,12; --quick: 1,2]")] = None,
+    tail: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
     out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",
     quick: Annotated[bool, typer.Option(help="tiny random model and small settings, and fail unless every attack behaves (CI)")] = False,
     reduced: Annotated[bool, typer.Option(help="the default model at K 2, M 0, small sets and one setting per defense (for a busy 2-core machine)")] = False,
@@ -487,11 +646,12 @@ def privacy_audit(
     from splitllm.privacy import AuditConfig, run_audit
     from splitllm.privacy.report import PUBLISHED, markdown
 
+    _need_extra("privacy")
     _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(message)s")
     settings: dict = dict(out_dir=Path(out), threads=threads)
-    for name, value in (("heads", heads), ("tails", tails)):
+    for name, value in (("heads", head), ("tails", tail)):
         if value:
-            settings[name] = tuple(int(x) for x in value.split(","))
+            settings[name] = _numbers(value, int)
     for name, number in (
         ("train_positions", train_positions),
         ("test_positions", test_positions),
@@ -527,7 +687,7 @@ def privacy_audit(
 
 @privacy_app.command("private-head")
 def privacy_private_head(
-    heads: Annotated[str, typer.Option(help="comma-separated head depths K to train a private head at")] = "2,4,8",
+    head: Annotated[str, typer.Option(help="comma-separated head depths K to train a private head at")] = "2,4,8",
     steps: Annotated[int, typer.Option(help="fine-tuning steps per head")] = 40,
     kl_budget: Annotated[float, typer.Option(help="KL budget from the public next-token distribution (nats/token)")] = 0.05,
     length: Annotated[int, typer.Option(help="training window (tokens)")] = 64,
@@ -549,7 +709,7 @@ def privacy_private_head(
     settings: dict = dict(
         out_dir=Path(out),
         threads=threads,
-        private_heads=tuple(int(x) for x in heads.split(",")),
+        private_heads=_numbers(head, int),
         private_steps=steps,
         private_kl_budget=kl_budget,
         private_length=length,
@@ -584,5 +744,44 @@ def privacy_docs(
     typer.echo(f"updated {', '.join(map(str, changed))}" if changed else "docs already match the report")
 
 
+draft_app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train a draft head for a model.")
+app.add_typer(draft_app, name="draft")
+
+
+@draft_app.command("train")
+def draft_train(
+    out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
+    model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
+    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 96,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
+    texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 48,
+    vocab: Annotated[int, typer.Option(help="draft vocabulary: the most frequent target tokens")] = 8192,
+    epochs: Annotated[int, typer.Option(help="passes over the training data")] = 6,
+    passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 2,
+    seed: int = 0,
+    work: Annotated[Optional[str], typer.Option(help="folder caching answers and features [default: under the cache]")] = None,
+    threads: Annotated[int, typer.Option(help="compute threads")] = 1,
+) -> None:
+    """Train an EAGLE-style draft head on the model's own answers and features; write weights and metadata."""
+    from splitllm.draft.build import DataSettings, build_head
+    from splitllm.draft.train import TrainSettings
+
+    _threads(threads)
+    try:
+        meta = build_head(
+            model,
+            out,
+            DataSettings(prompts=prompts, max_new_tokens=max_new_tokens, texts=texts, seed=seed),
+            TrainSettings(vocab=vocab, epochs=epochs, passes=passes, seed=seed),
+            work=work,
+            command=["splitllm", *sys.argv[1:]],
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({k: meta[k] for k in ("validation", "seconds", "size_bytes")}, indent=1))
+    typer.echo(f"wrote {out}/head.safetensors and head.json", err=True)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -82,6 +82,17 @@ class KVCache:
 
         return restore
 
+    def reopen(self, n: int) -> None:
+        """Make the last `n` committed entries pending again, before the pending ones.
+
+        A step run as several forwards commits each part before the next; reopening its earlier
+        parts afterwards leaves the cache as one forward of the whole step would have.
+        """
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot reopen {n} of {self.length} committed entries")
+        self.length -= n
+        self.pending += n
+
     def crop(self, length: int) -> None:
         """Forget everything from `length` on (committed or pending)."""
         if not 0 <= length <= self.length:

@@ -72,6 +72,38 @@ class Visibility:
         flat = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=n * n)
         return cls.from_matrix(flat.reshape(n, n))
 
+    def cuts(self, limit: int) -> list[tuple[int, int]]:
+        """[start, end) parts of at most `limit` positions, cut only where the result stays exact.
+
+        A cut at s is exact when every position from s on sees every position before s: then the
+        positions before s can be committed to the cache first, which every later position sees. A
+        part that cannot be cut (a tree wider than `limit`) stays whole.
+        """
+        n = self.n
+        if n <= limit:
+            return [(0, n)]
+        cols = torch.arange(n)
+        unseen = ~self.matrix & (cols[None, :] < cols[:, None])
+        first_unseen = torch.where(unseen, cols[None, :], cols[:, None]).min(dim=1).values  # per row, <= row
+        from_here = torch.flip(torch.cummin(torch.flip(first_unseen, [0]), 0).values, [0])
+        cuttable = (from_here >= cols).tolist()  # cut at s: every row >= s sees all of [0, s)
+        parts, start = [], 0
+        while n - start > limit:
+            end = next((s for s in range(start + limit, start, -1) if cuttable[s]), None)
+            if end is None:
+                break
+            parts.append((start, end))
+            start = end
+        return [*parts, (start, n)]
+
+    def part(self, start: int, end: int) -> Visibility:
+        """The visibility among positions [start, end) once the earlier ones are in the cache."""
+        if (start, end) == (0, self.n):
+            return self
+        if self.parents is not None:
+            return Visibility.from_parents([p - start if p >= start else -1 for p in self.parents[start:end]])
+        return Visibility.from_matrix(self.matrix[start:end, start:end])
+
     def additive_mask(
         self, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None, dtype: torch.dtype
     ) -> torch.Tensor | None:

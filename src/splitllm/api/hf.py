@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from splitllm.client.session import SplitClient
+from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
 
 
@@ -44,7 +45,7 @@ class SplitModelForCausalLM:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         streamer: Any = None,
-        decode: str = "sequential",
+        decode: str = DEFAULT_DECODE,
         stop_strings: str | Sequence[str] | None = None,
         pad_token_id: int | None = None,
     ) -> torch.Tensor:

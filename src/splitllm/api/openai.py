@@ -4,7 +4,7 @@ It runs the client side of the split (tokenizer, embedding, head and tail layers
 remote server still receives only hidden states. One generation runs at a time: the device's cores
 are the bottleneck, so requests queue on a lock. Beyond OpenAI's fields a request may set `top_k`,
 `repetition_penalty` and `decode` (the decoding mode); every response carries `splitllm`, the
-generation's step statistics.
+generation's step statistics (streamed: each chunk carries its step's, the last one the summary).
 """
 
 from __future__ import annotations
@@ -14,17 +14,20 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from importlib import resources
 from typing import Any, Literal
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from splitllm.client.connection import ServerError
-from splitllm.client.session import DECODERS, Generation, SplitClient
+from splitllm.client.session import Generation, SplitClient
+from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, check_mode
 from splitllm.decoding.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
@@ -128,10 +131,8 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class OpenAIEndpoint:
     """The routes' logic over one SplitClient; `create_app` wires it into FastAPI."""
 
-    def __init__(self, client: SplitClient, model_name: str, decode: str = "sequential") -> None:
-        if decode not in DECODERS:
-            raise ValueError(f"unknown decode mode {decode!r}; choose from {', '.join(DECODERS)}")
-        self.client, self.model_name, self.decode = client, model_name, decode
+    def __init__(self, client: SplitClient, model_name: str, decode: str = DEFAULT_DECODE) -> None:
+        self.client, self.model_name, self.decode = client, model_name, check_mode(decode)
         self.created = int(time.time())
         self.lock = asyncio.Lock()
 
@@ -143,10 +144,8 @@ class OpenAIEndpoint:
 
     def _start(self, prompt: list[int], req: _Request) -> tuple[str, Iterator[tuple[Generation, Any]]]:
         """Validate a request up front (so errors come back as 400s before any streaming starts)."""
-        decode = req.decode or self.decode
-        if decode not in DECODERS:
-            raise _APIError(400, f"unknown decode mode {decode!r}; choose from {', '.join(DECODERS)}")
         try:
+            decode = check_mode(req.decode or self.decode)
             sampling = req.sampling()
         except ValueError as exc:
             raise _APIError(400, str(exc)) from None
@@ -190,12 +189,13 @@ class OpenAIEndpoint:
                     if chat:
                         yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
                     while (item := await run_in_threadpool(next, steps, None)) is not None:
-                        gen = item[0]
-                        if gen.finish_reason is None and gen.text != sent:
-                            yield _sse(chunk(gen.text[len(sent) :]))
+                        gen, out = item
+                        if gen.finish_reason is None:  # every step, so a viewer sees each round trip
+                            yield _sse(chunk(gen.text[len(sent) :], splitllm={"step": out.stats.as_dict()}))
                             sent = gen.text
                     assert gen is not None
-                    yield _sse(chunk(gen.text[len(sent) :], gen.finish_reason, splitllm=_extension(gen, decode)))
+                    summary = {**_extension(gen, decode), "step": gen.steps[-1].as_dict()}
+                    yield _sse(chunk(gen.text[len(sent) :], gen.finish_reason, splitllm=summary))
                     if (req.stream_options or {}).get("include_usage"):
                         yield _sse({**head, "choices": [], "usage": _usage(gen)})
                     yield _sse("[DONE]")
@@ -226,8 +226,9 @@ def _last(steps: Iterator[tuple[Generation, Any]]) -> Generation:
     return gen
 
 
-def create_app(client: SplitClient, model_name: str | None = None, decode: str = "sequential") -> FastAPI:
-    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (streaming over SSE)."""
+def create_app(client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE) -> FastAPI:
+    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (streaming over SSE), and the
+    web chat at / (its files under /static, its settings at /splitllm/info)."""
     endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode)
     app = FastAPI(title="splitllm", summary="OpenAI-compatible endpoint over a split model")
     app.state.endpoint = endpoint
@@ -244,6 +245,18 @@ def create_app(client: SplitClient, model_name: str | None = None, decode: str =
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return endpoint.models()
+
+    app.mount("/static", StaticFiles(packages=[("splitllm.api", "web")]), name="static")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page() -> str:
+        """The local web chat: plain HTML, CSS and JS shipped with the package."""
+        return resources.files("splitllm.api").joinpath("web/index.html").read_text()
+
+    @app.get("/splitllm/info")
+    async def info() -> dict[str, Any]:
+        """What the chat page shows and offers: the model, where the middle runs, the decoding modes."""
+        return {"model": endpoint.model_name, "server": client.server, "modes": list(DECODERS), "decode": endpoint.decode}
 
     async def respond(prompt: list[int], req: _Request, chat: bool) -> Any:
         try:

@@ -21,6 +21,7 @@ from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import SplitClient
 from splitllm.decoding.speculative import MODES
 from splitllm.model.stage import Stage
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 NEAR_TIE = 0.05  # logit gap under which float32 rounding of a batched step may flip the argmax
@@ -43,6 +44,7 @@ class ExactnessReport:
     prompts: int
     identical: dict[str, int] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)
+    model: str = "default"
 
     @property
     def explained(self) -> bool:
@@ -51,7 +53,7 @@ class ExactnessReport:
 
     def markdown(self) -> str:
         lines = [
-            f"Exactness on the default model (float32), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
+            f"Exactness on the {self.model} model (float32), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
             "every mode against sequential greedy decoding.",
             "",
             "| mode | identical / total |",
@@ -95,7 +97,7 @@ def check_exactness(
     middle = Stage.load(client.files, *client.local.middle_range, client.dtype)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)
-        expected = client.generate(ids, max_new_tokens).ids
+        expected = client.generate(ids, max_new_tokens, "sequential").ids
         for mode in modes:
             got = client.generate(ids, max_new_tokens, decode=mode).ids
             i = first_difference(expected, got)
@@ -109,11 +111,14 @@ def check_exactness(
     return report
 
 
-def run_exactness(per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results") -> ExactnessReport:
+def run_exactness(
+    per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results", model: str = "default"
+) -> ExactnessReport:
     """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it)."""
-    torch.set_num_threads(1)
-    client = SplitClient(None)
+    set_compute_threads(1)
+    client = SplitClient(model)
     report = check_exactness(client, [p.text for p in workload(per_category)], max_new_tokens)
+    report.model = model
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "exactness.json").write_text(json.dumps({**asdict(report), "explained": report.explained}, indent=1))

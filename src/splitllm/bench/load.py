@@ -17,6 +17,12 @@ with the server's resident memory; behind Ray, /health answers from whichever re
 picks, and the resident memory is not followed). Reported: per-step latency p50/p99 as clients
 see it and as the server computes it, time to first token, aggregate tokens/s. EOS is ignored so
 every client generates exactly the requested number of tokens.
+
+With `prefill` (`bench load --prefill 4096`), it measures instead what one long prompt does to
+everyone else: D decoding clients alone, then the same D while one more client sends a prompt of
+`prefill` positions (cut by the client into steps of the server's `max_nodes`, interleaved by the
+server's fair batches with the others' one-token steps). Reported: the decoders' step p50/p99 in
+both runs and their ratio, the prefill's time, and whether every reply matched its solo run.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.launch import ServerProcess, free_port
 from splitllm.stats import StepStats
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
@@ -144,7 +151,9 @@ class _Netem:
 
     def __init__(self, target_port: int, rtt_ms: float) -> None:
         self.port = free_port()
-        args = ["netem", "--listen", str(self.port), "--target", f"127.0.0.1:{target_port}", "--rtt", str(rtt_ms)]
+        args = [
+            "netem", "--listen", f"127.0.0.1:{self.port}", "--target", f"127.0.0.1:{target_port}", "--rtt-ms", str(rtt_ms)
+        ]
         self.proc = subprocess.Popen([sys.executable, "-m", "splitllm.cli", *args], stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "listening" not in line:
@@ -215,7 +224,7 @@ class ServerKind:
         return ["--batch-window-ms", str(self.batch_window_ms), *extra]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadSettings:
     max_new_tokens: int = 32
     rtt_ms: float = 80.0
@@ -236,6 +245,14 @@ class _Solo:
 
     ids: list[int]
     calls: list[_Call]
+
+
+def _solo_runs(client: SplitClient, url: str, prompt_ids: list[list[int]], s: LoadSettings) -> list[_Solo]:
+    """Each prompt decoded with nobody else connected, its steps recorded for replays."""
+    runs = (
+        _decode(client, url, p, s.max_new_tokens, s.context, ClientRun(i), record=True) for i, p in enumerate(prompt_ids)
+    )
+    return [_Solo(run.ids, calls) for run, calls in runs]
 
 
 def _load_once(
@@ -305,13 +322,7 @@ def _load_server(
         pid = None if kind.ray_replicas else server.proc.pid  # behind Ray the replicas are other processes
         rss_idle = _Watch(server.port, pid).rss()
         progress(f"{kind.label}: server up; solo runs of {len(prompt_ids)} prompts")
-        solo = [
-            _Solo(run.ids, calls)
-            for run, calls in (
-                _decode(client, server.url, p, s.max_new_tokens, s.context, ClientRun(i), record=True)
-                for i, p in enumerate(prompt_ids)
-            )
-        ]
+        solo = _solo_runs(client, server.url, prompt_ids, s)
         netem = _Netem(server.port, s.rtt_ms)
         try:
             for clients in client_counts:
@@ -339,7 +350,7 @@ def run_load(
     progress: Progress = print,
 ) -> dict[str, Any]:
     """Every server kind at every client count; writes load.json, load.md and load.png into `out`."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     s = settings
     client = SplitClient(
         None, None, s.head, s.tail, s.wire_dtype, s.context, connection=ConnectionOptions(deadline_s=120.0)
@@ -428,3 +439,99 @@ def summary(r: dict[str, Any]) -> str:
         f"p99 {r['step_ms'].get('p99')} ms (server compute p50 {r['server_compute_ms'].get('p50')} ms); "
         f"KV peak {r['kv_bytes_peak'] / 2**20:.0f} MiB; server RSS peak {r['server_rss_peak_mib']:.0f} MiB"
     )
+
+
+def _long_prompt(prompt_ids: list[list[int]], length: int) -> list[int]:
+    """`length` token ids: the workload prompts one after another, repeated as needed."""
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += [i for p in prompt_ids for i in p]
+    return ids[:length]
+
+
+def run_prefill(
+    decoders: int,
+    prefill: int,
+    settings: LoadSettings = LoadSettings(),
+    batch_window_ms: float = 2.0,
+    serve_args: Sequence[str] = (),
+    out: str = "results/load",
+    command: str = "splitllm bench load --prefill",
+    progress: Progress = print,
+) -> dict[str, Any]:
+    """Decoders' step latency without and with one long prefill arriving among them; writes
+    prefill.json and prefill.md into `out`."""
+    torch.set_num_threads(1)
+    s = settings
+    long_context = prefill + s.max_new_tokens + 8
+    client = SplitClient(
+        None, None, s.head, s.tail, s.wire_dtype, long_context, connection=ConnectionOptions(deadline_s=120.0)
+    )
+    prompt_ids = [client.encode_prompt(p.text) for p in workload()][: s.prompts]
+    long_ids = _long_prompt(prompt_ids, prefill)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    args = [
+        "--head", str(s.head), "--tail", str(s.tail), "--max-context", str(long_context),
+        "--max-sessions", str(decoders + 1), "--max-kv-gib", str(s.max_kv_gib), "--threads", "1",
+        "--batch-window-ms", str(batch_window_ms), *serve_args,
+    ]
+    with ServerProcess(*args, log_path=str(folder / "prefill-server.log")) as server:
+        progress(f"server up; solo runs of {len(prompt_ids)} prompts and of the {prefill}-position prompt")
+        solo = _solo_runs(client, server.url, prompt_ids, s)
+        long_run, long_calls = _decode(client, server.url, long_ids, 2, long_context, ClientRun(-1), record=True)
+        netem = _Netem(server.port, s.rtt_ms)
+        try:
+            progress(f"{decoders} decoders alone")
+            with _Watch(server.port, server.proc.pid if server.proc else None) as watch:
+                alone = _load_once(client, netem.port, prompt_ids, solo, decoders, s, watch)
+            progress("  " + summary(alone))
+            progress(f"{decoders} decoders and one {prefill}-position prefill")
+            prefill_run = ClientRun(-1)
+            url = f"ws://127.0.0.1:{netem.port}"
+
+            def long_prompt() -> None:
+                time.sleep(2 * s.rtt_ms / 1000 + 0.5)  # land among the decoders' steps, not before them
+                t0 = time.perf_counter()
+                try:
+                    _replay(client, url, long_calls[:1], long_context, prefill_run)
+                except Exception as exc:  # reported, and counted as a failure
+                    prefill_run.error = f"{type(exc).__name__}: {exc}"
+                prefill_run.step_ms = [(time.perf_counter() - t0) * 1000]
+
+            thread = threading.Thread(target=long_prompt)
+            thread.start()
+            with _Watch(server.port, server.proc.pid if server.proc else None) as watch:
+                disturbed = _load_once(client, netem.port, prompt_ids, solo, decoders, s, watch)
+            thread.join()
+            progress("  " + summary(disturbed))
+        finally:
+            netem.close()
+    result = {
+        "command": command,
+        "settings": asdict(s) | {"batch_window_ms": batch_window_ms, "serve_args": list(serve_args)},
+        "decoders": decoders,
+        "prefill_positions": prefill,
+        "prefill_ms": round(prefill_run.step_ms[0], 1) if prefill_run.step_ms else None,
+        "prefill_ok": prefill_run.error is None and prefill_run.matches_solo and bool(long_run.ids),
+        "prefill_error": prefill_run.error,
+        "alone": alone,
+        "with_prefill": disturbed,
+        "p99_ratio": round(disturbed["step_ms"]["p99"] / alone["step_ms"]["p99"], 2),
+        "p50_ratio": round(disturbed["step_ms"]["p50"] / alone["step_ms"]["p50"], 2),
+    }
+    (folder / "prefill.json").write_text(json.dumps(result, indent=2) + "\n")
+    (folder / "prefill.md").write_text(prefill_markdown(result))
+    return result
+
+
+def prefill_markdown(r: dict[str, Any]) -> str:
+    a, d = r["alone"], r["with_prefill"]
+    return "\n".join([
+        f"`{r['command']}`", "",
+        "| decoders | with a prefill of | match solo | step p50 / p99 ms | p99 vs alone | prefill ms | prefill exact |",
+        "|---|---|---|---|---|---|---|",
+        f"| {r['decoders']} | (none) | {a['correct_clients']}/{a['clients']} | {a['step_ms']['p50']} / {a['step_ms']['p99']} | 1.0x | | |",
+        f"| {r['decoders']} | {r['prefill_positions']} positions | {d['correct_clients']}/{d['clients']} "
+        f"| {d['step_ms']['p50']} / {d['step_ms']['p99']} | {r['p99_ratio']}x | {r['prefill_ms']} | {r['prefill_ok']} |",
+    ]) + "\n"

@@ -40,6 +40,7 @@ from splitllm.model.weights import ModelFiles
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.server.app import MiddleServer, ServerSettings
 from splitllm.stats import mean_stats
+from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
@@ -138,7 +139,7 @@ def _rss_mib() -> dict[str, float]:
 
 def child(kind: str, head: int | str, tail: int | str) -> dict[str, float]:
     """One measurement in this (fresh) process: 'load', 'server_rss' or 'full_rss'."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     head, tail = int(head), int(tail)
     baseline = _rss_mib()["now"]
     t0 = time.perf_counter()
@@ -202,7 +203,7 @@ _DECOMPOSITION = (
 
 
 def _generate_all(client: SplitClient, prompts: Sequence[str], new_tokens: int) -> list[Generation]:
-    return [client.generate(p, new_tokens) for p in prompts]
+    return [client.generate(p, new_tokens, "sequential") for p in prompts]
 
 
 def decoding(
@@ -223,7 +224,7 @@ def decoding(
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt)) if rtt else nullcontext() as proxy:
             url = f"ws://127.0.0.1:{proxy.port}" if proxy else server.url
             client = SplitClient(None, url, head, tail, wire_dtype)
-            client.generate(prompts[0], 4)  # connect once and warm every code path
+            client.generate(prompts[0], 4, "sequential")  # connect once and warm every code path
             wait_quiet(ours, QUIET_CORES, timeout_s=QUIET_WAIT_S)
             with OtherLoad(ours) as others:
                 gens = _generate_all(client, prompts, new_tokens)
@@ -285,7 +286,7 @@ def run_runtime(
     progress: Progress = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     """Run (a)-(e) on the default model and write the JSON report; `prompts`/`dtype_prompts` per workload category."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     result: dict[str, Any] = {"model": "default", "split": [head, tail], "threads": 1, "targets": TARGETS}
     # Fresh subprocesses first, while this process is still small: ru_maxrss carries over into children.
     progress("(b) load time, cold and cached")

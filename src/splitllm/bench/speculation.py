@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 
 from splitllm.bench.exactness import first_difference, top2_gap
 from splitllm.bench.workload import CATEGORIES, workload
@@ -23,6 +22,7 @@ from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.launch import ServerProcess
 from splitllm.model.stage import Stage
 from splitllm.netem import LinkProfile, ProxyThread
+from splitllm.threads import set_compute_threads
 
 MODES = ("sequential", "lookup", "lookahead", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
@@ -170,7 +170,7 @@ def run_speculation(
     """The benchmark end to end; writes OUT/speculation.json and OUT/speculation.md."""
     if "sequential" not in modes:
         modes = ("sequential", *modes)
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
     settings = {"rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens, "prompts_per_category": prompts_per_category,
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams())}

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from websockets.sync.client import connect
 
@@ -36,6 +35,7 @@ from splitllm.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_
 from splitllm.launch import ServerProcess
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
+from splitllm.threads import set_compute_threads
 
 ADAPTIVE = "auto"
 
@@ -226,7 +226,7 @@ def run_sweep(
     interleaved (prompt by prompt, link by link, mode by mode), and a disturbed one goes to the back
     of the queue. Each link's RTT is the median of pings taken in quiet moments before its first runs.
     """
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     prompts = workload(per_category)
     held_out = [Prompt(c, workload(8, (c,))[-1].text) for c in CATEGORIES]  # never in a measured run
     configs = [*fixed_configs(), Config(ADAPTIVE, "auto")]

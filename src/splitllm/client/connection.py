@@ -99,7 +99,7 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConnectionOptions:
     """How to reach servers.
 

@@ -20,6 +20,8 @@ from splitllm.visibility import Visibility
 
 
 class Middle(Protocol):
+    max_context: int  # positions its cache holds (a server may grant fewer than asked)
+
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
     ) -> torch.Tensor: ...
@@ -30,6 +32,7 @@ class LocalMiddle:
 
     def __init__(self, stage: Stage, max_context: int) -> None:
         self.stage = stage
+        self.max_context = max_context
         self.cache: KVCache = stage.new_cache(max_context)
 
     def step(

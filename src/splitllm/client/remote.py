@@ -5,6 +5,10 @@ middle keeps the hidden states it sent for every committed entry, applying each 
 that record exactly as the caches do, so it can open a new session (on the same or a fallback
 server), replay them as a chain prefill, and resend the step: the caller sees one slow step and an
 output identical to an uninterrupted run.
+
+A step longer than the server's announced `max_nodes` (a long prompt) goes as several steps, cut
+only where every later position sees every earlier one (a chain prefix): each part commits the
+one before it, so the server computes exactly what one step would have.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class RemoteMiddle:
         self._ws: ClientConnection | None = None
         self._record = _SentRecord()
         self._resume_keep: list[int] = []
+        self._committed = 0  # leading entries of the last step its earlier parts already committed
         self._connect(time.monotonic() + self.options.deadline_s)
 
     def _call(self, header: dict[str, Any], tensor: torch.Tensor | None = None, timeout: float | None = None) -> wire.Frame:
@@ -142,6 +147,7 @@ class RemoteMiddle:
     def _replay(self) -> None:
         """Rebuild the new session's cache from the record: chain prefill steps, the last one left pending."""
         self._resume_keep = []
+        self._committed = 0
         record = self._record.committed()
         if record is None:
             return
@@ -171,20 +177,18 @@ class RemoteMiddle:
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
     ) -> torch.Tensor:
         """Send hidden states after the head, get them back before the tail; fills the wire timings."""
-        t0 = time.perf_counter()
         sent = hidden.detach().to(wire.WIRE_DTYPES[self.wire_dtype]).contiguous()
         self._record.keep(keep)
-        header = {"op": "step", "positions": positions.tolist(), **vis.to_wire()}
-        first = {**header, "id": next(self._ids), "session": self.session, "keep": list(keep)}
-        message = wire.encode(first, sent, self.wire_dtype)
-        t1 = time.perf_counter()
         deadline = None
+        server_keep = self._server_keep(keep)
         while True:
             try:
-                assert self._ws is not None
-                self._ws.send(message)
-                reply = self._ws.recv(timeout=self.options.step_timeout_s)
-                frame = self._check(wire.decode(reply))
+                if server_keep is None:  # the server committed entries this keep drops: rebuild the session
+                    raise ConnectionResetError("the session's committed entries differ from the client's")
+                parts = [
+                    self._send_part(sent, positions, vis, start, end, part_keep, stats)
+                    for start, end, part_keep in self._keeps(vis.cuts(self._max_nodes), server_keep)
+                ]
                 break
             except Exception as exc:
                 if not is_transient(exc):
@@ -196,13 +200,44 @@ class RemoteMiddle:
                 log.warning("link to %s failed (%s); reconnecting", self.url, describe(exc))
                 self._drop()
                 self._connect(deadline)
-                resent = {**header, "id": next(self._ids), "session": self.session, "keep": self._resume_keep}
-                message = wire.encode(resent, sent, self.wire_dtype)
-        t2 = time.perf_counter()
-        if frame.tensor is None or frame.tensor.shape != sent.shape:
-            raise ServerError("bad_reply", f"expected hidden states of shape {tuple(sent.shape)} in the reply")
-        out = frame.tensor.float()
+                server_keep = self._resume_keep
         self._record.push(sent, positions.clone())
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _server_keep(self, keep: Sequence[int]) -> list[int] | None:
+        """`keep` as the server sees it: without the entries earlier parts of a cut step committed
+        (None if it drops one of those)."""
+        done = self._committed
+        if list(keep[:done]) != list(range(done)):
+            return None
+        return [k - done for k in keep[done:]]
+
+    def _keeps(self, parts: list[tuple[int, int]], keep: list[int]) -> list[tuple[int, int, list[int]]]:
+        """Each part with its keep: the step's for the first, all of the previous part for the rest."""
+        return [(a, b, keep if i == 0 else list(range(parts[i - 1][1] - parts[i - 1][0]))) for i, (a, b) in enumerate(parts)]
+
+    def _send_part(
+        self, sent: torch.Tensor, positions: torch.Tensor, vis: Visibility, start: int, end: int, keep: list[int],
+        stats: StepStats,
+    ) -> torch.Tensor:
+        """One request of a step: positions [start, end) of it; the first commits `keep`."""
+        t0 = time.perf_counter()
+        assert self._ws is not None
+        chunk = sent[start:end]
+        header = {
+            "op": "step", "id": next(self._ids), "session": self.session, "keep": keep,
+            "positions": positions[start:end].tolist(), **vis.part(start, end).to_wire(),
+        }
+        message = wire.encode(header, chunk, self.wire_dtype)
+        t1 = time.perf_counter()
+        self._ws.send(message)
+        reply = self._ws.recv(timeout=self.options.step_timeout_s)
+        frame = self._check(wire.decode(reply))
+        t2 = time.perf_counter()
+        if frame.tensor is None or frame.tensor.shape != chunk.shape:
+            raise ServerError("bad_reply", f"expected hidden states of shape {tuple(chunk.shape)} in the reply")
+        out = frame.tensor.float()
+        self._committed = start
         t3 = time.perf_counter()
         stats.serialize_ms += (t1 - t0) * 1000
         stats.round_trip_ms += (t2 - t1) * 1000

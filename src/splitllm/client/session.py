@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,24 +15,14 @@ from splitllm.client.pipeline import LocalMiddle, Middle, SplitPipeline
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.stopping import StopRule
-from splitllm.decoding.budget import AdaptivePolicy
+from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, Decoder, check_mode
 from splitllm.decoding.sampling import Sampler, SamplingParams
-from splitllm.decoding.sequential import decode_sequential
-from splitllm.decoding.speculative import MODES as SPECULATIVE_MODES
-from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.step import StepOutput
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.stats import StepStats, mean_stats
 
-# A decoder: called with (pipeline, prompt, max_new_tokens, stop_ids, sampler=, keep=), yields a
-# StepOutput per round trip. `decode=` takes a DECODERS name or one of these (a custom budget, say).
-Decoder = Callable[..., Iterator[StepOutput]]
-DECODERS = {
-    "sequential": decode_sequential,
-    **{mode: SpeculativeDecoder(mode) for mode in SPECULATIVE_MODES},
-    "auto": SpeculativeDecoder("auto", AdaptivePolicy()),  # sizes each step for the link it measures
-}
+__all__ = ["DECODERS", "Conversation", "Decoder", "Generation", "SplitClient"]
 
 
 @dataclass
@@ -130,11 +120,16 @@ class SplitClient:
         """A conversation whose turns reuse one server session and the KV caches of earlier turns."""
         return Conversation(self, system)
 
+    def check_chat(self) -> None:
+        """Chat turns go through the tokenizer's chat template; a base model has none."""
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template (a base model): generate from plain text instead")
+
     def stream(
         self,
         prompt: str | list[int],
         max_new_tokens: int = 128,
-        decode: str | Decoder = "sequential",
+        decode: str | Decoder = DEFAULT_DECODE,
         chat: bool = True,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
@@ -147,7 +142,7 @@ class SplitClient:
         self,
         prompt: str | list[int],
         max_new_tokens: int = 128,
-        decode: str | Decoder = "sequential",
+        decode: str | Decoder = DEFAULT_DECODE,
         chat: bool = True,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
@@ -179,6 +174,7 @@ class Conversation:
         self.keep: list[int] = []  # the last step's entries on the sequence: the next step commits them
         self.messages: list[dict[str, str]] = []  # the chat as the model saw it (see `say`)
         self._pipeline: SplitPipeline | None = None
+        self._decoders: dict[str, Decoder] = {}  # by mode name: this conversation's own policy state
 
     def __enter__(self) -> Conversation:
         return self
@@ -197,14 +193,14 @@ class Conversation:
         self,
         new_ids: list[int],
         max_new_tokens: int = 128,
-        decode: str | Decoder = "sequential",
+        decode: str | Decoder = DEFAULT_DECODE,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
     ) -> Iterator[tuple[Generation, StepOutput]]:
         """Append `new_ids` and generate after them; yield after every step like `SplitClient.stream`."""
         client = self.client
-        if isinstance(decode, str) and decode not in DECODERS:
-            raise ValueError(f"unknown decode mode {decode!r}; choose from {', '.join(DECODERS)}")
+        if isinstance(decode, str):
+            check_mode(decode)
         if max_new_tokens < 1 or not new_ids:
             raise ValueError("a generation needs input tokens and max_new_tokens >= 1")
         if len(self.ids) + len(new_ids) + max_new_tokens > client.max_context:
@@ -216,19 +212,28 @@ class Conversation:
         if self._pipeline is None:
             self._pipeline = SplitPipeline(client.local, client._middle(), client.max_context)
         pipeline = self._pipeline
+        granted = pipeline.middle.max_context  # the server may hold fewer positions than we asked for
+        if len(self.ids) + len(new_ids) + max_new_tokens > granted:
+            raise ValueError(
+                f"context of {len(self.ids) + len(new_ids)} tokens plus {max_new_tokens} new exceeds the "
+                f"server's maximum context of {granted}; shorten the prompt or ask for fewer tokens"
+            )
         gen = Generation(list(new_ids))
         feed = self.ids[-1:] + gen.prompt_ids
         self.ids.extend(gen.prompt_ids)
         sampler = Sampler(sampling or SamplingParams(), self.ids)
-        decode_fn = DECODERS[decode] if isinstance(decode, str) else decode
-        decoder = decode_fn(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
+        if isinstance(decode, str):
+            if decode not in self._decoders:
+                self._decoders[decode] = DECODERS[decode]()
+            decode = self._decoders[decode]
+        decoder = decode(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
         pipeline.take_score_ms()
         t0 = last = time.perf_counter()
         try:
             for out in decoder:
                 now = time.perf_counter()
                 out.stats.decode_ms = (now - last) * 1000 - pipeline.take_score_ms()
-                tokens, gen.finish_reason = rule.clip(gen.ids, out.tokens)
+                tokens, gen.finish_reason = rule.clip(out.tokens)
                 out.path = out.path[: len(out.path) - (len(out.tokens) - len(tokens))]
                 out.tokens, out.stats.accepted = tokens, len(tokens)
                 gen.ids.extend(tokens)
@@ -236,8 +241,7 @@ class Conversation:
                 self.keep = out.path
                 gen.steps.append(out.stats)
                 gen.seconds = now - t0
-                text = rule.text(gen.ids)
-                gen.text = text if gen.finish_reason else rule.stable(text)
+                gen.text = rule.text(final=gen.finish_reason is not None)
                 out.stats.total_ms = (time.perf_counter() - last) * 1000  # the bookkeeping above included
                 yield gen, out
                 if gen.finish_reason:
@@ -255,7 +259,7 @@ class Conversation:
         self,
         user: str,
         max_new_tokens: int = 128,
-        decode: str | Decoder = "sequential",
+        decode: str | Decoder = DEFAULT_DECODE,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
     ) -> Iterator[tuple[Generation, StepOutput]]:
@@ -280,6 +284,7 @@ class Conversation:
         text after it: the answer's closing tags, the user's message and the assistant prompt. A
         template that rewrites earlier turns gets what follows the longest common prefix.
         """
+        self.client.check_chat()
         tok = self.client.tokenizer
         full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         seen = tok.decode(self.ids, skip_special_tokens=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -30,7 +29,6 @@ from splitllm.latency import Breakdown, LatencyProfile, Link, StepShape
 from splitllm.stats import StepStats
 
 DEFAULT_PROFILE = "auto_profile.json"  # shipped next to this module; `splitllm bench sweep` rewrites it
-_LIVE_GENERATIONS = 64
 
 # What `auto` may choose from, smallest first: plain decoding (one node), context lookup only, then
 # trees and lookahead windows of growing size. Each sends at most 1 + max_nodes + window_nodes nodes.
@@ -178,9 +176,9 @@ class AdaptivePolicy:
 
     Until a step has crossed a network (the very first step, or a middle run in-process for tests and
     offline measurements) there is no link to size for, and it answers the static `offline` budget.
-    One instance may serve many generations, one after another or concurrently (a server answering
-    several requests): each generation (its `steps` list) has its own estimates, started from those of
-    the generation seen last, so what one learned about the link carries over to the next.
+    One instance belongs to one conversation: its generations run one after another, each (a new
+    `steps` list) with its own estimates started from those of the previous one, so what one learned
+    about the link carries over to the next.
     """
 
     def __init__(
@@ -195,8 +193,7 @@ class AdaptivePolicy:
         if not self.profile.candidates:
             raise ValueError("an adaptive policy needs at least one candidate budget")
         self._latest = _Estimates(halflife_steps)
-        # id(steps) -> (steps, estimates); holding `steps` keeps its id from being reused meanwhile
-        self._live: OrderedDict[int, tuple[Sequence[StepStats], _Estimates]] = OrderedDict()
+        self._steps: Sequence[StepStats] | None = None  # the current generation's steps
         self._lock = threading.Lock()
 
     def choose(self, steps: Sequence[StepStats]) -> SpecBudget:
@@ -231,14 +228,8 @@ class AdaptivePolicy:
         return Breakdown(p.local * c, p.server * s, p.overhead * c, p.decode * c, p.rtt, p.transfer, framing, p.accepted)
 
     def _estimates(self, steps: Sequence[StepStats]) -> _Estimates:
-        key = id(steps)
-        if key in self._live and self._live[key][0] is steps:
-            self._live.move_to_end(key)
-        else:
-            self._live[key] = (steps, self._latest.fork())
-            while len(self._live) > _LIVE_GENERATIONS:
-                self._live.popitem(last=False)
-        self._latest = self._live[key][1]
+        if steps is not self._steps:  # a new generation starts from what the last one learned
+            self._steps, self._latest = steps, self._latest.fork()
         return self._latest
 
     def _observe(self, est: _Estimates, steps: Sequence[StepStats]) -> None:

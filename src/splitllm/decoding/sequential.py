@@ -6,14 +6,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from splitllm.client.pipeline import SplitPipeline
 from splitllm.decoding.sampling import Sampler
+from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.visibility import Visibility
 
 
 def decode_sequential(
-    pipeline: SplitPipeline,
+    pipeline: Scorer,
     prompt: list[int],
     max_new_tokens: int,
     stop_ids: frozenset[int],

@@ -1,6 +1,6 @@
 """Speculative greedy decoding over the split: verify many guesses per round trip, commit what the model confirms.
 
-One step sends, in one `SplitPipeline.forward` call:
+One step sends, in one `Scorer.forward` call:
   chain  - committed tokens with no cache entry yet (the prompt at first, then the last step's bonus token),
            causal; its last token is the step's root;
   tree   - the candidate tree hanging off the root (drafts of every proposer, merged);
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitllm.client.pipeline import SplitPipeline
 from splitllm.decoding.calibration import Calibration
 from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Proposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
 from splitllm.decoding.proposers.lookup import ContextLookup
 from splitllm.decoding.sampling import Sampler
+from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, DraftTree
 from splitllm.decoding.verifier import verify
@@ -92,7 +92,7 @@ class SpeculativeDecoder:
 
     def __call__(
         self,
-        pipeline: SplitPipeline,
+        pipeline: Scorer,
         prompt: list[int],
         max_new_tokens: int,
         stop_ids: Collection[int],

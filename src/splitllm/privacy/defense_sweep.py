@@ -119,7 +119,7 @@ def rotation(ctx: Context, quality: Quality, public_mlp: Attacker) -> dict:
     q = defenses.random_rotation(ctx.files.config.hidden_size, cfg.seed + 7)
     local = defenses.rotate_local(quality.local, q)
     middle = defenses.rotate_stage(quality.middle, q)
-    test = head_states(local.head, local.embed_weight, ctx.corpus.test)
+    test = head_states(local.head, local.input_table(), ctx.corpus.test)
     labels = ctx.corpus.test.flatten()
     row: dict = {"public_weights_mlp_top1": recovery(top_k(public_mlp, flat(test)), labels)[0]}
     targets = whitebox_targets(ctx, test)
@@ -152,8 +152,8 @@ def lowrank(ctx: Context, quality: Quality, public_mlp: Attacker) -> list[dict]:
     labels = (ctx.corpus.train, ctx.corpus.test)
     for i, scale in enumerate(cfg.lowrank_scales):
         local = defenses.perturb_local(quality.local, cfg.seed + 1000 + i, cfg.lowrank_rank, scale)
-        train = head_states(local.head, local.embed_weight, ctx.corpus.train)
-        test = head_states(local.head, local.embed_weight, ctx.corpus.test)
+        train = head_states(local.head, local.input_table(), ctx.corpus.train)
+        test = head_states(local.head, local.input_table(), ctx.corpus.test)
         row: dict = {"scale": scale, "rank": cfg.lowrank_rank}
         row["public_weights_mlp_top1"] = recovery(top_k(public_mlp, flat(test)), labels[1].flatten())[0]
         targets = whitebox_targets(ctx, test)
@@ -180,7 +180,7 @@ def lowrank(ctx: Context, quality: Quality, public_mlp: Attacker) -> list[dict]:
 @torch.inference_mode()
 def middle_out(local: LocalModel, middle: Stage, windows: torch.Tensor) -> torch.Tensor:
     """What the server computes and returns for each window under a private head."""
-    heads = head_states(local.head, local.embed_weight, windows)
+    heads = head_states(local.head, local.input_table(), windows)
     length = windows.shape[1]
     out = torch.empty_like(heads)
     for i, h in enumerate(heads):

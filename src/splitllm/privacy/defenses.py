@@ -70,6 +70,10 @@ class NoisyMiddle:
         self.inner, self.noise = inner, noise
         self.gen = torch.Generator().manual_seed(seed)
 
+    @property
+    def max_context(self) -> int:
+        return self.inner.max_context
+
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
     ) -> torch.Tensor:
@@ -84,6 +88,8 @@ def random_rotation(d: int, seed: int) -> torch.Tensor:
 
 def rotate_stage(stage: Stage, q: torch.Tensor) -> Stage:
     """The same layers acting on residual states x @ q: RMSNorm scales folded into the next matrices."""
+    if stage.cfg.sandwich_norm:
+        raise ValueError("the rotation defense needs norms only before each block; this model norms their outputs too")
     out = copy.deepcopy(stage)
     q = q.to(stage.dtype)
     for layer in out.layers:

@@ -328,7 +328,7 @@ def update_docs(report_json: Path, root: Path) -> list[Path]:
 
 
 def plot(r: dict, path: Path) -> None:
-    import matplotlib  # the `privacy` extra: only the report draws
+    import matplotlib  # the `privacy` extra; imported here so the runtime never needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -79,10 +79,7 @@ class PublicModel:
         stages = [self.local.head] + [Stage.load(files, a, b, dtype) for a, b in zip(cuts, cuts[1:])]
         self.stack = StageStack(stages)
         self.files, self.cfg, self.dtype = files, files.config, dtype
-
-    @property
-    def embed(self) -> torch.Tensor:
-        return self.local.embed_weight
+        self.embed = self.local.input_table()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.local.logits(hidden)

@@ -6,6 +6,11 @@ open ones. A replica that dies takes its sessions with it; their clients reconne
 address and replay their committed hidden states into a new session on a live replica (the normal
 reconnect path), so no output is lost. Ray restarts the dead replica meanwhile.
 
+Defaults are safe: the proxy listens on loopback unless told otherwise, and off loopback it needs
+a token file (TLS passes through to Ray's proxy). Every `serve` limit is settable from a config file
+(`app_builder`). Ray's own cluster traffic should run with `RAY_AUTH_MODE=token` (Ray >= 2.52, the
+version the `ray` extra pins), so nobody on the network can submit work to the cluster itself.
+
 `ray` is an optional extra: `pip install 'splitllm[ray]'`.
 """
 
@@ -16,15 +21,15 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_type_hints
 
-import torch
 
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings, create_app
 from splitllm.server.auth import TokenTable
 from splitllm.server.logs import configure
-from splitllm.server.transport import TlsFiles
+from splitllm.server.transport import TlsFiles, is_loopback
+from splitllm.threads import set_compute_threads
 
 try:
     import ray
@@ -38,7 +43,7 @@ PROXY_MAX_FRAME = 16 << 20  # Ray's HTTP proxy (uvicorn, default ws_max_size) dr
 _FRAME_SLACK = 1 << 16  # room for a step's header, visibility and ids next to its hidden states
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaSpec:
     """What every replica runs: the model split, its limits and its compute threads."""
 
@@ -55,7 +60,7 @@ class MiddleReplica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         configure(spec.log_format)
-        torch.set_num_threads(spec.threads)
+        set_compute_threads(spec.threads)
         tokens = TokenTable.load(spec.tokens_file) if spec.tokens_file else None
         settings = fit_to_proxy(spec.settings, ModelFiles(spec.model).config.hidden_size)
         self.server = MiddleServer(spec.model, settings, tokens)
@@ -99,19 +104,42 @@ def application(spec: ReplicaSpec, replicas: int, cpus_per_replica: float | None
     return deployment.bind(spec)
 
 
-def app_builder(args: dict[str, str]) -> Any:
-    """For `serve run splitllm.server.ray_deployment:app_builder model=default replicas=2 head=2 tail=2`."""
-    known = {"model", "replicas", "head", "tail", "threads", "max_sessions", "batch_window_ms", "auth_token_file"}
-    unknown = set(args) - known
+_SPEC_ARGS = {"model", "replicas", "threads", "auth_token_file", "log_format"}
+# Settings a config file cannot set as plain values (the compute dtype travels as its name).
+_SETTINGS_ARGS = {f.name for f in dataclasses.fields(ServerSettings)} - {"dtype"}
+
+
+def settings_from_args(args: dict[str, Any]) -> ServerSettings:
+    """ServerSettings from a config file's `args` (strings or YAML scalars), each field by its own type."""
+    hints = get_type_hints(ServerSettings)
+    values: dict[str, Any] = {}
+    for name in _SETTINGS_ARGS & set(args):
+        raw, hint = args[name], str(hints[name])
+        if name == "operators":
+            values[name] = tuple(raw.split(",") if isinstance(raw, str) else raw)
+        elif raw is None or (isinstance(raw, str) and raw.lower() == "none"):
+            values[name] = None
+        else:
+            values[name] = float(raw) if "float" in hint else int(raw)
+    return ServerSettings(**values)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For `serve run splitllm.server.ray_deployment:app_builder model=default replicas=2 head=2 tail=2`.
+
+    Every ServerSettings field (max_sessions, max_kv_bytes, max_connections, max_connections_per_principal,
+    operators, max_batch_rows, ...) is an argument of the same name.
+    """
+    unknown = set(args) - _SPEC_ARGS - _SETTINGS_ARGS
     if unknown:
-        raise ValueError(f"unknown arguments {sorted(unknown)}; known: {sorted(known)}")
-    settings = ServerSettings(
-        head=int(args.get("head", 2)),
-        tail=int(args.get("tail", 2)),
-        max_sessions=int(args.get("max_sessions", ServerSettings.max_sessions)),
-        batch_window_ms=float(args.get("batch_window_ms", ServerSettings.batch_window_ms)),
+        raise ValueError(f"unknown arguments {sorted(unknown)}; known: {sorted(_SPEC_ARGS | _SETTINGS_ARGS)}")
+    spec = ReplicaSpec(
+        model=args.get("model", "default"),
+        settings=settings_from_args(args),
+        tokens_file=args.get("auth_token_file"),
+        threads=int(args.get("threads", 1)),
+        log_format=args.get("log_format", "text"),
     )
-    spec = ReplicaSpec(args.get("model", "default"), settings, args.get("auth_token_file"), int(args.get("threads", 1)))
     return application(spec, int(args.get("replicas", 1)))
 
 
@@ -128,7 +156,10 @@ def start(
 
     A local cluster gets enough logical CPUs for every replica (oversubscribing a small machine
     rather than waiting forever for CPUs it does not have); a real cluster's resources are its own.
+    Off loopback the replicas must hold a token file: an open port would serve anyone.
     """
+    if not is_loopback(host) and spec.tokens_file is None:
+        raise ValueError(f"listening on {host} (not loopback) needs a token file; or listen on 127.0.0.1")
     if not ray.is_initialized():
         cpus = None
         if address is None:

@@ -66,6 +66,16 @@ class SessionStore:
         """KV bytes reserved by open sessions (and by sessions being allocated right now)."""
         return self._reserved
 
+    def count(self, principal: str) -> int:
+        """Open sessions of one principal."""
+        with self._lock:
+            return sum(s.principal == principal for s in self._sessions.values())
+
+    def kv_bytes_of(self, principal: str) -> int:
+        """KV bytes reserved by one principal's open sessions."""
+        with self._lock:
+            return sum(s.kv_bytes for s in self._sessions.values() if s.principal == principal)
+
     def open(
         self, connection: int, principal: str, kv_bytes: int, make_cache: Callable[[], KVCache], wire_dtype: str
     ) -> Session:

@@ -1,0 +1,51 @@
+"""What a decoder needs from the model: score a step's nodes in one round trip.
+
+Decoders own this interface so they depend on no client code; the client's `SplitPipeline`
+(over a server or an in-process middle) is the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from splitllm.stats import StepStats
+from splitllm.visibility import Visibility
+
+
+class Scorer(Protocol):
+    """One generation's model state: its caches and the middle session behind them."""
+
+    @property
+    def committed(self) -> int:
+        """Positions committed in the caches."""
+        ...
+
+    def score(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        vis: Visibility,
+        keep: Sequence[int],
+        rows: torch.Tensor | None = None,
+        stats: StepStats | None = None,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Logits for the chosen rows after one round trip; `keep` commits the previous step's entries."""
+        ...
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        vis: Visibility,
+        keep: Sequence[int],
+        stats: StepStats | None = None,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Hidden states leaving the tail for every node, after one round trip."""
+        ...
+
+    def logits(self, hidden: torch.Tensor, stats: StepStats, draft: bool = False) -> torch.Tensor:
+        """LM head over `hidden`'s rows; `draft`: the approximate head."""
+        ...

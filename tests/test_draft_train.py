@@ -1,0 +1,131 @@
+"""Draft head training and storage: the unrolled training passes equal chained drafting, a tiny model's
+head trains and round-trips through its folder, foreign heads are refused, the shipped head drafts."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from splitllm.client.local import LocalModel
+from splitllm.draft import data, store, train
+from splitllm.model.weights import ModelFiles
+from splitllm.visibility import Visibility
+
+
+def _sequences(files: ModelFiles, n: int, length: int, seed: int) -> data.Features:
+    rng = random.Random(seed)
+    seqs = [[rng.randrange(files.config.vocab_size) for _ in range(length)] for _ in range(n)]
+    return data.features(files, seqs)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(tiny_models, request):
+    """A tiny model with its training sequences; Gemma 3 adds scaled embeddings, sandwich norms, soft-capping."""
+    files = ModelFiles(tiny_models[request.param])
+    local = LocalModel(files, 1, 0)
+    target = train.Target(local)
+    seqs = train.prepare(_sequences(files, 6, 24, 0), target)
+    return files, local, target, seqs
+
+
+def test_unrolled_passes_equal_chained_drafting(tiny) -> None:
+    """Pass k's row b+k is what the head computes drafting k+1 deep from committed position b."""
+    files, local, target, seqs = tiny
+    torch.manual_seed(0)
+    head = train.new_head(local, list(range(files.config.vocab_size)))
+    s = seqs[0]
+    passes = 3
+    with torch.no_grad():
+        outs = train.unrolled(head, target, [s], passes, greedy=True)
+    b = 9
+    cache = head.new_cache(64)
+    emb = target.embed
+    got = head(cache, s.feats[: b + 1], emb[s.ids[1 : b + 2]], torch.arange(b + 1), Visibility.chain(b + 1), [])[-1]
+    torch.testing.assert_close(got, outs[0][b], rtol=1e-4, atol=1e-4)
+    keep = list(range(b + 1))
+    for k in range(1, passes):
+        pos = b + k
+        got = head(cache, got[None], emb[s.greedy[pos : pos + 1]], torch.tensor([pos]), Visibility.chain(1), keep)[0]
+        torch.testing.assert_close(got, outs[k][pos], rtol=1e-4, atol=1e-4)
+        keep = [0]
+
+
+def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
+    files, local, target, seqs = tiny
+    vocab = train.draft_vocabulary(seqs[1:], 128, files.config.vocab_size)
+    assert len(vocab) == 128 and len(set(vocab)) == 128
+    head = train.new_head(local, vocab)
+    settings = train.TrainSettings(vocab=128, epochs=3, batch_tokens=64, lr=3e-3)
+    history = train.train(head, target, seqs[1:], settings)
+    assert history["steps"] >= 3 and history["last_loss"] < history["first_loss"]
+    val = train.validate(head, target, seqs[:1], depth=3)
+    assert len(val.acceptance) == 3 and val.positions > 0
+    folder = store.save_head(head, tmp_path / "head", {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
+    meta = json.loads((folder / store.METADATA).read_text())
+    assert meta["draft_vocab"] == 128 and meta["size_bytes"] > 0
+    loaded = store.load_head(files, folder)
+    assert loaded is not None and loaded.vocab.tolist() == vocab
+    x = seqs[0]
+    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
+    torch.testing.assert_close(loaded(loaded.new_cache(8), *args), head(head.new_cache(8), *args), rtol=2e-2, atol=2e-2)
+
+
+def test_foreign_or_broken_heads_are_refused(tiny, tiny_models, tmp_path) -> None:
+    files, local, _, _ = tiny
+    head = train.new_head(local, list(range(16)))
+    folder = store.save_head(head, tmp_path / "foreign", {store.FINGERPRINT_KEY: "0" * 64, "model": "other"})
+    with pytest.raises(ValueError, match="trained for another model"):
+        store.load_head(files, folder)
+    other = ModelFiles(tiny_models["qwen2"])
+    stamped = store.save_head(head, tmp_path / "shape", {store.FINGERPRINT_KEY: other.fingerprint})
+    with pytest.raises(ValueError, match="does not fit"):
+        store.load_head(other, stamped)
+    with pytest.raises(ValueError, match="no head.json"):
+        store.load_head(files, tmp_path)
+    assert store.load_head(files) is None  # nothing shipped for a random model
+
+
+def test_overlap_check_drops_sequences_sharing_an_ngram() -> None:
+    evaluation = {"prompts": [list(range(100, 120))]}
+    clean = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    leaky = [1, 2, *range(105, 113), 3]
+    kept, report = data.drop_overlapping([clean, leaky, [*range(100, 107), 1]], evaluation, n=8)
+    assert kept == [clean, [*range(100, 107), 1]]
+    assert report["sequences_dropped"] == 1 and report["longest_shared_ngram_after_drop"] == {"prompts": 7}
+
+
+@pytest.mark.slow
+def test_prompts_share_no_ngram_with_the_benchmarks(default_files) -> None:
+    from splitllm.bench.workload import workload
+    from splitllm.demo import DEMO_PROMPT
+
+    tok = data.load_tokenizer(default_files)
+    ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    evaluation = [ids(p.text) for p in workload()] + [ids(DEMO_PROMPT)]
+    assert data.longest_shared([ids(p) for p in data.build_prompts(512)], evaluation) < data.EVAL_NGRAM
+
+
+@pytest.mark.slow
+def test_shipped_head_drafts_well_above_chance(default_files) -> None:
+    """On held-out Language Reference prose (documents no head ever trains on), depth 1 hits often."""
+    head = store.load_head(default_files)
+    assert head is not None, "the default model ships a draft head"
+    tok = data.load_tokenizer(default_files)
+    docs = [d for d in data.corpus.documents() if d.is_test and d.kind == "prose"][:3]
+    seqs = [data.chat_ids(tok, "Tell me about Python.", d.text[:600]) for d in docs]
+    target = train.Target(LocalModel(default_files, 1, 0))
+    val = train.validate(head, target, train.prepare(data.features(default_files, seqs), target), depth=2)
+    assert val.positions > 200
+    assert val.acceptance[0] > 0.2  # chance is about 1 / len(vocab)
+
+
+def test_bad_settings_are_refused_before_any_work() -> None:
+    from splitllm.draft.build import DataSettings
+
+    with pytest.raises(ValueError, match="--epochs must be at least 1"):
+        train.TrainSettings(epochs=0)
+    with pytest.raises(ValueError, match="needs some data"):
+        DataSettings(prompts=0, texts=0)

@@ -1,0 +1,104 @@
+"""Gemma 3 270M, the second packaged model, in float32 through the split: greedy decoding identical to
+transformers in-process and through a real server on loopback, with lookup speculation too.
+
+Its pattern of five sliding-window layers (window 512) to one full-attention layer puts both kinds on
+each side of every split tested here; the tiny random Gemma 3 in conftest covers windows smaller than
+the prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from splitllm.bench.exactness import first_difference
+from splitllm.client.session import SplitClient
+from splitllm.model.weights import ModelFiles
+from splitllm.visibility import Visibility
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gemma3"
+NEW_TOKENS = 24
+# A base model (no chat template): plain continuations that run the whole budget.
+PROMPTS = [
+    "The history of the printing press begins in",
+    "def is_prime(n):",
+    "Here is a list of animals that live in the ocean:",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(ModelFiles(MODEL).path)
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, hf_greedy) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    refs = [hf_greedy(MODEL, ids, NEW_TOKENS) for ids in prompts]
+    assert all(len(r) == NEW_TOKENS for r in refs)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def client():  # type: ignore[no-untyped-def]
+    return SplitClient(MODEL, None, 2, 2, max_context=256)
+
+
+def test_gemma3_config() -> None:
+    cfg = ModelFiles(MODEL).config
+    assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("gemma3_text", 18, 640, 262144)
+    assert cfg.layer_windows == ((512,) * 5 + (None,)) * 3
+    sliding, full = cfg.layer_ropes[0], cfg.layer_ropes[5]
+    assert sliding.inv_freq[1] > full.inv_freq[1]  # rope bases 10k (local) and 1M (global)
+    assert cfg.tie_word_embeddings and cfg.embed_scale == 640**0.5 and cfg.attn_scale == 256**-0.5
+
+
+def test_gemma3_logits_match_transformers_past_the_sliding_window(pipeline, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """A 700-token prompt: the last positions see their window of 512 in local layers, everything in global ones."""
+    tokenizer = AutoTokenizer.from_pretrained(ModelFiles(MODEL).path)
+    text = " ".join(f"Item {i}: the {i % 7}th colour of the {i % 11}th wheel." for i in range(80))
+    tokens = tokenizer(text)["input_ids"][:700]
+    n = len(tokens)
+    assert n == 700
+    last = torch.arange(n - 4, n)
+    ours, _ = pipeline(MODEL, 2, 2, max_context=n).score(
+        torch.tensor(tokens), torch.arange(n), Visibility.chain(n), [], rows=last
+    )
+    with torch.no_grad():
+        ref = hf_model(MODEL)(torch.tensor([tokens]), logits_to_keep=4).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_gemma3_split_greedy_equals_transformers_in_process(client, prompts, reference) -> None:  # type: ignore[no-untyped-def]
+    for i, (ids, ref) in enumerate(zip(prompts, reference)):
+        got = client.generate(ids, NEW_TOKENS).ids
+        assert got == ref, f"prompt {i} diverges at token {first_difference(got, ref)}"
+
+
+def test_gemma3_split_greedy_equals_transformers_over_loopback(
+    prompts, reference, server, local_model, split_greedy
+) -> None:  # type: ignore[no-untyped-def]
+    head, tail = 6, 1  # the client holds a full-attention layer (5) and the server a sliding one first
+    url = server(MODEL, head, tail).url
+    local = local_model(MODEL, head, tail)
+    for i, (ids, ref) in enumerate(zip(prompts, reference)):
+        got = split_greedy(local, url, ids, NEW_TOKENS)
+        assert got == ref, f"prompt {i} diverges at token {first_difference(got, ref)}"
+
+
+def test_gemma3_lookup_speculation_commits_the_same_tokens(client, prompts, reference) -> None:  # type: ignore[no-untyped-def]
+    """Lookup drafting from the prompt's own n-grams: trees of several nodes, verified row by row."""
+    drafted = 0
+    for i, (ids, ref) in enumerate(zip(prompts, reference)):
+        gen = client.generate(ids, NEW_TOKENS, decode="lookup")
+        assert gen.ids == ref, f"prompt {i} diverges at token {first_difference(gen.ids, ref)}"
+        drafted += sum(s.drafted for s in gen.steps)
+    assert drafted > 0
+
+
+def test_gemma3_base_model_refuses_chat_turns(client) -> None:  # type: ignore[no-untyped-def]
+    with client.conversation() as conv, pytest.raises(ValueError, match="no chat template"):
+        next(conv.say("Hello"))

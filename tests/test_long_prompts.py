@@ -1,0 +1,96 @@
+"""Prompts longer than the server's `max_nodes` go as several steps; the server's `max_context` is honoured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from protocol_client import greedy
+
+from splitllm.client.pipeline import LocalMiddle
+from splitllm.client.remote import RemoteMiddle
+from splitllm.client.session import SplitClient
+from splitllm.stats import StepStats
+from splitllm.visibility import Visibility
+
+HEAD, TAIL = 1, 1
+
+
+def test_cuts_split_chains_and_keep_trees_whole() -> None:
+    assert Visibility.chain(10).cuts(4) == [(0, 4), (4, 8), (8, 10)]
+    assert Visibility.chain(4).cuts(4) == [(0, 4)]
+    # a 7-position prompt, then a tree of 4 hanging off its last position: never cut inside the tree
+    tree = Visibility.from_parents([-1, 0, 1, 2, 3, 4, 5, 6, 6, 7])
+    assert tree.cuts(4) == [(0, 4), (4, 7), (7, 10)]
+    assert tree.cuts(2) == [(0, 2), (2, 4), (4, 6), (6, 7), (7, 10)]  # the tree is wider than 2: whole
+    lookahead = Visibility.from_matrix(torch.eye(6, dtype=torch.bool))  # nothing sees anything earlier
+    assert lookahead.cuts(4) == [(0, 6)]
+
+
+# Cut by the client (steps of at most max_nodes) or sliced by the server (forwards of slice_rows).
+CUTS = [{"max_nodes_per_step": 8}, {"slice_rows": 3}]
+
+
+@pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
+def test_prompt_three_times_max_nodes_decodes_exactly(tiny_models, server, local_model, pipeline, random_ids, limits) -> None:  # type: ignore[no-untyped-def]
+    tiny = tiny_models["mistral"]  # sliding window 8: cuts must not change which positions see which
+    thread = server(tiny, HEAD, TAIL, **limits)
+    local, prompt = local_model(tiny, HEAD, TAIL), random_ids(29, 4)
+    want = greedy(local, pipeline(tiny, HEAD, TAIL, 64).middle, prompt, 12)
+    remote = RemoteMiddle(thread.url, local.files.fingerprint, local.middle_range, "float32", 64)
+    assert greedy(local, remote, prompt, 12) == want
+
+
+@pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
+def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, local_model, middle_stage, limits) -> None:  # type: ignore[no-untyped-def]
+    tiny = tiny_models["llama"]
+    thread = server(tiny, HEAD, TAIL, **limits)
+    local = local_model(tiny, HEAD, TAIL)
+    width = local.files.config.hidden_size
+    remote = RemoteMiddle(thread.url, local.files.fingerprint, local.middle_range, "float32", 64)
+    solo = LocalMiddle(middle_stage(tiny, HEAD, TAIL), 64)
+    g = torch.Generator().manual_seed(3)
+    steps = [
+        (torch.randn(20, width, generator=g), torch.arange(20), Visibility.chain(20), []),
+        (torch.randn(3, width, generator=g), torch.tensor([10, 11, 11]), Visibility.from_parents([-1, 0, 0]), list(range(10))),
+        (torch.randn(2, width, generator=g), torch.tensor([12, 13]), Visibility.chain(2), [0, 2]),
+    ]
+    for hidden, positions, vis, keep in steps:
+        got = remote.step(hidden, positions, vis, keep, StepStats())
+        want = solo.step(hidden, positions, vis, keep, StepStats())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # Client cuts: the second step dropped entries the first one's parts had committed, so the client
+    # rebuilt its session; server slices are reopened after the step, so nothing is ever lost.
+    assert remote.reconnects == (1 if "max_nodes_per_step" in limits else 0)
+    remote.close()
+
+
+@pytest.fixture(scope="module")
+def default_client() -> SplitClient:
+    return SplitClient(None, head=2, tail=2, max_context=512)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "lookup"])
+def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server, mode) -> None:  # type: ignore[no-untyped-def]
+    prompt = "Repeat this list back: " + ", ".join(f"item {i}" for i in range(20)) + "."
+    default_client.server = None
+    want = default_client.generate(prompt, 16, mode)
+    thread = server(None, 2, 2, max_nodes_per_step=16)
+    default_client.server = thread.url
+    try:
+        got = default_client.generate(prompt, 16, mode)
+    finally:
+        default_client.server = None
+    assert len(got.prompt_ids) > 3 * 16
+    assert got.ids == want.ids
+
+
+def test_server_max_context_is_checked_before_the_first_step(default_client, server) -> None:  # type: ignore[no-untyped-def]
+    thread = server(None, 2, 2, max_context=48)
+    default_client.server = thread.url
+    try:
+        with pytest.raises(ValueError, match="server's maximum context of 48"):
+            default_client.generate("Tell me about owls.", 40)
+        assert thread.server.metrics.total("splitllm_steps_total") == 0
+        assert default_client.generate("Hi.", 8).finish_reason in ("stop", "length")  # what fits still runs
+    finally:
+        default_client.server = None
