@@ -19,7 +19,6 @@ from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Split LLM inference over a WAN.")
 
-_DTYPES = {"float32", "bfloat16"}
 # `--decode`: the registry's modes, listed in --help and checked before anything loads.
 DecodeMode = Literal[tuple(DECODERS)]  # type: ignore[valid-type]
 _DECODE = typer.Option(help="decoding mode: auto sizes speculation for the link; greedy output is the same in all")
@@ -80,12 +79,23 @@ def main() -> None:
     app(upgrade_argv(sys.argv[1:], lambda line: print(line, file=sys.stderr)), prog_name="splitllm")
 
 
-def _torch_dtype(name: str):  # type: ignore[no-untyped-def]
-    import torch
+def _precision(dtype: str, quant: str, device: str):  # type: ignore[no-untyped-def]
+    from splitllm.model.precision import Precision
 
-    if name not in _DTYPES:
-        raise typer.BadParameter(f"compute dtype must be one of {', '.join(sorted(_DTYPES))}")
-    return getattr(torch, name)
+    try:
+        return Precision.parse(dtype, quant, device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _setting(name: str):  # type: ignore[no-untyped-def]
+    """A 'dtype-quant' name (float32-none, bfloat16-int8, ...) as a Precision."""
+    from splitllm.model.precision import Precision
+
+    try:
+        return Precision.from_name(name)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _threads(n: int) -> None:
@@ -117,7 +127,11 @@ def _client(
     head: int = 2,
     tail: int = 2,
     wire_dtype: str = "float16",
-    dtype: str = "float32",
+    dtype: Annotated[str, typer.Option(help="compute dtype of the client's layers: float32, bfloat16 or float16")] = "float32",
+    quant: Annotated[str, typer.Option(help="weight-only quantization of the client's layers: none, int8 or int4")] = "none",
+    device: Annotated[str, typer.Option(help="cpu, cuda or mps (only cpu is verified)")] = "cpu",
+    lm_head_dtype: Annotated[Optional[str], typer.Option(help="compute dtype of embedding and LM head (default: --dtype)")] = None,
+    lm_head_quant: Annotated[Optional[str], typer.Option(help="quantization of the LM head (default: --quant)")] = None,
     threads: int = 1,
     token_file: Annotated[Optional[str], typer.Option(help="file holding the bearer token (default: $SPLITLLM_TOKEN)")] = None,
     ca: Annotated[Optional[str], typer.Option(help="PEM CA bundle to verify a wss:// server (self-signed setups)")] = None,
@@ -136,7 +150,11 @@ def _client(
         token=read_token(token_file), ca_file=ca, insecure=insecure, client_cert=client_cert, client_key=client_key,
         fallbacks=tuple(fallback or ()), deadline_s=reconnect_deadline_s,
     )
-    return SplitClient(model, server, head, tail, wire_dtype, dtype=_torch_dtype(dtype), connection=options)
+    precision = _precision(dtype, quant, device)
+    head_precision = _precision(lm_head_dtype or dtype, lm_head_quant or quant, device)
+    return SplitClient(
+        model, server, head, tail, wire_dtype, dtype=precision, head_precision=head_precision, connection=options
+    )
 
 
 def _sampling(
@@ -187,7 +205,9 @@ def serve(
     tail: Annotated[int, typer.Option(help="layers the client runs last")] = 2,
     host: str = "127.0.0.1",
     port: int = 8765,
-    dtype: Annotated[str, typer.Option(help="compute dtype")] = "float32",
+    dtype: Annotated[str, typer.Option(help="compute dtype: float32 (exact), bfloat16 or float16")] = "float32",
+    quant: Annotated[str, typer.Option(help="weight-only quantization: none, int8 or int4")] = "none",
+    device: Annotated[str, typer.Option(help="cpu, cuda or mps (only cpu is verified)")] = "cpu",
     max_context: Annotated[int, typer.Option(help="longest session, in tokens")] = 4096,
     max_sessions: int = 64,
     session_ttl_s: Annotated[float, typer.Option(help="idle seconds before a session is dropped")] = 600.0,
@@ -244,8 +264,10 @@ def serve(
         raise typer.BadParameter("--client-ca (mutual TLS) is not available with --engine ray; use --auth-token-file")
     configure(log_format)
     _threads(threads)
+    precision = _precision(dtype, quant, device)
     settings = ServerSettings(
-        head=head, tail=tail, dtype=_torch_dtype(dtype), max_context=max_context, max_sessions=max_sessions,
+        head=head, tail=tail, dtype=precision.dtype, quant=precision.quant, device=precision.device,
+        max_context=max_context, max_sessions=max_sessions,
         session_ttl_s=session_ttl_s, max_nodes_per_step=max_nodes_per_step, max_frame_bytes=int(max_frame_mib * (1 << 20)),
         max_sessions_per_principal=max_sessions_per_principal, max_kv_bytes=int(max_kv_gib * (1 << 30)),
         idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, max_connections=max_connections,
@@ -401,12 +423,16 @@ def demo(
     rtt_ms: Annotated[float, typer.Option(help="emulated round-trip time, ms")] = 80.0,
     max_new_tokens: int = 96,
     decode: Annotated[DecodeMode, _DECODE] = DEFAULT_DECODE,
+    setting: Annotated[
+        Optional[str], typer.Option(help="dtype-quant of both sides, e.g. float32-none (exact); default: the fastest")
+    ] = None,
 ) -> None:
     """Start a server, an emulated WAN link and a client on loopback; stream an answer, then compare
     its speed with sequential decoding of the same answer."""
     from splitllm.demo import DEMO_PROMPT, run_demo
+    from splitllm.model.precision import FASTEST
 
-    run_demo(prompt or DEMO_PROMPT, rtt_ms, max_new_tokens, decode)
+    run_demo(prompt or DEMO_PROMPT, rtt_ms, max_new_tokens, decode, _setting(setting or FASTEST))
 
 
 @app.command()
@@ -437,7 +463,7 @@ app.add_typer(bench_app, name="bench")
 # --- bench runtime: cost of the split runtime itself (server forward, loads, memory, decode steps) ---
 @bench_app.command("runtime")
 def bench_runtime(
-    out: Annotated[str, typer.Option(help="folder for runtime.json")] = "results",
+    out: Annotated[str, typer.Option(help="folder for runtime.json and runtime.md")] = "results",
     head: int = 2,
     tail: int = 2,
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for decoding (1-8)")] = 1,
@@ -445,11 +471,14 @@ def bench_runtime(
     max_new_tokens: int = 64,
     rtt_ms: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
     wire_dtype: Annotated[str, typer.Option(help="wire dtype of the decoding runs")] = "float16",
+    settings: Annotated[Optional[str], typer.Option(help="comma-separated dtype-quant settings (default: all measured)")] = None,
+    fastest: Annotated[Optional[str], typer.Option(help="the setting decoded end to end next to float32-none")] = None,
+    threads: Annotated[str, typer.Option(help="comma-separated thread counts of the server forward")] = "1,2",
 ) -> None:
-    """Server forward vs the memory-bandwidth floor, load times, peak RSS, decode steps, wire dtype drift."""
+    """Server forward per precision vs the memory-bandwidth floor, client step, loads, RSS, decoding, wire dtypes."""
     from pathlib import Path
 
-    from splitllm.bench.runtime import run_runtime, summary
+    from splitllm.bench.runtime import FASTEST, SETTINGS, markdown, run_runtime
 
     if out.endswith(".json"):  # an earlier release took the report's path
         typer.echo("warning: --out takes a folder now; a .json path still works until the next release", err=True)
@@ -458,11 +487,29 @@ def bench_runtime(
         path = Path(out, "runtime.json")
     result = run_runtime(
         str(path), head, tail, prompts_per_category, max_new_tokens, _numbers(rtt_ms, float), wire_dtype,
-        dtype_prompts_per_category,
+        dtype_prompts_per_category, tuple(settings.split(",")) if settings else SETTINGS, fastest or FASTEST,
+        _numbers(threads, int),
     )
-    typer.echo(summary(result))
+    typer.echo(markdown(result))
     typer.echo(f"wrote {path}", err=True)
 # --- end bench runtime ---
+
+
+@bench_app.command("quality")
+def bench_quality(
+    out: Annotated[str, typer.Option(help="folder for quality.json and quality.md")] = "results",
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (8: the 32-prompt suite)")] = 8,
+    max_new_tokens: int = 128,
+    settings: Annotated[str, typer.Option(help="comma-separated dtype-quant settings to compare with float32-none")] = (
+        "bfloat16-none,bfloat16-int8,bfloat16-int4"
+    ),
+    ppl_positions: Annotated[int, typer.Option(help="held-out text positions for perplexity")] = 3072,
+) -> None:
+    """Greedy agreement with float32 and perplexity on held-out text, per precision."""
+    from splitllm.bench.quality import markdown, run_quality
+
+    result = run_quality(tuple(settings.split(",")), prompts_per_category, max_new_tokens, ppl_positions, out)
+    typer.echo(markdown(result))
 
 
 @bench_app.command("streaming")
@@ -519,9 +566,11 @@ def bench_speculation(
         str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget)")
     ] = "sequential,lookup,lookahead,auto,auto-static",
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
+    setting: Annotated[Optional[str], typer.Option(help="dtype-quant of both sides; default: the fastest")] = None,
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
     from splitllm.bench.speculation import EXTRA_DECODERS, run_speculation
+    from splitllm.model.precision import FASTEST
 
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())
     unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
@@ -529,7 +578,7 @@ def bench_speculation(
         raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt_ms, modes, out,
-        progress=lambda line: typer.echo(line, err=True), sampling=sampling,
+        progress=lambda line: typer.echo(line, err=True), sampling=sampling, precision=_setting(setting or FASTEST),
     )
     typer.echo(result["markdown"])
 
@@ -540,11 +589,14 @@ def bench_exactness(
     max_new_tokens: int = 128,
     out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
     model: Annotated[str, typer.Option(help="'default', 'gemma3', an HF folder or a .gguf file")] = "default",
+    setting: Annotated[str, typer.Option(help="dtype-quant of both sides (speculation against sequential in it)")] = (
+        "float32-none"
+    ),
 ) -> None:
     """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
     from splitllm.bench.exactness import NEAR_TIE, run_exactness
 
-    report = run_exactness(prompts_per_category, max_new_tokens, out, model)
+    report = run_exactness(prompts_per_category, max_new_tokens, out, model, _setting(setting))
     typer.echo(report.markdown())
     if not report.explained:
         typer.echo(f"error: a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", err=True)

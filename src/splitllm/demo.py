@@ -11,6 +11,7 @@ from rich.table import Table
 from splitllm.client.session import Generation, SplitClient
 from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.launch import ServerProcess
+from splitllm.model.precision import FASTEST, Precision
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.threads import set_compute_threads
 
@@ -19,15 +20,19 @@ BASELINE = "sequential"  # one token per round trip: what every other mode must 
 
 
 def run_demo(
-    prompt: str = DEMO_PROMPT, rtt_ms: float = 80.0, max_new_tokens: int = 96, decode: str = DEFAULT_DECODE
+    prompt: str = DEMO_PROMPT,
+    rtt_ms: float = 80.0,
+    max_new_tokens: int = 96,
+    decode: str = DEFAULT_DECODE,
+    precision: Precision = Precision.from_name(FASTEST),
 ) -> None:
     console = Console(stderr=True)
     set_compute_threads(1)
     console.print("[bold]splitllm demo[/]: loading the client side of the default model (first run converts it once)")
-    client = SplitClient(None, head=2, tail=2)
+    client = SplitClient(None, head=2, tail=2, dtype=precision)
     runs: dict[str, Generation] = {}
-    with ServerProcess("--head", "2", "--tail", "2") as server:
-        console.print(f"server: layers {list(client.local.middle_range)} on {server.url}")
+    with ServerProcess("--head", "2", "--tail", "2", *precision.serve_args()) as server:
+        console.print(f"server: layers {list(client.local.middle_range)} on {server.url}, both sides {precision.name}")
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             console.print(f"WAN proxy: {rtt_ms:.0f} ms RTT on port {proxy.port}\n[bold]prompt[/]: {prompt}\n")

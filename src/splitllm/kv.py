@@ -14,11 +14,17 @@ import torch
 
 class KVCache:
     def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, max_context: int, dtype: torch.dtype
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_context: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, 1, num_kv_heads, max_context, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.positions = torch.zeros(max_context, dtype=torch.long)
         self.max_context = max_context
         self.length = 0
@@ -46,7 +52,7 @@ class KVCache:
             src = torch.tensor(keep, dtype=torch.long) + self.length
             dst = slice(self.length, self.length + n)
             for buf in (self.k, self.v):
-                buf[:, :, :, dst] = buf.index_select(3, src)
+                buf[:, :, :, dst] = buf.index_select(3, src.to(buf.device))
             self.positions[dst] = self.positions[src]
         self.length += n
         self.pending = 0

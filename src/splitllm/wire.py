@@ -45,7 +45,7 @@ def encode(header: dict[str, Any], tensor: torch.Tensor | None = None, dtype: st
     payload = b""
     if tensor is not None:
         wire = dtype or header.get("dtype", "float32")
-        t = tensor.detach().to(WIRE_DTYPES[wire]).contiguous()
+        t = tensor.detach().to("cpu", WIRE_DTYPES[wire]).contiguous()
         header = {**header, "dtype": wire, "shape": list(t.shape)}
         payload = t.view(torch.uint8).numpy().tobytes()
     head = msgpack.packb(header, use_bin_type=True)

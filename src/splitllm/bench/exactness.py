@@ -20,6 +20,7 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import SplitClient
 from splitllm.decoding.speculative import MODES
+from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
@@ -45,6 +46,7 @@ class ExactnessReport:
     identical: dict[str, int] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)
     model: str = "default"
+    precision: str = "float32-none"
 
     @property
     def explained(self) -> bool:
@@ -53,7 +55,7 @@ class ExactnessReport:
 
     def markdown(self) -> str:
         lines = [
-            f"Exactness on the {self.model} model (float32), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
+            f"Exactness on the {self.model} model ({self.precision}), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
             "every mode against sequential greedy decoding.",
             "",
             "| mode | identical / total |",
@@ -93,8 +95,8 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 def check_exactness(
     client: SplitClient, prompts: Sequence[str], max_new_tokens: int, modes: Sequence[str] = tuple(MODES)
 ) -> ExactnessReport:
-    report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes})
-    middle = Stage.load(client.files, *client.local.middle_range, client.dtype)
+    report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes}, precision=client.precision.name)
+    middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)
         expected = client.generate(ids, max_new_tokens, "sequential").ids
@@ -112,11 +114,16 @@ def check_exactness(
 
 
 def run_exactness(
-    per_category: int = 8, max_new_tokens: int = 128, out: str | Path = "results", model: str = "default"
+    per_category: int = 8,
+    max_new_tokens: int = 128,
+    out: str | Path = "results",
+    model: str = "default",
+    precision: Precision = Precision(),
 ) -> ExactnessReport:
-    """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it)."""
+    """The benchmark: the shared workload in-process (the network cannot change tokens: wire tests cover it),
+    every mode against sequential decoding in the same precision (float32 by default)."""
     set_compute_threads(1)
-    client = SplitClient(model)
+    client = SplitClient(model, dtype=precision)
     report = check_exactness(client, [p.text for p in workload(per_category)], max_new_tokens)
     report.model = model
     folder = Path(out)

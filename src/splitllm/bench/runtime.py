@@ -1,16 +1,18 @@
-"""`splitllm bench runtime`: what the split runtime itself costs on the default model.
+"""`splitllm bench runtime`: what the split runtime itself costs on the default model, per precision.
 
-(a) one server forward through the middle layers for 1/4/16/64 new tokens, against the floor set by
-    streaming those layers' weights once at the copy bandwidth measured in the same run;
-(b) load time, cold (GGUF conversion into an empty cache) and cached;
-(c) peak RSS of a process that loads the server's layers against one that loads the whole model;
-(d) sequential decoding through a `splitllm serve` subprocess, direct and behind the WAN proxy,
-    with the mean per-step time decomposition;
+(a) the machine's memory read bandwidth, and one server forward through the middle layers for 1/8/32
+    new positions over a context of 512, per precision and thread count, against the floor set by
+    reading the stage's weight bytes once at that bandwidth; the client's compute for one token;
+(b) load time, cold (GGUF conversion into an empty cache) and cached per precision;
+(c) peak RSS of a process that loads the server's layers (per precision) against the whole model;
+(d) sequential decoding through a `splitllm serve` subprocess, direct and behind the WAN proxy, in
+    the fastest precision and in the float32 exact mode, with the mean per-step decomposition, and the
+    speculative modes at the largest RTT in the fastest precision;
 (e) how many generations stay token-identical to a float32 wire with float16 / bfloat16 wires.
 
-Everything runs single-threaded (client and server share the cores); loads and RSS are measured in
-fresh subprocesses so neither caches nor earlier allocations flatter them. Timed sections first wait
-(boundedly) for the rest of the machine to calm down and record the cores it used meanwhile.
+Loads and RSS are measured in fresh subprocesses so neither caches nor earlier allocations flatter
+them. Timed sections first wait (boundedly) for the rest of the machine to calm down and record the
+cores it used meanwhile.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from splitllm.bench.quiet import OtherLoad, wait_quiet
 from splitllm.bench.workload import workload
 from splitllm.client.local import LocalModel
 from splitllm.client.session import Generation, SplitClient
+from splitllm.decoding.speculative import MODES
 from splitllm.launch import ServerProcess
+from splitllm.model.precision import FASTEST, Precision
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.netem import LinkProfile, ProxyThread
@@ -44,8 +48,19 @@ from splitllm.threads import set_compute_threads
 from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
-FORWARD_TOKENS = (1, 4, 16, 64)
-TARGETS = {"server_forward_1_token_ms": 35.0, "sequential_tok_s_at_80ms": 7.5}
+FORWARD_TOKENS = (1, 8, 32)
+CONTEXT = 512
+# Compute dtype and weight quantization, the same on both sides; the first is the exact mode.
+SETTINGS = ("float32-none", "bfloat16-none", "bfloat16-int8", "bfloat16-int4")
+TARGETS = {
+    "server_1_token_ms_bfloat16-none": 15.0,
+    "server_1_token_ms_bfloat16-int8": 9.0,
+    "server_1_token_floor_ratio": 1.3,
+    "client_1_token_ms": 6.0,
+    "sequential_tok_s_at_0ms": 40.0,
+    "sequential_tok_s_at_80ms": 9.5,
+    "speedup_over_float32_at_0ms": 1.6,
+}
 # Timed sections wait (a bounded time) until other processes use under this many cores, and record
 # how many they used meanwhile: on a shared machine that says how much to trust each figure.
 QUIET_CORES, QUIET_WAIT_S = 0.5, 30.0
@@ -66,7 +81,7 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> dict[
 
 
 def copy_bandwidth(mib: int = 512, repeats: int = 7) -> dict[str, float]:
-    """Single-thread memory bandwidth: a large tensor copy (bytes read + written) and a pure read (sum)."""
+    """Memory bandwidth at the current thread count: a large tensor copy (bytes read + written) and a pure read (sum)."""
     src = torch.ones(mib * _MIB // 4)
     dst = torch.empty_like(src)
     copy = _median_ms(lambda: dst.copy_(src), repeats, warmup=2)
@@ -79,21 +94,26 @@ def copy_bandwidth(mib: int = 512, repeats: int = 7) -> dict[str, float]:
     }
 
 
+def _weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes a forward reads once: parameters and (quantized) buffers."""
+    return sum(t.nbytes for t in (*module.parameters(), *module.buffers()))
+
+
 def server_forward(
     model: str | None,
     head: int,
     tail: int,
     bandwidth_gb_s: float,
-    context: int = 128,
-    dtype: torch.dtype = torch.float32,
+    precision: Precision = Precision(),
+    context: int = CONTEXT,
 ) -> dict[str, Any]:
     """Median time of the server's stage over `context` committed positions, per step size.
 
     Each timed step drops the previous one's entries (keep=[]), so every step sees the same context.
     """
-    server = MiddleServer(model, ServerSettings(head=head, tail=tail, dtype=dtype))
+    server = MiddleServer(model, ServerSettings(head=head, tail=tail, dtype=precision.dtype, quant=precision.quant))
     stage = server.stage
-    weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+    weight_bytes = _weight_bytes(stage)
     d = stage.cfg.hidden_size
     gen = torch.Generator().manual_seed(0)
     cache = stage.new_cache(context + max(FORWARD_TOKENS))
@@ -112,12 +132,39 @@ def server_forward(
         }
     return {
         "layers": [stage.start, stage.end],
-        "dtype": str(dtype).removeprefix("torch."),
+        "precision": precision.name,
         "context": context,
         "weight_bytes": weight_bytes,
         "floor_ms": floor_ms,
         "tokens": rows,
     }
+
+
+def client_step(head: int, tail: int, precision: Precision, context: int = CONTEXT) -> dict[str, Any]:
+    """The client's compute for one new token over `context`: embedding, head layers, tail layers, LM head."""
+    local = LocalModel(ModelFiles(None), head, tail, precision)
+    caches = local.new_caches(context + 1)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, local.cfg.vocab_size, (context,), generator=gen)
+    chain = Visibility.chain(context)
+    local.run_tail(caches, local.run_head(caches, tokens, torch.arange(context), chain, []), torch.arange(context), chain, [])
+    keep = list(range(context))
+    token, position, one = tokens[:1], torch.tensor([context]), Visibility.chain(1)
+
+    def step() -> None:
+        hidden = local.run_head(caches, token, position, one, keep)
+        local.logits(local.run_tail(caches, hidden, position, one, keep))
+        keep.clear()
+
+    wait_quiet([os.getpid()], QUIET_CORES, timeout_s=QUIET_WAIT_S)
+    with OtherLoad([os.getpid()]) as others:
+        timing = _median_ms(step, repeats=30)
+    return {**timing, "precision": precision.name, "weight_bytes": _weight_bytes_local(local), "others_cores": others.cores}
+
+
+def _weight_bytes_local(local: LocalModel) -> int:
+    stages = [local.head, local.tail] if local.tail else [local.head]
+    return sum(_weight_bytes(s) for s in stages) + _weight_bytes(local.lm_head) + local.norm.nbytes
 
 
 # --- measured in fresh subprocesses -------------------------------------------------------------------
@@ -137,31 +184,33 @@ def _rss_mib() -> dict[str, float]:
     }
 
 
-def child(kind: str, head: int | str, tail: int | str) -> dict[str, float]:
+def child(kind: str, head: int | str, tail: int | str, setting: str = "float32-none") -> dict[str, float]:
     """One measurement in this (fresh) process: 'load', 'server_rss' or 'full_rss'."""
     set_compute_threads(1)
     head, tail = int(head), int(tail)
+    precision = Precision.from_name(setting)
+    settings = ServerSettings(head=head, tail=tail, dtype=precision.dtype, quant=precision.quant)
     baseline = _rss_mib()["now"]
     t0 = time.perf_counter()
     if kind == "load":
         files = ModelFiles(None)  # converts the GGUF when the cache is empty
         t1 = time.perf_counter()
-        server = MiddleServer(None, ServerSettings(head=head, tail=tail))  # fingerprint + middle layers
+        server = MiddleServer(None, settings)  # fingerprint + middle layers
         t2 = time.perf_counter()
-        LocalModel(files, head, tail)
+        LocalModel(files, head, tail, precision)
         t3 = time.perf_counter()
         assert server.fingerprint == files.fingerprint
         return {"resolve_s": t1 - t0, "server_s": t2 - t1, "client_s": t3 - t2, "total_s": t3 - t0}
     if kind == "server_rss":
-        server = MiddleServer(None, ServerSettings(head=head, tail=tail))
-        weights = sum(p.nbytes for p in server.stage.parameters())
+        server = MiddleServer(None, settings)
+        weights = _weight_bytes(server.stage)
     elif kind == "full_rss":
         files = ModelFiles(None)
         stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
         rest = files.read(["model.embed_tokens.weight", "model.norm.weight"], torch.float32)
         for t in rest.values():
             t.sum()  # a read tensor may be a file mapping nothing touched yet; in use it is resident
-        weights = sum(p.nbytes for p in stage.parameters()) + sum(t.nbytes for t in rest.values())
+        weights = _weight_bytes(stage) + sum(t.nbytes for t in rest.values())
     else:
         raise ValueError(f"unknown measurement {kind!r}")
     peak = _rss_mib()
@@ -174,23 +223,32 @@ def child(kind: str, head: int | str, tail: int | str) -> dict[str, float]:
     }
 
 
-def _in_subprocess(kind: str, head: int, tail: int, env: dict[str, str] | None = None) -> dict[str, float]:
+def _in_subprocess(
+    kind: str, head: int, tail: int, setting: str = "float32-none", env: dict[str, str] | None = None
+) -> dict[str, float]:
     code = "import json, sys; from splitllm.bench.runtime import child; print(json.dumps(child(*sys.argv[1:])))"
-    command = [sys.executable, "-c", code, kind, str(head), str(tail)]
+    command = [sys.executable, "-c", code, kind, str(head), str(tail), setting]
     proc = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"measurement {kind} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def load_times(head: int, tail: int) -> dict[str, dict[str, float]]:
+def load_times(head: int, tail: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Cold: GGUF conversion into an empty cache (exact mode); then each setting's first (converting) and cached load."""
     with tempfile.TemporaryDirectory(prefix="splitllm-cold-") as empty:
-        cold = _in_subprocess("load", head, tail, {"SPLITLLM_CACHE": empty})
-    return {"cold": cold, "cached": _in_subprocess("load", head, tail)}
+        out = {"cold": _in_subprocess("load", head, tail, env={"SPLITLLM_CACHE": empty})}
+        for setting in settings:
+            if setting != "float32-none":
+                out[f"first {setting}"] = _in_subprocess("load", head, tail, setting, {"SPLITLLM_CACHE": empty})
+    for setting in settings:
+        out[f"cached {setting}"] = _in_subprocess("load", head, tail, setting)
+    return out
 
 
-def peak_rss(head: int, tail: int) -> dict[str, dict[str, float]]:
-    return {"server": _in_subprocess("server_rss", head, tail), "full_model": _in_subprocess("full_rss", head, tail)}
+def peak_rss(head: int, tail: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
+    out = {f"server {s}": _in_subprocess("server_rss", head, tail, s) for s in settings}
+    return {**out, "full_model float32-none": _in_subprocess("full_rss", head, tail)}
 
 
 # --- through a real server ----------------------------------------------------------------------------
@@ -202,8 +260,8 @@ _DECOMPOSITION = (
 )
 
 
-def _generate_all(client: SplitClient, prompts: Sequence[str], new_tokens: int) -> list[Generation]:
-    return [client.generate(p, new_tokens, "sequential") for p in prompts]
+def _generate_all(client: SplitClient, prompts: Sequence[str], new_tokens: int, decode: str = "sequential") -> list[Generation]:
+    return [client.generate(p, new_tokens, decode) for p in prompts]
 
 
 def decoding(
@@ -215,35 +273,39 @@ def decoding(
     rtts: Sequence[float],
     wire_dtype: str,
     progress: Progress,
+    precision: Precision = Precision(),
+    decode: str = "sequential",
 ) -> dict[str, Any]:
-    """Sequential tok/s and the mean decode step's decomposition, per emulated RTT."""
+    """tok/s and the mean decode step's decomposition, per emulated RTT (the client in `precision`)."""
     assert server.proc is not None
     ours = [os.getpid(), server.proc.pid]
     out = {}
     for rtt in rtts:
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt)) if rtt else nullcontext() as proxy:
             url = f"ws://127.0.0.1:{proxy.port}" if proxy else server.url
-            client = SplitClient(None, url, head, tail, wire_dtype)
-            client.generate(prompts[0], 4, "sequential")  # connect once and warm every code path
+            client = SplitClient(None, url, head, tail, wire_dtype, dtype=precision)
+            client.generate(prompts[0], 4, decode)  # connect once and warm every code path
             wait_quiet(ours, QUIET_CORES, timeout_s=QUIET_WAIT_S)
             with OtherLoad(ours) as others:
-                gens = _generate_all(client, prompts, new_tokens)
+                gens = _generate_all(client, prompts, new_tokens, decode)
         steps = [s for g in gens for s in g.steps[1:]]
         tokens = sum(s.accepted for s in steps)
         seconds = sum(s.total_ms for s in steps) / 1000
         mean = mean_stats(steps)
         out[f"{rtt:g}"] = {
             "rtt_ms": rtt,
+            "decode": decode,
             "tokens": tokens,
             "tok_s": tokens / seconds,
+            "tokens_per_step": tokens / max(len(steps), 1),
             "mean_step_ms": {k: mean[k] for k in _DECOMPOSITION},
             "bytes_up": mean["bytes_up"],
             "bytes_down": mean["bytes_down"],
             "others_cores": others.cores,
         }
         progress(
-            f"  rtt {rtt:g} ms: {tokens / seconds:.2f} tok/s, mean step {mean['total_ms']:.1f} ms "
-            f"(other processes used {others.cores:.2f} cores)"
+            f"  {precision.name} {decode} at rtt {rtt:g} ms: {tokens / seconds:.2f} tok/s, mean step "
+            f"{mean['total_ms']:.1f} ms (other processes used {others.cores:.2f} cores)"
         )
     return out
 
@@ -283,87 +345,145 @@ def run_runtime(
     rtts: Sequence[float] = (0.0, 80.0),
     wire_dtype: str = "float16",
     dtype_prompts: int = 2,
+    settings: Sequence[str] = SETTINGS,
+    fastest: str = FASTEST,
+    threads: Sequence[int] = (1, 2),
+    modes: Sequence[str] = tuple(MODES),
     progress: Progress = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
-    """Run (a)-(e) on the default model and write the JSON report; `prompts`/`dtype_prompts` per workload category."""
+    """Run (a)-(e) on the default model, write the JSON and Markdown reports; `prompts`/`dtype_prompts` per category.
+
+    Decoding runs client and server one thread each (they share the cores); the server forward runs
+    at every thread count of `threads`.
+    """
     set_compute_threads(1)
-    result: dict[str, Any] = {"model": "default", "split": [head, tail], "threads": 1, "targets": TARGETS}
-    # Fresh subprocesses first, while this process is still small: ru_maxrss carries over into children.
-    progress("(b) load time, cold and cached")
-    result["load"] = load_times(head, tail)
-    progress("(c) peak RSS: server vs full model")
-    result["memory"] = peak_rss(head, tail)
-    progress("(a) memory bandwidth and server forward")
-    result["bandwidth"] = copy_bandwidth()
-    result["server_forward"] = server_forward(None, head, tail, result["bandwidth"]["copy_gb_s"])
-    progress(f"  1 token: {result['server_forward']['tokens']['1']['median_ms']:.1f} ms")
-    # For comparison: `serve --dtype bfloat16` streams half the bytes (not exact against float32).
-    result["server_forward_bfloat16"] = server_forward(
-        None, head, tail, result["bandwidth"]["copy_gb_s"], dtype=torch.bfloat16
-    )
-    texts = [p.text for p in workload(prompts)]
-    with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1") as server:
-        progress(f"(d) sequential decoding, {len(texts)} prompts x {new_tokens} tokens, {wire_dtype} wire")
-        result["decoding"] = decoding(server, head, tail, texts, new_tokens, rtts, wire_dtype, progress)
-        texts = [p.text for p in workload(dtype_prompts)]
-        progress(f"(e) wire dtypes, {len(texts)} prompts x {new_tokens} tokens")
-        result["wire_dtypes"] = wire_dtypes(server.url, head, tail, texts, new_tokens, progress)
-    result["decoding_wire_dtype"] = wire_dtype
-    one = result["server_forward"]["tokens"]["1"]["median_ms"]
-    at80 = result["decoding"].get("80", {}).get("tok_s")
-    result["met"] = {
-        "server_forward_1_token_ms": one <= TARGETS["server_forward_1_token_ms"],
-        "sequential_tok_s_at_80ms": at80 is not None and at80 >= TARGETS["sequential_tok_s_at_80ms"],
+    result: dict[str, Any] = {
+        "model": "default", "split": [head, tail], "settings": list(settings), "fastest": fastest, "targets": TARGETS,
     }
+    # Fresh subprocesses first, while this process is still small: ru_maxrss carries over into children.
+    progress("(b) load time, cold and cached, per setting")
+    result["load"] = load_times(head, tail, settings)
+    progress("(c) peak RSS: server per setting vs full model")
+    result["memory"] = peak_rss(head, tail, settings)
+    progress("(a) memory bandwidth, server forward and client step per setting")
+    result["bandwidth"], result["server_forward"], result["client_step"] = {}, {}, {}
+    for n in threads:
+        set_compute_threads(n)
+        bw = result["bandwidth"][str(n)] = copy_bandwidth()
+        for setting in settings:
+            fwd = server_forward(None, head, tail, bw["read_gb_s"], Precision.from_name(setting))
+            result["server_forward"][f"{setting} {n}t"] = fwd
+            progress(f"  {setting}, {n} thread(s): 1 token {fwd['tokens']['1']['median_ms']:.1f} ms "
+                     f"(floor {fwd['floor_ms']:.1f} ms)")
+            result["client_step"][f"{setting} {n}t"] = client_step(head, tail, Precision.from_name(setting))
+    set_compute_threads(1)
+    texts = [p.text for p in workload(prompts)]
+    result["decoding"] = {}
+    for setting in dict.fromkeys([fastest, "float32-none"]):
+        precision = Precision.from_name(setting)
+        with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args()) as server:
+            progress(f"(d) {setting}: sequential decoding, {len(texts)} prompts x {new_tokens} tokens, {wire_dtype} wire")
+            runs = {"sequential": decoding(server, head, tail, texts, new_tokens, rtts, wire_dtype, progress, precision)}
+            if setting == fastest:
+                for mode in modes:
+                    runs[mode] = decoding(server, head, tail, texts, new_tokens, rtts[-1:], wire_dtype, progress, precision, mode)
+            result["decoding"][setting] = runs
+            if setting == "float32-none":
+                texts_e = [p.text for p in workload(dtype_prompts)]
+                progress(f"(e) wire dtypes, {len(texts_e)} prompts x {new_tokens} tokens")
+                result["wire_dtypes"] = wire_dtypes(server.url, head, tail, texts_e, new_tokens, progress)
+    result["decoding_wire_dtype"] = wire_dtype
+    result["met"] = _met(result)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown(result))
     return result
 
 
-def summary(result: dict[str, Any]) -> str:
-    """Human-readable lines of a runtime report."""
-    bw = result["bandwidth"]
-    lines = [
-        f"memory bandwidth (1 thread): copy {bw['copy_gb_s']:.2f} GB/s (read+write), read {bw['read_gb_s']:.2f} GB/s",
-    ]
-    for fwd in (result["server_forward"], result["server_forward_bfloat16"]):
-        lines.append(
-            f"server forward, layers {fwd['layers']} ({fwd['weight_bytes'] / _MIB:.0f} MiB {fwd['dtype']}), "
-            f"context {fwd['context']}; floor {fwd['floor_ms']:.1f} ms:"
-        )
-        for n, row in fwd["tokens"].items():
-            lines.append(
-                f"  {n:>3} tokens: median {row['median_ms']:.1f} ms (min {row['min_ms']:.1f}, p10 {row['p10_ms']:.1f}, "
-                f"p90 {row['p90_ms']:.1f}), {row['floor_ratio']:.2f}x floor; "
-                f"others used {row['others_cores']:.2f} cores"
-            )
-    for kind, load in result["load"].items():
-        lines.append(
-            f"load {kind}: {load['total_s']:.2f} s (resolve {load['resolve_s']:.2f}, server {load['server_s']:.2f}, "
-            f"client {load['client_s']:.2f})"
-        )
-    for kind, mem in result["memory"].items():
-        lines.append(
-            f"peak RSS {kind}: {mem['peak_mib']:.0f} MiB ({mem['peak_mib'] - mem['baseline_mib']:.0f} above the "
-            f"{mem['baseline_mib']:.0f} MiB after imports; weights {mem['weights_mib']:.0f} MiB; "
-            f"ru_maxrss {mem['ru_maxrss_mib']:.0f} MiB)"
-        )
-    for run in result["decoding"].values():
-        m = run["mean_step_ms"]
-        lines.append(
-            f"sequential at {run['rtt_ms']:g} ms RTT ({result['decoding_wire_dtype']} wire): {run['tok_s']:.2f} tok/s; "
-            f"mean step {m['total_ms']:.1f} ms = head {m['head_ms']:.1f} + serialize {m['serialize_ms']:.2f} + "
-            f"round trip {m['round_trip_ms']:.1f} (network {m['network_ms']:.1f} + server {m['server_ms']:.1f}) + "
-            f"deserialize {m['deserialize_ms']:.2f} + tail {m['tail_ms']:.1f} + decode {m['decode_ms']:.2f} "
-            f"+ other {m['other_ms']:.2f}; others used {run['others_cores']:.2f} cores"
-        )
-    wd = result["wire_dtypes"]
-    for dtype in ("float16", "bfloat16"):
-        lines.append(
-            f"{dtype} wire: {wd[dtype]['identical']}/{wd['prompts']} generations of {wd['new_tokens']} tokens "
-            f"identical to float32 (first differences: {wd[dtype]['first_difference']})"
-        )
+def _met(result: dict[str, Any]) -> dict[str, bool | None]:
+    """Each target against the best figure measured for it (None: not measured in this run)."""
+    fwd, fastest = result["server_forward"], result["fastest"]
+
+    def best(prefix: str, key: Callable[[dict[str, Any]], float]) -> float | None:
+        values = [key(v) for k, v in fwd.items() if k.startswith(prefix + " ")]
+        return min(values) if values else None
+
+    seq = result["decoding"].get(fastest, {}).get("sequential", {})
+    exact = result["decoding"].get("float32-none", {}).get("sequential", {})
+    figures = {
+        "server_1_token_ms_bfloat16-none": best("bfloat16-none", lambda v: v["tokens"]["1"]["median_ms"]),
+        "server_1_token_ms_bfloat16-int8": best("bfloat16-int8", lambda v: v["tokens"]["1"]["median_ms"]),
+        "client_1_token_ms": min((v["median_ms"] for v in result["client_step"].values()), default=None),
+        "sequential_tok_s_at_0ms": seq.get("0", {}).get("tok_s"),
+        "sequential_tok_s_at_80ms": seq.get("80", {}).get("tok_s"),
+    }
+    ratios = [min(v["tokens"]["1"]["floor_ratio"] for k, v in fwd.items() if k.startswith(s + " ")) for s in result["settings"]]
+    if "0" in seq and "0" in exact:
+        figures["speedup_over_float32_at_0ms"] = seq["0"]["tok_s"] / exact["0"]["tok_s"]
+    met: dict[str, bool | None] = {}
     for name, target in result["targets"].items():
-        lines.append(f"target {name} {target:g}: {'met' if result['met'][name] else 'MISSED'}")
-    return "\n".join(lines)
+        if name == "server_1_token_floor_ratio":
+            met[name] = bool(ratios) and max(ratios) <= target
+        elif figures.get(name) is None:
+            met[name] = None
+        elif name.startswith(("sequential", "speedup")):
+            met[name] = figures[name] >= target
+        else:
+            met[name] = figures[name] <= target
+    return met
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The report as Markdown tables (what `bench runtime` prints and writes next to the JSON)."""
+    split = result["split"]
+    lines = [f"# Runtime, default model split {split[0]}+{split[1]}", "", "## Memory read bandwidth", "",
+             "| threads | read GB/s | copy GB/s (read + write) |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {bw['read_gb_s']:.2f} | {bw['copy_gb_s']:.2f} |" for n, bw in result["bandwidth"].items()]
+    some = next(iter(result["server_forward"].values()))
+    lines += ["", f"## Server forward, layers {some['layers']}, context {some['context']}", "",
+              "Floor: the stage's weight bytes read once at the read bandwidth of the same thread count.", "",
+              "| setting | threads | weights MiB | floor ms | 1 position ms (x floor) | 8 positions ms | 32 positions ms | "
+              "others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, fwd in result["server_forward"].items():
+        setting, threads = key.split()
+        t = fwd["tokens"]
+        lines.append(
+            f"| {setting} | {threads.removesuffix('t')} | {fwd['weight_bytes'] / _MIB:.0f} | {fwd['floor_ms']:.1f} | "
+            f"{t['1']['median_ms']:.1f} ({t['1']['floor_ratio']:.2f}x) | {t['8']['median_ms']:.1f} | "
+            f"{t['32']['median_ms']:.1f} | {max(r['others_cores'] for r in t.values()):.2f} |"
+        )
+    lines += ["", "## Client compute for one token (embedding, head and tail layers, LM head)", "",
+              "| setting | threads | weights MiB | median ms | others' cores |", "| --- | --- | --- | --- | --- |"]
+    for key, c in result["client_step"].items():
+        setting, threads = key.split()
+        lines.append(f"| {setting} | {threads.removesuffix('t')} | {c['weight_bytes'] / _MIB:.0f} | "
+                     f"{c['median_ms']:.2f} | {c['others_cores']:.2f} |")
+    lines += ["", "## Load time and peak memory", "", "| load | total s | resolve s | server s | client s |",
+              "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {k} | {v['total_s']:.2f} | {v['resolve_s']:.2f} | {v['server_s']:.2f} | {v['client_s']:.2f} |"
+              for k, v in result["load"].items()]
+    lines += ["", "| process | peak RSS MiB | above imports MiB | weights MiB |", "| --- | --- | --- | --- |"]
+    lines += [f"| {k} | {m['peak_mib']:.0f} | {m['peak_mib'] - m['baseline_mib']:.0f} | {m['weights_mib']:.0f} |"
+              for k, m in result["memory"].items()]
+    lines += ["", f"## Decoding through `splitllm serve` ({result['decoding_wire_dtype']} wire, one thread per side)", "",
+              "| setting | decoding | RTT ms | tok/s | tokens/step | step ms | head | server | network | tail | "
+              "others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for setting, runs in result["decoding"].items():
+        for decode, by_rtt in runs.items():
+            for run in by_rtt.values():
+                m = run["mean_step_ms"]
+                lines.append(
+                    f"| {setting} | {decode} | {run['rtt_ms']:g} | {run['tok_s']:.2f} | {run['tokens_per_step']:.2f} | "
+                    f"{m['total_ms']:.1f} | {m['head_ms']:.1f} | {m['server_ms']:.1f} | {m['network_ms']:.1f} | "
+                    f"{m['tail_ms']:.1f} | {run['others_cores']:.2f} |"
+                )
+    wd = result.get("wire_dtypes")
+    if wd:
+        lines += ["", "## Wire dtypes (float32 compute)", ""]
+        lines += [f"- {d} wire: {wd[d]['identical']}/{wd['prompts']} generations of {wd['new_tokens']} tokens identical "
+                  f"to a float32 wire (first differences: {wd[d]['first_difference']})" for d in ("float16", "bfloat16")]
+    lines += ["", "## Targets", "", "| target | value | met |", "| --- | --- | --- |"]
+    verdict = {True: "met", False: "MISSED", None: "not measured"}
+    lines += [f"| {k} | {v:g} | {verdict[result['met'][k]]} |" for k, v in result["targets"].items()]
+    return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.launch import ServerProcess
+from splitllm.model.precision import FASTEST, Precision
 from splitllm.model.stage import Stage
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.threads import set_compute_threads
@@ -101,7 +102,7 @@ def measure(
 def divergences(client: SplitClient, prompts: Sequence[tuple[str, str]], runs: Sequence[dict]) -> list[dict]:
     """Where each run that differs from sequential first differs, with the model's top-2 logit gap there
     (recomputed in float32 without the wire): near-ties are rounding, anything else would be a bug."""
-    middle = Stage.load(client.files, *client.local.middle_range, client.dtype)
+    middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     reference = {r["prompt"]: r["ids"] for r in runs if r["mode"] == "sequential"}
     found = []
     for r in runs:
@@ -166,16 +167,18 @@ def run_speculation(
     tail: int = 2,
     progress: Callable[[str], None] = lambda _: None,
     sampling: SamplingParams | None = None,
+    precision: Precision = Precision.from_name(FASTEST),
 ) -> dict:
-    """The benchmark end to end; writes OUT/speculation.json and OUT/speculation.md."""
+    """The benchmark end to end, both sides in `precision`; writes OUT/speculation.json and OUT/speculation.md."""
     if "sequential" not in modes:
         modes = ("sequential", *modes)
     set_compute_threads(1)
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
     settings = {"rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens, "prompts_per_category": prompts_per_category,
-                "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams())}
-    client = SplitClient(None, head=head, tail=tail)
-    with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1") as server:
+                "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
+                "precision": precision.name}
+    client = SplitClient(None, head=head, tail=tail, dtype=precision)
+    with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args()) as server:
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
@@ -186,7 +189,7 @@ def run_speculation(
     folder.mkdir(parents=True, exist_ok=True)
     report = markdown(summary, settings)
     if diverged:
-        report += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix, float32):\n\n"
+        report += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix):\n\n"
         report += "| prompt | mode | at token | top-2 gap |\n| --- | --- | --- | --- |\n"
         report += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
     data = {"settings": settings, "summary": summary, "divergences": diverged, "runs": runs}

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 
 from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
+from splitllm.model.precision import Precision
+from splitllm.model.quant import Linear
 from splitllm.model.stage import Stage, read_norm
+from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
@@ -25,24 +27,42 @@ class LocalCaches:
 
 
 class LocalModel:
-    """Everything that never leaves the trusted device; reads none of the server's layers."""
+    """Everything that never leaves the trusted device; reads none of the server's layers.
 
-    def __init__(self, files: ModelFiles, head: int, tail: int, dtype: torch.dtype = torch.float32) -> None:
+    `precision` is the head and tail stages'; `head_precision` (default: the same) is the embedding's,
+    final norm's and LM head's, the client's biggest read.
+    """
+
+    def __init__(
+        self,
+        files: ModelFiles,
+        head: int,
+        tail: int,
+        precision: Precision | torch.dtype = torch.float32,
+        head_precision: Precision | torch.dtype | None = None,
+    ) -> None:
         cfg = files.config
         cfg.check_split(head, tail)
-        self.files, self.cfg, self.dtype = files, cfg, dtype
+        self.precision = Precision.of(precision)
+        self.head_precision = self.precision if head_precision is None else Precision.of(head_precision)
+        self.files, self.cfg, self.dtype = files, cfg, self.precision.dtype
         self.head_layers, self.tail_layers = head, tail
         self.middle_range = (head, cfg.num_layers - tail)
         embed_name = "model.embed_tokens.weight"
         head_name = embed_name if cfg.tie_word_embeddings or not files.has("lm_head.weight") else "lm_head.weight"
-        w = files.read({embed_name, head_name}, dtype)
-        self.embed_weight = w[embed_name]
-        self.lm_head = w[head_name]
-        self.norm = read_norm(files, "model.norm.weight", dtype)
+        weights = StoredWeights(files, self.head_precision)
+        self.embed_weight = self.head_precision.dense(weights.dense([embed_name])[embed_name])
+        self.norm = read_norm(weights, "model.norm.weight")
         # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as transformers does.
-        self.embed_scale = torch.tensor(cfg.embed_scale).to(dtype) if cfg.embed_scale != 1.0 else None
-        self.head = Stage.load(files, 0, head, dtype)
-        self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, dtype) if tail else None
+        scale = torch.tensor(cfg.embed_scale).to(self.embed_weight.device, self.embed_weight.dtype)
+        self.embed_scale = scale if cfg.embed_scale != 1.0 else None
+        tied_dense = head_name == embed_name and self.head_precision.quant == "none"
+        self.lm_head = Linear(self.embed_weight) if tied_dense else weights.linear([head_name])
+        # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
+        wide = (torch.float32, torch.float64)
+        self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype in wide
+        self.head = Stage.load(files, 0, head, self.precision)
+        self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, self.precision) if tail else None
 
     def new_caches(self, max_context: int) -> LocalCaches:
         return LocalCaches(self.head.new_cache(max_context), self.tail.new_cache(max_context) if self.tail else None)
@@ -51,11 +71,11 @@ class LocalModel:
     def run_head(
         self, caches: LocalCaches, tokens: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
     ) -> torch.Tensor:
-        return self.head(caches.head, self.embed(tokens), positions, vis, keep)
+        return self.head(caches.head, self.embed(tokens), positions, vis, keep).cpu()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The hidden states entering layer 0."""
-        x = self.embed_weight[tokens]
+        x = self.embed_weight[tokens.to(self.embed_weight.device)]
         return x if self.embed_scale is None else x * self.embed_scale
 
     def input_table(self) -> torch.Tensor:
@@ -66,34 +86,43 @@ class LocalModel:
     def run_tail(
         self, caches: LocalCaches, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
     ) -> torch.Tensor:
-        hidden = hidden.to(self.dtype)
+        hidden = hidden.to(self.precision.torch_device, self.dtype)
         return self.tail(caches.tail, hidden, positions, vis, keep) if self.tail else hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head over the given rows only: callers pass just the nodes the verifier needs.
+        """Logits (on the CPU, at least float32) over the given rows only: callers pass just the nodes the verifier needs.
 
-        A few rows go one at a time through the matrix-vector kernel, so a row's logits are the
-        same bits however many rows a decoder scores, and the same as transformers' one-token
-        steps (MKL's multi-row kernels round differently); many rows (a whole prompt) take one
-        matrix product. A transposed contiguous copy of the head runs one row 1.8x faster, but
-        rounds differently from the reference, so it is not used.
+        With a float32 head, a few rows go one at a time through the matrix-vector kernel, so a
+        row's logits are the same bits however many rows a decoder scores, and the same as
+        transformers' one-token steps (MKL's multi-row kernels round differently); many rows (a
+        whole prompt) take one matrix product. The 16-bit and quantized kernels give every row the
+        same bits in any batch, so they always take all rows at once.
         """
-        x = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
-        if not 0 < x.shape[0] <= ROW_BY_ROW:
-            return self._softcap(x @ self.lm_head.T)
-        return self._softcap(torch.cat([row @ self.lm_head.T for row in x.split(1)]))
+        x = self._normed(hidden)
+        if self._row_by_row and 0 < x.shape[0] <= ROW_BY_ROW:
+            out = torch.cat([self.lm_head(row) for row in x.split(1)])
+        else:
+            out = self.lm_head(x)
+        return self._softcap(out.to("cpu", torch.promote_types(out.dtype, torch.float32)))
 
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Approximate logits (bfloat16 LM head) for guesses that are never committed unverified."""
-        x = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
-        return self._softcap(F.linear(x.to(torch.bfloat16), self._draft_head).float())
+        """Approximate logits (a 16-bit or quantized LM head) for guesses that are never committed unverified."""
+        return self._softcap(self._draft_head(self._normed(hidden)).float().cpu())
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        hp = self.head_precision
+        return rms_norm(hidden.to(hp.torch_device, hp.dtype), self.norm, self.cfg.rms_norm_eps)
+
     @cached_property
-    def _draft_head(self) -> torch.Tensor:
-        return self.lm_head.to(torch.bfloat16)
+    def _draft_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A float32 head is read again as bfloat16 for drafts; any other head is cheap already."""
+        if not self._row_by_row:
+            return self.lm_head
+        head = Linear(self.lm_head.weight.to(torch.bfloat16))
+        return lambda x: head(x.to(torch.bfloat16))

@@ -18,6 +18,7 @@ from splitllm.client.stopping import StopRule
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, Decoder, check_mode
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.step import StepOutput
+from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.stats import StepStats, mean_stats
@@ -79,14 +80,17 @@ class SplitClient:
         tail: int = 2,
         wire_dtype: str = "float16",
         max_context: int = 4096,
-        dtype: torch.dtype = torch.float32,
+        dtype: Precision | torch.dtype = torch.float32,
         connection: ConnectionOptions | None = None,
+        head_precision: Precision | torch.dtype | None = None,
     ) -> None:
         self.files = ModelFiles(model)
         self.connection = connection  # TLS, token, reconnection deadline and fallback servers
-        self.local = LocalModel(self.files, head, tail, dtype)
+        self.precision = Precision.of(dtype)
+        self.local = LocalModel(self.files, head, tail, self.precision, head_precision)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
-        self.server, self.wire_dtype, self.max_context, self.dtype = server, wire_dtype, max_context, dtype
+        self.server, self.wire_dtype, self.max_context = server, wire_dtype, max_context
+        self.dtype = self.precision.dtype
         self._local_middle: Stage | None = None
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(self.files.hf_config, "eos_token_id", None)
@@ -110,7 +114,7 @@ class SplitClient:
         start, end = self.local.middle_range
         if self.server is None:
             if self._local_middle is None:
-                self._local_middle = Stage.load(self.files, start, end, self.dtype)
+                self._local_middle = Stage.load(self.files, start, end, self.precision)
             return LocalMiddle(self._local_middle, self.max_context)
         return RemoteMiddle(
             self.server, self.files.fingerprint, (start, end), self.wire_dtype, self.max_context, self.connection

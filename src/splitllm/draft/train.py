@@ -68,7 +68,7 @@ class Target:
     def __init__(self, local: LocalModel) -> None:
         self.embed = local.input_table()  # scaled as layer 0 sees it, for families that scale it
         self.norm = local.norm
-        self.lm_head = local.lm_head
+        self.lm_head = local.lm_head.weight
         self.eps = local.cfg.rms_norm_eps
         self.softcap = local.cfg.final_logit_softcap
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitllm.model.config import ModelConfig, Rope
+from splitllm.model.precision import Precision
+from splitllm.model.quant import Linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -31,7 +33,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin for arbitrary absolute positions (tree nodes share positions, so no running offset)."""
+    """cos/sin for arbitrary absolute positions (tree nodes share positions, so no running offset).
+
+    The sine comes with rotate-half's sign folded into its first half, so applying it takes one
+    swap of the halves instead of slices, a negation and a concatenation (the same bits: negation
+    is exact).
+    """
 
     def __init__(self, rope: Rope) -> None:
         self.inv_freq = torch.tensor(rope.inv_freq, dtype=torch.float32)
@@ -40,16 +47,14 @@ class Rotary:
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        sign = torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling * sign).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's sign carried by `signed_sin` (see Rotary)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin
 
 
 @dataclass(frozen=True)
@@ -63,34 +68,50 @@ class Segment:
     offset: int
 
 
+_DENSE_NAMES = {"qkv": "qkv.weight", "qkv_bias": "qkv.bias", "o_proj": "o_proj.weight",
+                "gate_up": "gate_up.weight", "down": "down.weight"}
+
+
+def _dense_names(state_dict: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
+    """Weights saved when projections were bare tensors ("qkv", "qkv_bias", ...) load into the linear modules."""
+    for old, new in _DENSE_NAMES.items():
+        if prefix + old in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer; parameters are created empty and filled by the weight loader.
 
     Norm weights are stored with the config's `norm_offset` already added, so every norm is `rms_norm`.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, precision: Precision) -> None:
         super().__init__()
         self.cfg = cfg
         d, hd = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.q_size, self.kv_size = q, kv
+        dtype, device = precision.dtype, precision.torch_device
 
-        def empty(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device)
 
-        self.input_norm = empty(d)
-        self.qkv = empty(q + 2 * kv, d)
-        self.qkv_bias = empty(q + 2 * kv) if cfg.qkv_bias else None
-        self.o_proj = empty(d, q)
-        self.post_norm = empty(d)
-        self.gate_up = empty(2 * cfg.intermediate_size, d)
-        self.down = empty(d, cfg.intermediate_size)
-        self.q_norm = empty(hd) if cfg.qk_norm else None
-        self.k_norm = empty(hd) if cfg.qk_norm else None
-        self.attn_out_norm = empty(d) if cfg.sandwich_norm else None
-        self.mlp_out_norm = empty(d) if cfg.sandwich_norm else None
+        def norm(size: int, present: bool = True) -> nn.Parameter | None:
+            return nn.Parameter(empty(size), requires_grad=False) if present else None
+
+        self.input_norm = norm(d)
+        # Linear modules: dense here; the loader swaps in the stored (possibly quantized) ones.
+        self.qkv: nn.Module = Linear(empty(q + 2 * kv, d), empty(q + 2 * kv) if cfg.qkv_bias else None)
+        self.o_proj: nn.Module = Linear(empty(d, q))
+        self.post_norm = norm(d)
+        self.gate_up: nn.Module = Linear(empty(2 * cfg.intermediate_size, d))
+        self.down: nn.Module = Linear(empty(d, cfg.intermediate_size))
+        self.q_norm = norm(hd, cfg.qk_norm)
+        self.k_norm = norm(hd, cfg.qk_norm)
+        self.attn_out_norm = norm(d, cfg.sandwich_norm)
+        self.mlp_out_norm = norm(d, cfg.sandwich_norm)
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self._register_load_state_dict_pre_hook(_dense_names)
 
     def forward(self, x: torch.Tensor, segments: Sequence[Segment], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x: (1, rows, d), the new positions of one or more sequences stacked along rows.
@@ -101,13 +122,13 @@ class DecoderLayer(nn.Module):
         """
         cfg = self.cfg
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qkv = self.qkv(h)
         outs = [self._attend(qkv[:, seg.rows], seg, k_cache, v_cache) for seg, (k_cache, v_cache) in zip(segments, kv)]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        x = x + self._maybe_norm(F.linear(attn, self.o_proj), self.attn_out_norm)
+        x = x + self._maybe_norm(self.o_proj(attn), self.attn_out_norm)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + self._maybe_norm(F.linear(self.act(gate) * up, self.down), self.mlp_out_norm)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self._maybe_norm(self.down(self.act(gate) * up), self.mlp_out_norm)
 
     def _maybe_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
@@ -123,6 +144,7 @@ class DecoderLayer(nn.Module):
         k_cache[:, :, seg.offset :] = k
         v_cache[:, :, seg.offset :] = v.view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         attn = F.scaled_dot_product_attention(
-            q, k_cache, v_cache, attn_mask=seg.mask, scale=cfg.attn_scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+            q.to(k_cache.dtype), k_cache, v_cache, attn_mask=seg.mask, scale=cfg.attn_scale,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )
-        return attn.transpose(1, 2).reshape(1, n, self.q_size)
+        return attn.to(qkv.dtype).transpose(1, 2).reshape(1, n, self.q_size)

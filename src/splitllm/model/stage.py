@@ -11,15 +11,17 @@ from torch import nn
 from splitllm.kv import KVCache
 from splitllm.model.blocks import DecoderLayer, Rotary, Segment
 from splitllm.model.config import ModelConfig
+from splitllm.model.precision import Precision
+from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
-_LAYER_TENSORS = {
-    "qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-    "qkv_bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
-    "o_proj": ["self_attn.o_proj.weight"],
-    "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-    "down": ["mlp.down_proj.weight"],
+# Each linear attribute and the checkpoint modules it is made of (fused along the outputs).
+_LINEARS = {
+    "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "o_proj": ["self_attn.o_proj"],
+    "gate_up": ["mlp.gate_proj", "mlp.up_proj"],
+    "down": ["mlp.down_proj"],
 }
 
 
@@ -40,10 +42,10 @@ def _norm_tensors(cfg: ModelConfig) -> dict[str, str]:
     return norms
 
 
-def read_norm(files: ModelFiles, name: str, dtype: torch.dtype) -> torch.Tensor:
+def read_norm(weights: StoredWeights, name: str) -> torch.Tensor:
     """An RMSNorm weight with the config's offset added in float32 (Gemma's 1 + w), then cast."""
-    weight = files.read([name], torch.float32)[name]
-    return (weight + files.config.norm_offset).to(dtype)
+    weight = weights.dense([name])[name].float()
+    return weights.precision.dense(weight + weights.files.config.norm_offset)
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,18 @@ class StepInput:
 class Stage(nn.Module):
     """Layers [start, end) of a model; `forward` runs one step of n new positions over a cache.
 
-    Weights are shared; each session brings its own cache (`new_cache`).
+    Weights are shared; each session brings its own cache (`new_cache`). `precision` (or a bare
+    dtype: dense weights on the CPU) fixes how the stage stores and computes, once.
     """
 
-    def __init__(self, cfg: ModelConfig, start: int, end: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, start: int, end: int, precision: Precision | torch.dtype) -> None:
         super().__init__()
         if not 0 <= start < end <= cfg.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {cfg.num_layers} layers")
-        self.cfg, self.start, self.end, self.dtype = cfg, start, end, dtype
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(start, end))
+        self.precision = Precision.of(precision)
+        self.cfg, self.start, self.end, self.dtype = cfg, start, end, self.precision.dtype
+        self.device = self.precision.torch_device
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.precision) for _ in range(start, end))
         # Layers of one kind (window, rotary) share a step's masks and cos/sin tables.
         kinds = list(zip(cfg.layer_windows[start:end], cfg.layer_ropes[start:end]))
         distinct = list(dict.fromkeys(kinds))
@@ -78,22 +83,23 @@ class Stage(nn.Module):
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
-        return KVCache(self.end - self.start, cfg.num_kv_heads, cfg.head_dim, max_context, self.dtype)
+        # Kept in the attention's dtype, so a step converts only its new entries, never the whole cache.
+        at = self.precision.attention_dtype
+        return KVCache(self.end - self.start, cfg.num_kv_heads, cfg.head_dim, max_context, at, self.device)
 
     @classmethod
-    def load(cls, files: ModelFiles, start: int, end: int, dtype: torch.dtype) -> Stage:
-        """Build the stage reading only its own layers' tensors."""
-        stage = cls(files.config, start, end, dtype)
+    def load(cls, files: ModelFiles, start: int, end: int, precision: Precision | torch.dtype) -> Stage:
+        """Build the stage reading only its own layers' tensors, in the form `precision` stores them."""
+        stage = cls(files.config, start, end, precision)
+        weights = StoredWeights(files, stage.precision)
         norms = _norm_tensors(files.config)
         for i, layer in zip(range(start, end), stage.layers):
+            prefix = f"model.layers.{i}."
             for attr, name in norms.items():
-                getattr(layer, attr).data = read_norm(files, f"model.layers.{i}.{name}", dtype)
-            for attr, suffixes in _LAYER_TENSORS.items():
-                if getattr(layer, attr) is None:
-                    continue
-                names = [f"model.layers.{i}.{s}" for s in suffixes]
-                parts = files.read(names, dtype)
-                getattr(layer, attr).data = torch.cat([parts[n] for n in names]).contiguous()
+                getattr(layer, attr).data = read_norm(weights, prefix + name)
+            for attr, modules in _LINEARS.items():
+                bias = [f"{prefix}{m}.bias" for m in modules] if attr == "qkv" and files.config.qkv_bias else None
+                setattr(layer, attr, weights.linear([f"{prefix}{m}.weight" for m in modules], bias))
         return stage
 
     def check_step(
@@ -148,13 +154,19 @@ class Stage(nn.Module):
             s.cache.keep(s.keep)
             s.cache.stage_new(s.positions)
             cache_pos = s.cache.positions[: s.cache.length]
-            masks = {w: s.vis.additive_mask(cache_pos, s.positions, w, self.dtype) for w in set(self.windows)}
+            masks = {w: self._mask(s.vis, cache_pos, s.positions, w) for w in set(self.windows)}
             for segs, w, rotary in zip(segments, self.windows, self.rotaries):
-                cos, sin = rotary(s.positions, self.dtype)
+                cos, sin = (t.to(self.device) for t in rotary(s.positions, self.dtype))
                 segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
             row += n
-        x = torch.cat([s.hidden.to(self.dtype) for s in steps])[None]
+        x = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])[None]
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
             kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
             x = layer(x, segments[kind], kv)
         return list(x[0].split([s.hidden.shape[0] for s in steps]))
+
+    def _mask(
+        self, vis: Visibility, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None
+    ) -> torch.Tensor | None:
+        mask = vis.additive_mask(cache_positions, positions, window, self.precision.attention_dtype)
+        return None if mask is None else mask.to(self.device)

@@ -119,29 +119,83 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
-    """Dequantize a GGUF file through transformers into an HF folder (float32 safetensors)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize a GGUF file into an HF folder (float32 safetensors), one tensor at a time.
+
+    transformers supplies the config, the tokenizer, the GGUF -> HF tensor names and each
+    architecture's tensor fix-ups; the weights stream from the GGUF into one shard per layer, so
+    converting never holds more than a layer's float32 tensors (a 7B model converts in a few GiB).
+    """
+    from transformers import AutoTokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = model.config
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        config.dtype = torch.float32  # what the shards hold
+        shards = _write_gguf_shards(gguf, config, tmp)
+        weight_map = {name: file for file, names in shards.items() for name in names}
+        index = {"metadata": {"format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-        del model, tensors
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> dict[str, list[str]]:
+    """Each GGUF tensor dequantized, renamed and fixed up as transformers does, grouped into one
+    safetensors file per layer (plus one for the rest); returns file -> tensor names."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    reader = GGUFReader(str(gguf))
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)  # names only: no memory for weights
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    wanted = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    del skeleton
+
+    groups: dict[str, list] = {}
+    for tensor in reader.tensors:
+        group = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else "rest"
+        groups.setdefault(group, []).append(tensor)
+    shards: dict[str, list[str]] = {}
+    parsed["tensors"] = {}  # where processors that split tensors (mixtures of experts) leave them
+    for i, (group, tensors) in enumerate(groups.items()):
+        out: dict[str, torch.Tensor] = {}
+        for tensor in tensors:
+            result = processor.process(
+                weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                tensor_key_mapping=names, parsed_parameters=parsed,
+            )
+            if result.name in names and names[result.name] in wanted:
+                out[names[result.name]] = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+        out.update({k: v.float().contiguous() for k, v in parsed["tensors"].items() if k in wanted})
+        parsed["tensors"].clear()
+        if out:
+            file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_file(out, folder / file, metadata={"format": "pt"})
+            shards[file] = list(out)
+    return shards
 
 
 def resolve_model(spec: str | os.PathLike | None) -> Path:
@@ -157,7 +211,7 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         dest = cache_root() / "models" / f"{path.stem}-{_file_digest(path)[:16]}"
-        if not (dest / "model.safetensors").is_file():
+        if not (dest / "config.json").is_file():
             dest.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path, dest)
         if not (dest / SOURCE_FILE).is_file():
@@ -221,6 +275,14 @@ class ModelFiles:
 
     def has(self, name: str) -> bool:
         return name in self._tensor_files
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensor_files)
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return sorted(set(self._tensor_files.values()))
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Read only the named tensors, converted to dtype."""

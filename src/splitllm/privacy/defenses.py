@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import Middle, SplitPipeline
+from splitllm.model.quant import Linear
 from splitllm.model.stage import Stage
 from splitllm.privacy import rates
 from splitllm.privacy.states import StageStack
@@ -93,10 +94,10 @@ def rotate_stage(stage: Stage, q: torch.Tensor) -> Stage:
     out = copy.deepcopy(stage)
     q = q.to(stage.dtype)
     for layer in out.layers:
-        layer.qkv.data = (layer.qkv * layer.input_norm) @ q
-        layer.gate_up.data = (layer.gate_up * layer.post_norm) @ q
-        layer.o_proj.data = q.T @ layer.o_proj
-        layer.down.data = q.T @ layer.down
+        layer.qkv.weight.data = (layer.qkv.weight * layer.input_norm) @ q
+        layer.gate_up.weight.data = (layer.gate_up.weight * layer.post_norm) @ q
+        layer.o_proj.weight.data = q.T @ layer.o_proj.weight
+        layer.down.weight.data = q.T @ layer.down.weight
         layer.input_norm.data = torch.ones_like(layer.input_norm)
         layer.post_norm.data = torch.ones_like(layer.post_norm)
     return out
@@ -107,7 +108,7 @@ def rotate_local(local: LocalModel, q: torch.Tensor) -> LocalModel:
     out = copy.copy(local)
     q = q.to(local.dtype)
     out.embed_weight = local.embed_weight @ q
-    out.lm_head = (local.lm_head * local.norm) @ q
+    out.lm_head = Linear((local.lm_head.weight * local.norm) @ q)
     out.norm = torch.ones_like(local.norm)
     out.head = rotate_stage(local.head, q)
     out.tail = rotate_stage(local.tail, q) if local.tail else None
@@ -129,7 +130,7 @@ def linear_map(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def rotation_from_weights(public: Stage, rotated: Stage) -> torch.Tensor:
     """The server's own rotated middle layer against the public one: one matrix gives the key away."""
     pub, rot = public.layers[0], rotated.layers[0]
-    return procrustes(pub.qkv * pub.input_norm, rot.qkv)
+    return procrustes(pub.qkv.weight * pub.input_norm, rot.qkv.weight)
 
 
 def perturb_stage(stage: Stage, key: int, rank: int, scale: float) -> Stage:
@@ -138,7 +139,7 @@ def perturb_stage(stage: Stage, key: int, rank: int, scale: float) -> Stage:
     gen = torch.Generator().manual_seed(key)
     for layer in out.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
-            w = getattr(layer, name)
+            w = getattr(layer, name).weight
             delta = torch.randn(w.shape[0], rank, generator=gen) @ torch.randn(rank, w.shape[1], generator=gen)
             w.data = w + (scale * w.float().norm() / delta.norm() * delta).to(w.dtype)
     return out

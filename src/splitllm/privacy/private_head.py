@@ -129,7 +129,8 @@ def train_private_head(
     for layer, loras in zip(stage.layers, adapters):
         for fused, names in _FUSED.items():
             delta = torch.cat([loras[n].delta() for n in names])
-            getattr(layer, fused).data = getattr(layer, fused) + delta
+            linear = getattr(layer, fused)
+            linear.weight.data = linear.weight + delta
     return stage, {"train_kl_nats": float(kl), "train_distance": float(dist), "kl_weight": weight}
 
 

@@ -212,7 +212,7 @@ def input_side(ctx: Context) -> tuple[list[dict], dict[int, Attacker]]:
 def output_side(ctx: Context) -> list[dict]:
     """One row per tail depth M: learned probe and public-tail predictions of the next token."""
     rows, n = [], ctx.n_layers
-    table = ctx.model.local.lm_head
+    table = ctx.model.local.lm_head.weight
     labels = (ctx.train.greedy, ctx.test.greedy)
     for m in ctx.cfg.tails:
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from splitllm import wire
 from splitllm.model.stage import Stage, StepInput
+from splitllm.model.precision import Precision
 from splitllm.model.weights import ModelFiles
 from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import event, log, session_tag
@@ -52,6 +53,8 @@ class ServerSettings:
     head: int = 2
     tail: int = 2
     dtype: torch.dtype = torch.float32
+    quant: str = "none"  # weight-only quantization of the middle layers: none, int8 or int4
+    device: str = "cpu"
     max_context: int = 4096
     max_sessions: int = 64
     session_ttl_s: float = 600.0
@@ -72,6 +75,10 @@ class ServerSettings:
     handshake_timeout_s: float = 10.0  # a request head not complete this long after connecting is dropped
     max_header_bytes: int = 16 << 10  # request line plus headers
     max_header_lines: int = 64
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(self.dtype, self.quant, self.device)
 
 
 @dataclass
@@ -121,7 +128,7 @@ class MiddleServer:
         self.settings = settings
         self.tokens = tokens
         self.start, self.end = settings.head, cfg.num_layers - settings.tail
-        self.stage = Stage.load(self.files, self.start, self.end, settings.dtype)
+        self.stage = Stage.load(self.files, self.start, self.end, settings.precision)
         self.fingerprint = self.files.fingerprint
         shared = tokens is not None  # several principals: none may take the whole server by default
         self.sessions = SessionStore(
@@ -174,6 +181,7 @@ class MiddleServer:
             "model": self.files.config.model_type,
             "fingerprint": self.fingerprint,
             "layers": [self.start, self.end],
+            "precision": self.settings.precision.name,
         }
         if principal is None:
             return out

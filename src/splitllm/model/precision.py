@@ -1,0 +1,97 @@
+"""How one side computes: compute dtype, weight quantization and device, chosen once at load.
+
+A `Precision` is a property of a Stage (and of the client's embedding and LM head); the decoder math
+never branches on it, it only calls the linear modules and dtypes the precision built. float32 with
+no quantization is the exact mode: bit-identical to transformers' greedy decoding.
+float64 exists for reference computations in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from splitllm.model.quant import QUANTIZED, Linear
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+# The fastest setting `splitllm bench runtime` measured on the CPU here; the default of the demo and the
+# end-to-end benchmarks (the commands themselves default to the exact mode).
+FASTEST = "bfloat16-int8"
+QUANTS = ("none", "int8", "int4")
+DEVICES = ("cpu", "cuda", "mps")
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: torch.dtype = torch.float32
+    quant: str = "none"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES.values():
+            raise ValueError(f"compute dtype must be one of {', '.join(DTYPES)}, got {self.dtype}")
+        if self.quant not in QUANTS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+    @classmethod
+    def parse(cls, dtype: str = "float32", quant: str = "none", device: str = "cpu") -> Precision:
+        """From command-line names, with an error that lists the choices."""
+        if dtype not in DTYPES:
+            raise ValueError(f"compute dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return cls(DTYPES[dtype], quant, device)
+
+    @classmethod
+    def from_name(cls, name: str) -> Precision:
+        """'bfloat16-int8' -> Precision: the inverse of `name` (on the CPU)."""
+        dtype, _, quant = name.partition("-")
+        return cls.parse(dtype, quant or "none")
+
+    @classmethod
+    def of(cls, spec: Precision | torch.dtype) -> Precision:
+        """A bare dtype means dense weights on the CPU."""
+        return spec if isinstance(spec, Precision) else cls(spec)
+
+    @property
+    def exact(self) -> bool:
+        """Computes on the checkpoint's own values (float64 is for reference computations in tests)."""
+        return self.dtype not in _SIXTEEN_BIT and self.quant == "none"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """CPU attention runs in float32: its 16-bit kernels are several times slower for a few query rows."""
+        return torch.float32 if self.torch_device.type == "cpu" and self.dtype in _SIXTEEN_BIT else self.dtype
+
+    @property
+    def name(self) -> str:
+        """'bfloat16-int8': names the stored form of the weights (the device does not change it)."""
+        return f"{str(self.dtype).removeprefix('torch.')}-{self.quant}"
+
+    def serve_args(self) -> list[str]:
+        """The `splitllm serve` options that give a server this precision."""
+        return ["--dtype", str(self.dtype).removeprefix("torch."), "--quant", self.quant, "--device", self.device]
+
+    def store_linear(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors a linear weight is kept as on disk in this precision."""
+        if self.quant == "none":
+            return {"weight": weight.to(self.dtype)}
+        return QUANTIZED[self.quant].quantize(weight)
+
+    def linear(self, stored: dict[str, torch.Tensor], bias: torch.Tensor | None = None) -> nn.Module:
+        """The running module of a stored linear weight, on this precision's device."""
+        dev = self.torch_device
+        bias = None if bias is None else bias.to(dev, self.dtype)
+        if self.quant == "none":
+            return Linear(stored["weight"].to(dev, self.dtype), bias)
+        return QUANTIZED[self.quant].from_stored(stored, bias, dev)
+
+    def dense(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.torch_device, self.dtype)

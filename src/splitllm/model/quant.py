@@ -1,0 +1,121 @@
+"""Linear layers in the form their weights are stored: dense, int8 per output channel, int4 grouped.
+
+Weight-only quantization as gpt-fast does it: the weights are streamed from memory as 8 or 4 bits and
+multiplied by 16-bit activations in PyTorch's packed kernels, so a one-token step reads 2-4x fewer
+bytes than with float32 weights. Each module's `stored` form (plain tensors, device independent) is
+what the conversion cache keeps; `from_stored` builds the running module on a device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The packed kernels take bfloat16 activations on CPU (float32 / float16 inputs run 10-30x slower there).
+KERNEL_DTYPE = torch.bfloat16
+INT4_GROUP = 32  # inputs per int4 scale: gpt-fast's smallest group, the most accurate
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, skipping the dispatch when it already is (a step makes hundreds of these calls)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with dense weights in the compute dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear(nn.Module):
+    """Symmetric int8 weights with one scale per output channel: w ~= q * scale."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE))
+        self.register_buffer("bias", bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return {"q": q, "scales": scales.to(KERNEL_DTYPE)}
+
+    @classmethod
+    def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> Int8Linear:
+        return cls(stored["q"].to(device), stored["scales"].to(device), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = _cast(x.reshape(-1, x.shape[-1]), KERNEL_DTYPE)
+        y = _cast(torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(*x.shape[:-1], -1), x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """Asymmetric 4-bit weights in groups of INT4_GROUP inputs: w ~= (q - 8) * scale + zero."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self._out = out_features
+        self.register_buffer("bias", bias)
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Nibbles packed two per byte (out, in / 2) and (out, in / group, 2) scales and zeros."""
+        out, inp = w.shape
+        if inp % INT4_GROUP:
+            raise ValueError(f"int4 needs input widths divisible by {INT4_GROUP}, got {inp}")
+        g = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)
+        low, high = g.amin(-1), g.amax(-1)
+        scales = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((g - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(out, inp)
+        zeros = low + 8 * scales  # the kernels compute (q - 8) * scale + zero
+        scales_zeros = torch.stack([scales, zeros], -1).to(KERNEL_DTYPE)
+        return {"nibbles": q[:, ::2] << 4 | q[:, 1::2], "scales_zeros": scales_zeros}
+
+    @classmethod
+    def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> Int4Linear:
+        nibbles = stored["nibbles"]
+        q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(nibbles.shape[0], -1).to(torch.int32)
+        sz = stored["scales_zeros"].transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+        if device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        else:  # the CUDA kernel's layout: uint8 pairs, 8 inner k tiles
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+        return cls(packed.to(device), sz.to(device), q.shape[0], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = _cast(x.reshape(-1, x.shape[-1]), KERNEL_DTYPE)
+        if self.packed.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, INT4_GROUP, self.scales_zeros)
+        y = _cast(y.view(*x.shape[:-1], -1), x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+QUANTIZED: dict[str, type[Int8Linear] | type[Int4Linear]] = {"int8": Int8Linear, "int4": Int4Linear}

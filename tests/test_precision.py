@@ -1,0 +1,171 @@
+"""Precision per side: quantized linears against float32, 16-bit and quantized stages against float32,
+speculation exact against sequential decoding in the same precision, the stored forms on disk, and the
+default model loading and generating in bfloat16 and int8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitllm.client.local import LocalModel
+from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.session import SplitClient
+from splitllm.decoding.sequential import decode_sequential
+from splitllm.decoding.speculative import MODES, SpeculativeDecoder
+from splitllm.model.precision import Precision
+from splitllm.model.quant import Int4Linear, Int8Linear, Linear
+from splitllm.model.stage import Stage
+from splitllm.model.store import StoredWeights
+from splitllm.model.weights import ModelFiles, cache_root
+from splitllm.visibility import Visibility
+
+CPU = torch.device("cpu")
+LOSSY = [Precision(torch.bfloat16), Precision(torch.float16), Precision(torch.bfloat16, "int8"),
+         Precision(torch.float32, "int8"), Precision(torch.bfloat16, "int4")]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each test writes its stored forms into its own cache, so they are really converted and read
+    here; the converted GGUF models are shared (converting the default model again takes minutes)."""
+    shared, private = cache_root(), tmp_path / "cache"
+    private.mkdir()
+    for folder in ("models", "digests"):
+        (shared / folder).mkdir(parents=True, exist_ok=True)
+        (private / folder).symlink_to(shared / folder)
+    monkeypatch.setenv("SPLITLLM_CACHE", str(private))
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize(("module", "tolerance"), [(Int8Linear, 0.01), (Int4Linear, 0.1)])
+def test_quantized_linear_is_close_to_float32(module, tolerance) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(96, 128, generator=gen) * 0.05, torch.randn(96, generator=gen)
+    x = torch.randn(5, 128, generator=gen)
+    quantized = module.from_stored(module.quantize(w), bias, CPU)
+    out = quantized(x)
+    assert out.dtype == x.dtype and out.shape == (5, 96)
+    assert _relative_error(out, x @ w.T + bias) < tolerance
+    # Every row gets the same bits alone or in a batch: verification may score any number of rows.
+    assert torch.equal(out, torch.cat([quantized(row) for row in x.split(1)]))
+
+
+def test_quantized_forms_take_fewer_bytes() -> None:
+    w = torch.randn(64, 256)
+    sizes = {q: sum(t.nbytes for t in Precision(torch.bfloat16, q).store_linear(w).values()) for q in ("none", "int8", "int4")}
+    assert sizes["int8"] < 0.52 * sizes["none"] and sizes["int4"] < 0.65 * sizes["int8"]  # scales cost 1 bit a weight
+
+
+def test_int4_needs_whole_groups() -> None:
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear.quantize(torch.randn(8, 48))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(("float8",), "compute dtype must be one of"), (("float32", "int3"), "quantization must be one of"),
+     (("float32", "none", "tpu"), "device must be one of")],
+)
+def test_bad_precision_names_list_the_choices(args, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        Precision.parse(*args)
+
+
+@pytest.mark.parametrize("precision", LOSSY, ids=lambda p: p.name)
+def test_lossy_stage_is_close_to_float32(precision, tiny_models, random_ids) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny_models["qwen2"])  # qkv biases too
+    tokens = random_ids(24, seed=3)
+    hidden = torch.randn(24, files.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for p in (Precision(), precision):
+        stage = Stage.load(files, 0, 3, p)
+        outs[p] = stage(stage.new_cache(32), hidden, torch.arange(len(tokens)), Visibility.chain(len(tokens)), [])
+    # The tiny models' wide weights sharpen attention, which amplifies int4's ~8% weight error.
+    tolerance = {"none": 0.05, "int8": 0.08, "int4": 0.5}[precision.quant]
+    assert _relative_error(outs[precision], outs[Precision()]) < tolerance
+
+
+@pytest.mark.parametrize("precision", [Precision(torch.bfloat16), Precision(torch.bfloat16, "int8")], ids=lambda p: p.name)
+def test_speculation_is_exact_against_sequential_in_the_same_precision(
+    precision, tiny_models  # type: ignore[no-untyped-def]
+) -> None:
+    files = ModelFiles(tiny_models["mistral"])  # a sliding window: trees cross window edges
+    local = LocalModel(files, 1, 1, precision)
+    middle = Stage.load(files, 1, files.config.num_layers - 1, precision)
+
+    def run(decoder) -> list[int]:  # type: ignore[no-untyped-def]
+        pipeline = SplitPipeline(local, LocalMiddle(middle, 96), 96)
+        return [t for out in decoder(pipeline, prompt, 40, frozenset()) for t in out.tokens]
+
+    prompt = [7, 8, 9, 10, 11] * 4 + [7, 8]
+    expected = run(decode_sequential)
+    for mode in MODES:
+        assert run(SpeculativeDecoder(mode)) == expected, mode
+
+
+def test_lm_head_precision_is_its_own(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny_models["llama"])
+    local = LocalModel(files, 1, 1, Precision(), Precision(torch.bfloat16, "int8"))
+    assert isinstance(local.lm_head, Int8Linear) and local.embed_weight.dtype == torch.bfloat16
+    assert isinstance(local.head.layers[0].qkv, Linear) and local.head.layers[0].qkv.weight.dtype == torch.float32
+    reference = LocalModel(files, 1, 1)
+    hidden = torch.randn(3, files.config.hidden_size)
+    logits = local.logits(hidden)
+    assert logits.dtype == torch.float32
+    assert _relative_error(logits, reference.logits(hidden)) < 0.02
+
+
+def test_stored_forms_are_converted_per_layer_once(tiny_models, tensor_reads) -> None:  # type: ignore[no-untyped-def]
+    files = ModelFiles(tiny_models["llama"])
+    precision = Precision(torch.bfloat16, "int8")
+    Stage.load(files, 1, 3, precision)
+    layers = {int(n.split(".")[2]) for n in tensor_reads if n.startswith("model.layers.")}
+    assert layers == {1, 2}
+    folder = StoredWeights(files, precision).folder
+    assert sorted(p.name for p in folder.iterdir()) == ["layer-0001.safetensors", "layer-0002.safetensors"]
+    tensor_reads.clear()
+    stage = Stage.load(files, 1, 3, precision)
+    assert tensor_reads == []  # the second load reads only the stored forms
+    assert isinstance(stage.layers[0].gate_up, Int8Linear) and stage.layers[0].input_norm.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-untyped-def]
+    """The real model in a 16-bit or quantized precision on both sides still answers a factual question."""
+    precision = Precision(torch.bfloat16, quant)
+    client = SplitClient(None, None, 2, 2, dtype=precision)
+    assert client._middle().stage.precision == precision  # type: ignore[attr-defined]
+    text = client.tokenizer.decode(client.generate("What is the capital of France?", 12).ids)
+    assert "Paris" in text
+
+
+def _forward(ms: float, floor: float) -> dict:
+    rows = {n: {"median_ms": ms * k, "floor_ratio": ms * k / floor, "others_cores": 0.1} for n, k in (("1", 1), ("8", 2), ("32", 4))}
+    return {"layers": [2, 28], "context": 512, "weight_bytes": 88 << 20, "floor_ms": floor, "tokens": rows}
+
+
+def test_runtime_report_checks_every_target() -> None:
+    """The report's arithmetic on a made-up run: targets met, missed and not measured."""
+    from splitllm.bench.runtime import TARGETS, _met, markdown
+
+    step = {"total_ms": 20.0, "head_ms": 2.0, "server_ms": 10.0, "network_ms": 0.5, "tail_ms": 3.0}
+    run = {"rtt_ms": 0.0, "tok_s": 50.0, "tokens_per_step": 1.0, "mean_step_ms": step, "others_cores": 0.0}
+    result = {
+        "split": [2, 2], "settings": ["float32-none", "bfloat16-int8"], "fastest": "bfloat16-int8", "targets": TARGETS,
+        "bandwidth": {"1": {"read_gb_s": 10.0, "copy_gb_s": 8.0}},
+        "server_forward": {"float32-none 1t": _forward(50.0, 35.0), "bfloat16-int8 1t": _forward(8.0, 9.0)},
+        "client_step": {"bfloat16-int8 1t": {"median_ms": 5.0, "weight_bytes": 1 << 20, "others_cores": 0.0}},
+        "load": {"cold": {"total_s": 9.0, "resolve_s": 8.0, "server_s": 0.5, "client_s": 0.5}},
+        "memory": {"server bfloat16-int8": {"peak_mib": 500.0, "baseline_mib": 400.0, "weights_mib": 88.0}},
+        "decoding": {"bfloat16-int8": {"sequential": {"0": run}}, "float32-none": {"sequential": {"0": {**run, "tok_s": 25.0}}}},
+        "decoding_wire_dtype": "float16",
+    }
+    met = _met(result)
+    assert met["server_1_token_ms_bfloat16-int8"] and met["client_1_token_ms"] and met["sequential_tok_s_at_0ms"]
+    assert met["speedup_over_float32_at_0ms"] and not met["server_1_token_floor_ratio"]  # float32 at 1.43x its floor
+    assert met["server_1_token_ms_bfloat16-none"] is None and met["sequential_tok_s_at_80ms"] is None
+    text = markdown({**result, "met": met})
+    assert "| bfloat16-int8 | 1 | 88 | 9.0 | 8.0 (0.89x) |" in text and "| sequential_tok_s_at_80ms | 9.5 | not measured |" in text
