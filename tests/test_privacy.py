@@ -1,10 +1,13 @@
-"""Privacy audit: the quick audit end to end (tiny random model), white-box inversion and the
-rotation defense on the default model."""
+"""Privacy audit: the quick audit end to end (tiny random model) and the checks it must pass, the
+certified white-box search, the corpus's de-duplication, the docs generated from the committed report,
+and white-box inversion and the rotation defense on the default model."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,9 @@ from splitllm.cli import app
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.privacy import defenses
 from splitllm.privacy.attacks.whitebox import LanguageModelPrior, invert
+from splitllm.privacy.checks import quick_checks
+from splitllm.privacy.rates import clopper_pearson
+from splitllm.privacy.report import DOCS, PUBLISHED, load, render_docs
 from splitllm.privacy.states import WIRE_DTYPE, PublicModel
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -39,43 +45,135 @@ def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return json.loads((out / "report.json").read_text()), out
 
 
-def test_quick_audit_whitebox_inverts_an_undefended_one_layer_split(quick_report) -> None:  # type: ignore[no-untyped-def]
+def test_quick_audit_whitebox_inverts_and_certifies_an_undefended_split(quick_report) -> None:  # type: ignore[no-untyped-def]
     report, _ = quick_report
-    k1 = next(row for row in report["input_side"] if row["K"] == 1)
-    assert k1["whitebox_recovery"] > 0.9
-    assert k1["whitebox_positions"] >= 16
+    for row in report["input_side"]:
+        assert row["whitebox_recovery"]["rate"] > 0.9 and row["whitebox_certified"]["rate"] > 0.9
+        assert row["whitebox_recovery"]["n"] >= 64  # whole windows
+        assert row["whitebox_collisions"] == 0 and row["whitebox_exhaustive_positions"] >= 1
 
 
 def test_quick_audit_fills_every_report_field(quick_report) -> None:  # type: ignore[no-untyped-def]
     report, out = quick_report
-    assert _unfilled(report) == []
+    assert _unfilled(report) == [".checks"]  # empty: every check passed
     assert [row["K"] for row in report["input_side"]] == [1, 2]
     assert [row["M"] for row in report["output_side"]] == [0, 1]
-    fields = {
-        "client_ms_per_step",
-        "mlp_top1",
-        "mlp_top5",
-        "sequence_top1",
-        "whitebox_recovery",
-        "whitebox_seconds_per_token",
-    }
+    fields = {"client_ms_per_step", "mlp_top1", "mlp_top5", "sequence_top1", "whitebox_recovery", "whitebox_by_kind"}
     assert all(fields <= row.keys() for row in report["input_side"])
+    lo, hi = report["input_side"][0]["mlp_top1"]["ci95"]
+    assert lo < report["input_side"][0]["mlp_top1"]["rate"] < hi
+    assert set(report["input_side"][0]["mlp_top1_by_kind"]) == {"prose", "code", "chat", "personal"}
     assert all({"probe_top1", "whitebox_agreement"} <= row.keys() for row in report["output_side"])
+    assert [row["temperature"] for row in report["output_sampling"]] == [0.7, 1.0]
     d = report["defenses"]
-    assert {"noise", "rotation", "lowrank"} <= d.keys()
-    assert all({"perplexity", "greedy_match", "whitebox_recovery", "mlp_top1"} <= row.keys() for row in d["noise"])
-    assert report["corpus"]["train_positions"] >= 2048 and report["corpus"]["licence"]
+    assert {"noise", "dp_noise", "rotation", "lowrank"} <= d.keys()
+    cost = {"perplexity", "kl_nats", "top1_agreement", "whitebox_recovery", "mlp_top1"}
+    assert all(cost <= row.keys() for row in d["noise"] + d["dp_noise"])
+    p = report["provenance"]
+    assert len(p["git_commit"]) == 40 and len(p["model_fingerprint"]) == 64 and p["libraries"]["torch"]
+    assert set(p["corpus_sha256"]) == {"train", "test", "long"}
+    assert report["corpus"]["dedup"]["ngram"] == 13
     md = (out / "report.md").read_text()
-    assert "## Input side" in md and "## Output side" in md and "Gaussian noise" in md
+    assert "### Input side" in md and "### Output side" in md and "Gaussian noise" in md
     assert (out / "leakage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_quick_audit_rotation_is_free_but_recoverable(quick_report) -> None:  # type: ignore[no-untyped-def]
     rot = quick_report[0]["defenses"]["rotation"]
-    assert rot["greedy_match"] == 1.0
-    assert rot["public_weights_whitebox_recovery"] < 0.5  # public weights alone no longer match...
+    assert rot["top1_agreement"]["rate"] == 1.0 and rot["kl_nats"] < 1e-4
+    assert rot["public_weights_whitebox_recovery"]["rate"] < 0.5  # public weights alone no longer match...
     assert rot["key_error_from_server_weights"] < 1e-4  # ...but the server's own weights give the key away
-    assert rot["recovered_key_whitebox_recovery"] > 0.9
+    assert rot["recovered_key_whitebox_recovery"]["rate"] > 0.9
+
+
+def _broken(report: dict, path: tuple, value: dict) -> dict:
+    out = copy.deepcopy(report)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+def test_quick_checks_fail_on_broken_or_peeking_attacks(quick_report) -> None:  # type: ignore[no-untyped-def]
+    report, _ = quick_report
+    assert quick_checks(report) == []
+
+    def at(base: float) -> dict:  # what an attack that learned nothing scores: its baseline
+        return {"rate": base, "hits": round(512 * base), "n": 512, "ci95": [0.8 * base, min(1.0, 1.2 * base)]}
+
+    baselines = report["baselines"]
+    perfect = {"rate": 1.0, "hits": 8, "n": 8, "ci95": [0.631, 1.0]}
+    broken = _broken(report, ("input_side", 0, "mlp_top1"), at(baselines["input"]["most_frequent_top1"]))
+    assert any("learned attack" in f for f in quick_checks(broken))
+    broken = _broken(report, ("output_side", 1, "probe_top1"), at(baselines["output"]["most_frequent_top1"]))
+    assert any("output probe" in f for f in quick_checks(broken))
+    peeking = _broken(report, ("defenses", "rotation", "public_weights_whitebox_recovery"), perfect)
+    assert any("negative control" in f for f in quick_checks(peeking))
+
+
+def test_clopper_pearson_matches_known_bounds() -> None:
+    lo, hi = clopper_pearson(64, 64)
+    assert hi == 1.0 and abs(lo - 0.9440) < 1e-3  # 64/64 supports only >= 94.4% at 95%
+    lo, hi = clopper_pearson(50, 100)
+    assert abs(lo - 0.3983) < 1e-3 and abs(hi - 0.6017) < 1e-3
+
+
+def test_docs_tables_match_the_committed_report() -> None:
+    """README.md and docs/privacy.md carry the tables `splitllm privacy docs` generates from the
+    committed report; editing either by hand, or committing a new report without regenerating, fails."""
+    root = Path(__file__).resolve().parents[1]
+    report = load(root / PUBLISHED / "report.json")
+    for name in DOCS:
+        text = (root / name).read_text()
+        assert "<!-- privacy-audit:" in text
+        assert render_docs(report, text) == text, f"{name} drifted from {PUBLISHED}/report.json: run `splitllm privacy docs`"
+
+
+def test_corpus_test_windows_share_no_ngram_or_person_with_training(default_files) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    from splitllm.privacy import synthetic
+    from splitllm.privacy.corpus import NGRAM, build_corpus, documents
+
+    tokenizer = AutoTokenizer.from_pretrained(default_files.path)
+    corpus = build_corpus(tokenizer, 128, 2048, 3072)
+    train_docs = [d for d in documents(tokenizer) if not d.test]
+    seen = set()
+    for ids in tokenizer([d.text for d in train_docs], add_special_tokens=False)["input_ids"]:
+        seen |= {tuple(ids[i : i + NGRAM]) for i in range(len(ids) - NGRAM + 1)}
+    for window in corpus.test.tolist():
+        assert not any(tuple(window[i : i + NGRAM]) in seen for i in range(len(window) - NGRAM + 1))
+    assert set(corpus.test_kinds) == {"prose", "code", "chat", "personal"}
+    assert corpus.describe()["dedup"]["test_windows_dropped"] > 0  # help topics quote each other
+    generated = " ".join(d.text for d in train_docs if d.kind in ("chat", "personal"))
+    assert not any(re.search(rf"\b{name}\b", generated) for name in synthetic.FIRST[1::2])  # the test side's names
+
+
+def test_certified_search_falls_back_to_the_whole_vocabulary(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """Proposals that rank the true token last, a tiny cap: the certified search still finds every
+    token, certifies each match, and the whole-vocabulary check finds no collision."""
+    from splitllm.model.weights import ModelFiles
+
+    files = ModelFiles(tiny_models["llama"])
+    model = PublicModel(files, [1])
+    vocab = files.config.vocab_size
+    tokens = torch.tensor([5, 17, 3, 99, 42, 7])
+    n = len(tokens)
+    states = model.stack.forward(model.stack.new_caches(n), model.embed[tokens], torch.arange(n), Visibility.chain(n), [])
+    targets = states[1].to(WIRE_DTYPE)
+
+    def misleading(t: int, recovered: list[int]) -> list[torch.Tensor]:
+        scores = torch.arange(vocab, dtype=torch.float32)
+        scores[tokens[t]] = -1.0  # the true token is proposed last
+        return [scores]
+
+    inv = invert(model.stack.upto(1), model.embed, targets, misleading, max_candidates=8, exhaustive={0, 3})
+    assert inv.tokens == tokens.tolist()
+    assert all(inv.certified) and inv.candidates[1] == vocab
+    assert inv.exhaustive == [True, False, False, True, False, False] and sum(inv.collisions) == 0
+    capped = invert(model.stack.upto(1), model.embed, targets, misleading, max_candidates=8, certify=False)
+    assert capped.candidates[1] == 8 and not capped.certified[1]
 
 
 @pytest.mark.slow

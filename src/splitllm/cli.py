@@ -684,16 +684,24 @@ def privacy_audit(
     head: Annotated[Optional[str], typer.Option(help="comma-separated head depths K (layers before the state is sent) [default: 1,2,4,6,8,12; --quick: 1,2]")] = None,
     tail: Annotated[Optional[str], typer.Option(help="comma-separated tail depths M (layers after the state is returned) [default: 0,1,2,4,8; --quick: 0,1]")] = None,
     out: Annotated[str, typer.Option(help="folder for report.json, report.md and leakage.png")] = "results/privacy",
-    quick: Annotated[bool, typer.Option(help="tiny random model and small settings: a minute or two")] = False,
-    whitebox_max_candidates: Annotated[int, typer.Option(help="white-box candidates per position at most (0: whole vocabulary)")] = 8192,
+    quick: Annotated[bool, typer.Option(help="tiny random model and small settings, and fail unless every attack behaves (CI)")] = False,
+    reduced: Annotated[bool, typer.Option(help="the default model at K 2, M 0, small sets and one setting per defense (for a busy 2-core machine)")] = False,
+    train_positions: Annotated[Optional[int], typer.Option(help="training positions for the learned attacks [default: 12288]")] = None,
+    test_positions: Annotated[Optional[int], typer.Option(help="held-out positions [default: 3072]")] = None,
+    whitebox_windows: Annotated[Optional[int], typer.Option(help="whole test windows the white-box search inverts [default: 6]")] = None,
+    long_windows: Annotated[Optional[int], typer.Option(help="whole long contexts the white-box search also inverts [default: 2]")] = None,
+    whitebox_max_candidates: Annotated[int, typer.Option(help="white-box candidates per position on defended states at most (0: whole vocabulary)")] = 8192,
+    update_docs: Annotated[bool, typer.Option(help="also publish the report to docs/privacy-audit and regenerate the README and docs tables")] = False,
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
 ) -> None:
     """Train and run token-recovery attacks at each split depth, measure defenses, write a report."""
     import logging as _logging
+    import shutil
+    from dataclasses import replace
     from pathlib import Path
 
     from splitllm.privacy import AuditConfig, run_audit
-    from splitllm.privacy.report import markdown
+    from splitllm.privacy.report import PUBLISHED, markdown
 
     _need_extra("privacy")
     _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(message)s")
@@ -701,17 +709,96 @@ def privacy_audit(
     for name, value in (("heads", head), ("tails", tail)):
         if value:
             settings[name] = _numbers(value, int)
+    for name, number in (
+        ("train_positions", train_positions),
+        ("test_positions", test_positions),
+        ("whitebox_windows", whitebox_windows),
+        ("long_windows", long_windows),
+    ):
+        if number is not None:
+            settings[name] = number
     if quick:
         cfg = AuditConfig.quick(**settings, **({"model": model} if model else {}))
+    elif reduced:
+        cfg = AuditConfig.reduced(model=model, **settings)
+        if whitebox_max_candidates != 8192:
+            cfg = replace(cfg, whitebox_max_candidates=whitebox_max_candidates or None)
     else:
         cfg = AuditConfig(model=model, whitebox_max_candidates=whitebox_max_candidates or None, **settings)
     try:
-        report = run_audit(cfg)
+        report = run_audit(cfg, quick=quick)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(markdown(report))
     typer.echo(f"wrote {out}/report.json, report.md, leakage.png", err=True)
+    if update_docs:
+        PUBLISHED.mkdir(parents=True, exist_ok=True)
+        for name in ("report.json", "report.md", "leakage.png"):
+            shutil.copy(Path(out) / name, PUBLISHED / name)
+        privacy_docs(str(PUBLISHED / "report.json"))
+    if report["checks"]:
+        typer.echo("failed checks:\n- " + "\n- ".join(report["checks"]), err=True)
+        raise typer.Exit(1)
+
+
+@privacy_app.command("private-head")
+def privacy_private_head(
+    head: Annotated[str, typer.Option(help="comma-separated head depths K to train a private head at")] = "2,4,8",
+    steps: Annotated[int, typer.Option(help="fine-tuning steps per head")] = 40,
+    kl_budget: Annotated[float, typer.Option(help="KL budget from the public next-token distribution (nats/token)")] = 0.05,
+    length: Annotated[int, typer.Option(help="training window (tokens)")] = 64,
+    train_positions: Annotated[int, typer.Option(help="training positions for the attackers")] = 6144,
+    test_positions: Annotated[int, typer.Option(help="held-out positions")] = 3072,
+    out: Annotated[str, typer.Option(help="folder for private_head.json")] = "results/privacy",
+    quick: Annotated[bool, typer.Option(help="tiny random model and small settings")] = False,
+    threads: Annotated[int, typer.Option(help="compute threads")] = 1,
+) -> None:
+    """Fine-tune the client's first K layers with a secret seed and attack them without the secret."""
+    import json as _json
+    import logging as _logging
+    from pathlib import Path
+
+    from splitllm.privacy import AuditConfig
+    from splitllm.privacy.audit import run_private_head
+
+    _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(message)s")
+    settings: dict = dict(
+        out_dir=Path(out),
+        threads=threads,
+        private_heads=_numbers(head, int),
+        private_steps=steps,
+        private_kl_budget=kl_budget,
+        private_length=length,
+        long_windows=0,
+    )
+    if quick:
+        cfg = AuditConfig.quick(**settings)
+    else:
+        sizes = dict(train_positions=train_positions, test_positions=test_positions, tails=(0,))
+        cfg = AuditConfig(**sizes, whitebox_max_candidates=2048, defense_whitebox_windows=1, **settings)
+    try:
+        result = run_private_head(cfg)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(_json.dumps(result["private_head"], indent=1))
+
+
+@privacy_app.command("docs")
+def privacy_docs(
+    report: Annotated[str, typer.Argument(help="the report.json to generate the tables from")] = "docs/privacy-audit/report.json",
+) -> None:
+    """Regenerate the privacy tables in README.md and docs/privacy.md from a report."""
+    from pathlib import Path
+
+    from splitllm.privacy.report import update_docs
+
+    if not Path(report).is_file():
+        typer.echo(f"error: no report at {report}", err=True)
+        raise typer.Exit(2)
+    changed = update_docs(Path(report), Path.cwd())
+    typer.echo(f"updated {', '.join(map(str, changed))}" if changed else "docs already match the report")
 
 
 draft_app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train a draft head for a model.")

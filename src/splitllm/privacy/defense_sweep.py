@@ -1,9 +1,10 @@
 """Leakage and cost of each defense at one split: noise, a secret rotation, a secret low-rank change.
 
-Every defended run is compared with the undefended split on held-out perplexity and greedy output.
-Attackers are as strong as the defense allows: they know the noise level, train on noisy states,
+Every defended run is compared with the undefended split on held-out text, teacher-forced: perplexity,
+KL to the undefended next-token distribution, and how often the most likely next token is unchanged.
+Attackers are as strong as the defense allows: they know the noise model, train on noised states,
 and (for the private-weights defenses) are scored both with public weights only and with what a
-server can learn (the rotation's key from its own weights, plaintext pairs).
+server can learn (the rotation's key from its own weights; a map fitted on known plaintext).
 """
 
 from __future__ import annotations
@@ -16,12 +17,21 @@ import torch
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.model.stage import Stage
-from splitllm.privacy import defenses
+from splitllm.privacy import defenses, rates
 from splitllm.privacy.attacks.learned import Attacker, recovery, top_k
 from splitllm.privacy.attacks.output_probe import whitebox_next_tokens
 from splitllm.privacy.attacks.whitebox import WIRE_TOLERANCE
 from splitllm.privacy.states import WIRE_DTYPE
-from splitllm.privacy.sweep import Context, flat, fmt, head_states, learned_attacks, log, whitebox_attack
+from splitllm.privacy.sweep import (
+    Context,
+    flat,
+    fmt,
+    head_states,
+    learned_attacks,
+    log,
+    whitebox_attack,
+    whitebox_targets,
+)
 from splitllm.visibility import Visibility
 
 
@@ -33,28 +43,32 @@ class Quality:
         self.local = LocalModel(ctx.files, cfg.defense_head, cfg.defense_tail)
         n = ctx.n_layers
         self.middle = Stage.load(ctx.files, cfg.defense_head, n - cfg.defense_tail, torch.float32)
-        self.windows = ctx.corpus.test[: cfg.perplexity_windows]
-        self.prompts = [
-            ctx.corpus.test[i, : cfg.prompt_tokens].tolist() for i in ctx.spread_windows(cfg.quality_prompts)
-        ]
-        self.new_tokens = cfg.new_tokens
-        self.context = max(cfg.window, cfg.prompt_tokens + cfg.new_tokens)
-        self.base_ppl = defenses.perplexity(self.local, self.plain(), self.windows)
-        self.reference = defenses.greedy(self.local, self.plain(), self.prompts, self.new_tokens)
+        self.windows = ctx.corpus.test[ctx.spread_windows(cfg.perplexity_windows)]
+        self.reference = defenses.log_probs(self.local, self.plain(), self.windows)
+        self.base = defenses.quality(self.windows, self.reference, self.reference)
 
     def plain(self, middle: Stage | None = None) -> Callable[[], LocalMiddle]:
         stage = middle or self.middle
-        return lambda: LocalMiddle(stage, self.context)
+        return lambda: LocalMiddle(stage, self.windows.shape[1])
 
     def measure(self, local: LocalModel, middle: Callable) -> dict:
-        ppl = defenses.perplexity(local, middle, self.windows)
-        match, exact = defenses.agreement(self.reference, defenses.greedy(local, middle, self.prompts, self.new_tokens))
-        return {
-            "perplexity": ppl,
-            "perplexity_ratio": ppl / self.base_ppl,
-            "greedy_match": match,
-            "greedy_exact": exact,
-        }
+        return defenses.quality(self.windows, self.reference, defenses.log_probs(local, middle, self.windows))
+
+
+Noise = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+def noise_row(ctx: Context, quality: Quality, noise: Noise, row: dict, tolerance: float, seed: int) -> dict:
+    """Attackers that know the noise and train on noised states, and the noise's cost."""
+    k, labels = ctx.cfg.defense_head, (ctx.corpus.train, ctx.corpus.test)
+    gen = torch.Generator().manual_seed(seed)
+    train, test = noise(ctx.train.states[k], gen), noise(ctx.test.states[k], gen)
+    learned, mlp = learned_attacks(ctx, k, train, test, labels, ctx.model.embed, sequence=True)
+    row.update(learned)
+    row.update(whitebox_attack(ctx, k, whitebox_targets(ctx, test), mlp, tolerance=tolerance, certify=False))
+    row.update(quality.measure(quality.local, lambda: defenses.NoisyMiddle(quality.plain()(), noise, seed)))
+    log.info("noise %s", fmt(row))
+    return row
 
 
 def defense_sweep(ctx: Context, attackers: dict[int, Attacker]) -> dict:
@@ -69,26 +83,34 @@ def defense_sweep(ctx: Context, attackers: dict[int, Attacker]) -> dict:
     )
     out: dict = {
         "split": {"head": k, "tail": cfg.defense_tail},
-        "undefended": {"perplexity": quality.base_ppl},
+        "undefended": {"perplexity": quality.base["perplexity"]},
+        "quality_positions": int(quality.windows.numel()),
     }
-
-    noise = []
-    for i, sigma in enumerate(cfg.noise_sigmas):
-        gen = torch.Generator().manual_seed(cfg.seed + 100 + i)
-        train = defenses.add_noise(ctx.train.states[k], sigma, gen)
-        test = defenses.add_noise(ctx.test.states[k], sigma, gen)
-        row: dict = {"sigma": sigma}
-        learned, mlp = learned_attacks(ctx, k, train, test, labels, ctx.model.embed, sequence=True)
-        row.update(learned)
-        row.update(whitebox_attack(ctx, k, test, mlp, tolerance=WIRE_TOLERANCE + 1.25 * sigma, defended=True))
-        row.update(quality.measure(quality.local, lambda s=sigma: defenses.NoisyMiddle(quality.plain()(), s, cfg.seed)))
-        noise.append(row)
-        log.info("noise sigma=%g: %s", sigma, fmt(row))
-    out["noise"] = noise
+    out["noise"] = [
+        noise_row(
+            ctx,
+            quality,
+            defenses.relative_noise(sigma),
+            {"sigma": sigma},
+            WIRE_TOLERANCE + 1.25 * sigma,
+            cfg.seed + 100 + i,
+        )
+        for i, sigma in enumerate(cfg.noise_sigmas)
+    ]
+    clip = float(flat(ctx.train.states[k]).float().norm(dim=-1).median())
+    out["dp_noise"] = []
+    for i, epsilon in enumerate(cfg.dp_epsilons):
+        dp = defenses.DPNoise(clip, epsilon, cfg.dp_delta)
+        row = {"epsilon": epsilon, "delta": cfg.dp_delta, "clip": clip, "sigma": dp.sigma}
+        out["dp_noise"].append(noise_row(ctx, quality, dp, row, WIRE_TOLERANCE, cfg.seed + 200 + i))
     out["rotation"] = rotation(ctx, quality, public_mlp)
     out["lowrank"] = lowrank(ctx, quality, public_mlp)
     ctx.timings["defenses"] = time.perf_counter() - t0
     return out
+
+
+def _prefixed(prefix: str, row: dict) -> dict:
+    return {f"{prefix}_{key}": v for key, v in row.items() if key != "whitebox_by_kind"}
 
 
 def rotation(ctx: Context, quality: Quality, public_mlp: Attacker) -> dict:
@@ -98,30 +120,33 @@ def rotation(ctx: Context, quality: Quality, public_mlp: Attacker) -> dict:
     local = defenses.rotate_local(quality.local, q)
     middle = defenses.rotate_stage(quality.middle, q)
     test = head_states(local.head, local.input_table(), ctx.corpus.test)
-    row: dict = {}
-    row["public_weights_mlp_top1"] = recovery(top_k(public_mlp, flat(test)), ctx.corpus.test.flatten())[0]
-    row.update(
-        {f"public_weights_{key}": v for key, v in whitebox_attack(ctx, k, test, public_mlp, defended=True).items()}
-    )
+    labels = ctx.corpus.test.flatten()
+    row: dict = {"public_weights_mlp_top1": recovery(top_k(public_mlp, flat(test)), labels)[0]}
+    targets = whitebox_targets(ctx, test)
+    row.update(_prefixed("public_weights", whitebox_attack(ctx, k, targets, public_mlp, certify=False)))
     q_weights = defenses.rotation_from_weights(quality.middle, middle)
     # Known plaintext: sessions whose text the server learns; it computes their public states itself.
     plain, seen = (flat(x)[: cfg.known_pairs].float() for x in (ctx.test.states[k], test))
     q_pairs = defenses.procrustes(plain, seen)
     row["key_error_from_server_weights"] = float((q_weights - q).norm() / q.norm())
     row["key_error_from_known_pairs"] = float((q_pairs - q).norm() / q.norm())
-    row["known_pairs"] = cfg.known_pairs
+    row["known_pairs"] = len(plain)
     recovered = (test.float() @ q_weights.T).to(WIRE_DTYPE)
-    row["recovered_key_mlp_top1"] = recovery(top_k(public_mlp, flat(recovered)), ctx.corpus.test.flatten())[0]
-    row.update(
-        {f"recovered_key_{key}": v for key, v in whitebox_attack(ctx, k, recovered, public_mlp, defended=True).items()}
-    )
+    row["recovered_key_mlp_top1"] = recovery(top_k(public_mlp, flat(recovered)), labels)[0]
+    # With the key the states are the undefended ones again: the certified search applies.
+    targets = whitebox_targets(ctx, recovered)
+    row.update(_prefixed("recovered_key", whitebox_attack(ctx, k, targets, public_mlp)))
     row.update(quality.measure(local, quality.plain(middle)))
     log.info("rotation: %s", fmt(row))
     return row
 
 
 def lowrank(ctx: Context, quality: Quality, public_mlp: Attacker) -> list[dict]:
-    """Secret low-rank changes of the client's layers, per scale: input and output leakage, and cost."""
+    """Secret low-rank changes of the client's layers, per scale: input and output leakage, and cost.
+
+    Adaptive attacker: with known plaintext it fits a linear map from the defended states back to the
+    public ones (least squares on `known_pairs` pairs) and runs its public-weight attacks through it.
+    """
     cfg, k, n = ctx.cfg, ctx.cfg.defense_head, ctx.n_layers
     rows = []
     labels = (ctx.corpus.train, ctx.corpus.test)
@@ -130,18 +155,22 @@ def lowrank(ctx: Context, quality: Quality, public_mlp: Attacker) -> list[dict]:
         train = head_states(local.head, local.input_table(), ctx.corpus.train)
         test = head_states(local.head, local.input_table(), ctx.corpus.test)
         row: dict = {"scale": scale, "rank": cfg.lowrank_rank}
-        row["public_weights_mlp_top1"] = recovery(top_k(public_mlp, flat(test)), ctx.corpus.test.flatten())[0]
-        row.update(
-            {f"public_weights_{key}": v for key, v in whitebox_attack(ctx, k, test, public_mlp, defended=True).items()}
-        )
+        row["public_weights_mlp_top1"] = recovery(top_k(public_mlp, flat(test)), labels[1].flatten())[0]
+        targets = whitebox_targets(ctx, test)
+        row.update(_prefixed("public_weights", whitebox_attack(ctx, k, targets, public_mlp, certify=False)))
         learned, _ = learned_attacks(ctx, k, train, test, labels, ctx.model.embed, sequence=False)
         row["known_plaintext_mlp_top1"] = learned["mlp_top1"]
+        back = defenses.linear_map(flat(train)[: cfg.known_pairs], flat(ctx.train.states[k])[: cfg.known_pairs])
+        mapped = (test.float() @ back).to(WIRE_DTYPE)
+        row["fitted_map_mlp_top1"] = recovery(top_k(public_mlp, flat(mapped)), labels[1].flatten())[0]
+        mapped_wb = whitebox_attack(ctx, k, whitebox_targets(ctx, mapped), public_mlp, certify=False)
+        row.update(_prefixed("fitted_map", mapped_wb))
         # Output side: the server runs the public tail on what it returns; the client's tail is private.
         windows = quality.windows
         client_next = client_next_tokens(local, quality.middle, windows)
         returned = middle_out(local, quality.middle, windows)
         public_next = whitebox_next_tokens(ctx.model, ctx.model.stack.between(n - cfg.defense_tail, n), returned)
-        row["output_whitebox_agreement"] = float((public_next == client_next).float().mean())
+        row["output_whitebox_agreement"] = rates.of(public_next == client_next)
         row.update(quality.measure(local, quality.plain()))
         rows.append(row)
         log.info("low-rank scale=%g: %s", scale, fmt(row))

@@ -1,7 +1,8 @@
 """What a client can do about leakage, and what each option costs it.
 
 - Deeper splits: more layers on the client; cost = client compute per decoding step (`step_ms`).
-- Gaussian noise on the states the client sends (`NoisyMiddle`, `add_noise`); cost = output quality.
+- Gaussian noise on the states the client sends (`NoisyMiddle`, `add_noise`), or noise calibrated to
+  a per-token differential-privacy budget after clipping (`DPNoise`); cost = output quality.
 - Private local weights: the client's head (and tail) differ from the public weights by a secret.
   `rotate_*` is function-preserving (an orthogonal change of basis of the residual stream, norms
   folded in) but the server must then run rotated middle weights too, and it recovers the rotation
@@ -13,18 +14,19 @@
 from __future__ import annotations
 
 import copy
-import statistics
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import Middle, SplitPipeline
-from splitllm.decoding.sequential import decode_sequential
 from splitllm.model.quant import Linear
 from splitllm.model.stage import Stage
+from splitllm.privacy import rates
 from splitllm.privacy.states import StageStack
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
@@ -38,11 +40,35 @@ def add_noise(states: torch.Tensor, sigma: float, gen: torch.Generator) -> torch
     return (x + noise).to(states.dtype)
 
 
-class NoisyMiddle:
-    """A `Middle` whose input is noised first: what the server receives under the noise defense."""
+@dataclass(frozen=True)
+class DPNoise:
+    """The Gaussian mechanism per sent state: clip its L2 norm to `clip`, add N(0, s^2) per coordinate
+    with s = 2 clip sqrt(2 ln(1.25/delta)) / epsilon. Any two clipped states are at most 2 clip apart,
+    so each state (each token's contribution) is (epsilon, delta)-differentially private."""
 
-    def __init__(self, inner: Middle, sigma: float, seed: int) -> None:
-        self.inner, self.sigma = inner, sigma
+    clip: float
+    epsilon: float
+    delta: float = 1e-5
+
+    @property
+    def sigma(self) -> float:
+        return 2 * self.clip * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
+
+    def __call__(self, states: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        x = states.float()
+        x = x * (self.clip / x.norm(dim=-1, keepdim=True).clamp_min(self.clip))
+        return (x + torch.randn(x.shape, generator=gen) * self.sigma).to(states.dtype)
+
+
+def relative_noise(sigma: float) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    return lambda states, gen: add_noise(states, sigma, gen)
+
+
+class NoisyMiddle:
+    """A `Middle` whose input is noised first: what the server receives under a noise defense."""
+
+    def __init__(self, inner: Middle, noise: Callable[[torch.Tensor, torch.Generator], torch.Tensor], seed: int) -> None:
+        self.inner, self.noise = inner, noise
         self.gen = torch.Generator().manual_seed(seed)
 
     @property
@@ -52,7 +78,7 @@ class NoisyMiddle:
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
     ) -> torch.Tensor:
-        return self.inner.step(add_noise(hidden, self.sigma, self.gen), positions, vis, keep, stats)
+        return self.inner.step(self.noise(hidden, self.gen), positions, vis, keep, stats)
 
 
 def random_rotation(d: int, seed: int) -> torch.Tensor:
@@ -95,6 +121,12 @@ def procrustes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (u @ vh).float()
 
 
+def linear_map(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The matrix m minimising ||a @ m - b|| (least squares): an attacker's guess at a secret linear
+    change from known pairs."""
+    return torch.linalg.lstsq(a.double(), b.double()).solution.float()
+
+
 def rotation_from_weights(public: Stage, rotated: Stage) -> torch.Tensor:
     """The server's own rotated middle layer against the public one: one matrix gives the key away."""
     pub, rot = public.layers[0], rotated.layers[0]
@@ -121,35 +153,32 @@ def perturb_local(local: LocalModel, key: int, rank: int, scale: float) -> Local
 
 
 @torch.inference_mode()
-def perplexity(local: LocalModel, middle: Callable[[], Middle], windows: torch.Tensor) -> float:
-    """Teacher-forced perplexity of held-out windows through the split model."""
-    nll, count = 0.0, 0
+def log_probs(local: LocalModel, middle: Callable[[], Middle], windows: torch.Tensor) -> torch.Tensor:
+    """(n, window, vocab) next-token log-probabilities of held-out windows through the split model."""
+    out = []
     for tokens in windows:
         n = len(tokens)
         logits, _ = SplitPipeline(local, middle(), n).score(tokens, torch.arange(n), Visibility.chain(n), [])
-        nll += float(F.cross_entropy(logits[:-1].float(), tokens[1:], reduction="sum"))
-        count += n - 1
-    return float(torch.tensor(nll / count).exp())
+        out.append(F.log_softmax(logits.float(), dim=-1))
+    return torch.stack(out)
 
 
-def greedy(
-    local: LocalModel, middle: Callable[[], Middle], prompts: list[list[int]], new_tokens: int
-) -> list[list[int]]:
-    """Greedy continuations through the split model (no stop tokens: fixed length)."""
-    outs = []
-    for prompt in prompts:
-        pipeline = SplitPipeline(local, middle(), len(prompt) + new_tokens)
-        outs.append([t for step in decode_sequential(pipeline, prompt, new_tokens, frozenset()) for t in step.tokens])
-    return outs
+def quality(windows: torch.Tensor, reference: torch.Tensor, defended: torch.Tensor) -> dict:
+    """A defense's cost on held-out text, teacher-forced (every position sees the true prefix):
+    perplexity, mean KL(undefended || defended) of the next-token distribution per position, and the
+    share of positions whose most likely next token is unchanged."""
 
+    def ppl(lp: torch.Tensor) -> float:
+        return float((-lp[:, :-1].gather(-1, windows[:, 1:, None]).mean()).exp())
 
-def agreement(reference: list[list[int]], outputs: list[list[int]]) -> tuple[float, float]:
-    """(mean share of each continuation before its first difference, share fully identical)."""
-    shares = []
-    for ref, out in zip(reference, outputs):
-        same = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
-        shares.append(same / max(len(ref), 1))
-    return statistics.fmean(shares), statistics.fmean(s == 1.0 for s in shares)
+    kl = (reference.exp() * (reference - defended)).sum(-1)
+    base = ppl(reference)
+    return {
+        "perplexity": ppl(defended),
+        "perplexity_ratio": ppl(defended) / base,
+        "kl_nats": float(kl.mean()),
+        "top1_agreement": rates.of(reference.argmax(-1) == defended.argmax(-1)),
+    }
 
 
 @torch.inference_mode()

@@ -58,6 +58,12 @@ class WindowStates:
 
     states: dict[int, torch.Tensor]  # cut -> (n_windows, window, d), WIRE_DTYPE
     greedy: torch.Tensor  # (n_windows, window): argmax of the logits at each position
+    top5: torch.Tensor  # (n_windows, window, 5): the five most likely next tokens
+    sampled: dict[float, torch.Tensor]  # temperature -> (n_windows, window) one seeded draw per position
+    top_prob: dict[float, torch.Tensor]  # temperature -> (n_windows, window) probability of the argmax
+
+
+TEMPERATURES = (0.7, 1.0)
 
 
 class PublicModel:
@@ -79,17 +85,26 @@ class PublicModel:
         return self.local.logits(hidden)
 
     @torch.inference_mode()
-    def window_states(self, windows: torch.Tensor, cuts: Sequence[int]) -> WindowStates:
-        """Run each window from position 0 and keep the states at the asked cuts."""
+    def window_states(self, windows: torch.Tensor, cuts: Sequence[int], seed: int = 0) -> WindowStates:
+        """Run each window from position 0 and keep the states at the asked cuts, the next-token
+        argmax and top 5, and a seeded sample at each of `TEMPERATURES`."""
         n, length = windows.shape
+        gen = torch.Generator().manual_seed(seed)
         positions = torch.arange(length)
         vis = Visibility.chain(length)
         states = {c: torch.empty(n, length, self.cfg.hidden_size, dtype=WIRE_DTYPE) for c in cuts}
-        greedy = torch.empty(n, length, dtype=torch.long)
+        top5 = torch.empty(n, length, 5, dtype=torch.long)
+        sampled = {t: torch.empty(n, length, dtype=torch.long) for t in TEMPERATURES}
+        top_prob = {t: torch.empty(n, length) for t in TEMPERATURES}
         for i in range(n):
             caches = self.stack.new_caches(length)
             out = self.stack.forward(caches, self.embed[windows[i]], positions, vis, [])
             for c in cuts:
                 states[c][i] = out[c].to(WIRE_DTYPE)
-            greedy[i] = self.logits(out[self.cfg.num_layers]).argmax(-1)
-        return WindowStates(states, greedy)
+            logits = self.logits(out[self.cfg.num_layers]).float()
+            top5[i] = logits.topk(5, dim=-1).indices
+            for t in TEMPERATURES:
+                probs = (logits / t).softmax(-1)
+                sampled[t][i] = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                top_prob[t][i] = probs.max(-1).values
+        return WindowStates(states, top5[..., 0].clone(), top5, sampled, top_prob)

@@ -15,14 +15,14 @@ import torch
 
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
-from splitllm.privacy import defenses
+from splitllm.privacy import defenses, rates
 from splitllm.privacy.attacks.learned import Attacker, recovery, top_k
 from splitllm.privacy.attacks.mlp import mlp_attacker
 from splitllm.privacy.attacks.output_probe import whitebox_next_tokens
 from splitllm.privacy.attacks.sequence import sequence_attacker
 from splitllm.privacy.attacks.whitebox import WIRE_TOLERANCE, LanguageModelPrior, invert
 from splitllm.privacy.config import AuditConfig
-from splitllm.privacy.corpus import Corpus
+from splitllm.privacy.corpus import KINDS, Corpus
 from splitllm.privacy.states import WIRE_DTYPE, PublicModel, WindowStates
 from splitllm.visibility import Visibility
 
@@ -39,7 +39,9 @@ class Context:
     model: PublicModel
     train: WindowStates
     test: WindowStates
+    long: WindowStates | None = None  # whole long test contexts (input side only)
     timings: dict[str, float] = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
@@ -55,6 +57,15 @@ def flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def by_kind(ctx: Context, predicted: torch.Tensor, labels: torch.Tensor) -> dict[str, dict]:
+    """Top-1 rate per kind of test text; predicted: (n_test, window, k)."""
+    return {
+        kind: recovery(predicted, labels, ctx.corpus.test_kind_mask(kind))[0]
+        for kind in KINDS
+        if kind in ctx.corpus.test_kinds
+    }
+
+
 def learned_attacks(
     ctx: Context,
     cut: int,
@@ -68,15 +79,16 @@ def learned_attacks(
     cfg = ctx.cfg
     train_labels, test_labels = labels
     mlp = mlp_attacker(flat(train_states), train_labels.flatten(), table, epochs=cfg.mlp_epochs, seed=cfg.seed + cut)
-    top1, top5 = recovery(top_k(mlp, flat(test_states)), test_labels.flatten())
-    out = {"mlp_top1": top1, "mlp_top5": top5}
+    predicted = top_k(mlp, flat(test_states)).view(*test_states.shape[:2], -1)
+    top1, top5 = recovery(predicted, test_labels)
+    out = {"mlp_top1": top1, "mlp_top5": top5, "mlp_top1_by_kind": by_kind(ctx, predicted, test_labels)}
     if sequence:
         seq = sequence_attacker(train_states, train_labels, mlp, epochs=cfg.sequence_epochs, seed=cfg.seed + cut)
         out["sequence_top1"] = recovery(top_k(seq, test_states, batch=4), test_labels)[0]
     return out, mlp
 
 
-def small_mlp(ctx: Context, head: int) -> float:
+def small_mlp(ctx: Context, head: int) -> dict:
     """The per-position attacker trained on as few pairs as the published design, evenly spread."""
     cfg = ctx.cfg
     states, labels = flat(ctx.train.states[head]), ctx.corpus.train.flatten()
@@ -86,20 +98,41 @@ def small_mlp(ctx: Context, head: int) -> float:
     return recovery(top_k(mlp, flat(ctx.test.states[head])), ctx.corpus.test.flatten())[0]
 
 
+Target = tuple[torch.Tensor, list[int], str]  # (P, d) wire states, their true tokens, the kind of text
+
+
+def whitebox_targets(ctx: Context, states: torch.Tensor, head: int | None = None) -> list[Target]:
+    """What the white-box search inverts. Undefended (`head` given): whole test windows spread over
+    the kinds plus the long contexts; defended: the first positions of fewer windows (searches there
+    run to the candidate cap, so they are kept short)."""
+    cfg, corpus = ctx.cfg, ctx.corpus
+    if head is None:
+        picks, length = ctx.spread_windows(cfg.defense_whitebox_windows), cfg.defense_whitebox_positions
+    else:
+        picks, length = ctx.spread_windows(cfg.whitebox_windows), corpus.test.shape[1]
+    out = [(states[w, :length], corpus.test[w, :length].tolist(), corpus.test_kinds[w]) for w in picks]
+    if head is not None and ctx.long is not None:
+        out += [(ctx.long.states[head][i], corpus.long[i].tolist(), k) for i, k in enumerate(corpus.long_kinds)]
+    return out
+
+
 def whitebox_attack(
     ctx: Context,
     head: int,
-    targets: torch.Tensor,
+    targets: list[Target],
     proposer: Attacker,
     tolerance: float = WIRE_TOLERANCE,
-    defended: bool = False,
+    certify: bool = True,
+    exhaustive: int = 0,
 ) -> dict:
-    """Invert the first positions of a few test windows; targets: (n_windows, length, d) wire states."""
+    """Invert each target left to right with the public first `head` layers; rates per position. The
+    first `exhaustive` positions of the first target are searched over the whole vocabulary."""
     cfg, model = ctx.cfg, ctx.model
     stack = model.stack.upto(head)
-    hits, total, seconds, tried = 0, 0, 0.0, 0
-    for w in ctx.spread_windows(cfg.defense_whitebox_windows if defended else cfg.whitebox_windows):
-        states = targets[w, : cfg.whitebox_positions]
+    hits, certified, kinds, positions = [], [], [], []
+    seconds, tried, collisions, searched_all = 0.0, 0, 0, 0
+    checks = set(range(exhaustive))
+    for states, truth, kind in targets:
         prior = LanguageModelPrior(model, len(states) + 1)
         with torch.inference_mode():
             learned = proposer.scorer.vocab_logits(proposer(states))
@@ -110,18 +143,39 @@ def whitebox_attack(
                 scores.append(prior.extend(recovered[-1], t - 1))
             return scores
 
-        inv = invert(stack, model.embed, states, proposals, tolerance, max_candidates=cfg.whitebox_max_candidates)
-        truth = ctx.corpus.test[w, : len(states)].tolist()
-        hits += sum(a == b for a, b in zip(inv.tokens, truth))
-        total += len(truth)
+        inv = invert(
+            stack,
+            model.embed,
+            states,
+            proposals,
+            tolerance,
+            max_candidates=cfg.whitebox_max_candidates,
+            certify=certify,
+            exhaustive=checks,
+        )
+        checks = set()  # the whole-vocabulary check runs on the first target's first positions
+        hits += [a == b for a, b in zip(inv.tokens, truth)]
+        certified += inv.certified
+        kinds += [kind] * len(truth)
+        positions += list(range(len(truth)))
         seconds += inv.seconds
         tried += sum(inv.candidates)
-    return {
-        "whitebox_recovery": hits / total,
-        "whitebox_positions": total,
-        "whitebox_seconds_per_token": seconds / total,
-        "whitebox_candidates_per_token": tried / total,
+        collisions += sum(inv.collisions)
+        searched_all += sum(inv.exhaustive)
+    hit, n = torch.tensor(hits), len(hits)
+    out = {
+        "whitebox_recovery": rates.of(hit),
+        "whitebox_certified": rates.of(torch.tensor(certified)),
+        "whitebox_seconds_per_token": seconds / n,
+        "whitebox_candidates_per_token": tried / n,
+        "whitebox_collisions": collisions,
+        "whitebox_exhaustive_positions": searched_all,
+        "whitebox_by_kind": {k: rates.of(hit[torch.tensor([x == k for x in kinds])]) for k in KINDS if k in kinds},
     }
+    late = torch.tensor(positions) >= 256
+    if late.any():
+        out["whitebox_past_256"] = rates.of(hit[late])
+    return out
 
 
 def head_ms(ctx: Context, head: int) -> float:
@@ -146,7 +200,8 @@ def input_side(ctx: Context) -> tuple[list[dict], dict[int, Attacker]]:
         )
         row.update(learned)
         row["mlp_small_top1"] = small_mlp(ctx, k)
-        row.update(whitebox_attack(ctx, k, ctx.test.states[k], mlp))
+        targets = whitebox_targets(ctx, ctx.test.states[k], k)
+        row.update(whitebox_attack(ctx, k, targets, mlp, exhaustive=ctx.cfg.whitebox_exhaustive_positions))
         attackers[k] = mlp
         rows.append(row)
         ctx.timings[f"input_K{k}"] = time.perf_counter() - t0
@@ -168,7 +223,7 @@ def output_side(ctx: Context) -> list[dict]:
         )
         row["probe_top1"], row["probe_top5"] = learned["mlp_top1"], learned["mlp_top5"]
         predicted = whitebox_next_tokens(ctx.model, ctx.model.stack.between(cut, n), ctx.test.states[cut])
-        row["whitebox_agreement"] = float((predicted == ctx.test.greedy).float().mean())
+        row["whitebox_agreement"] = rates.of(predicted == ctx.test.greedy)
         rows.append(row)
         ctx.timings[f"output_M{m}"] = time.perf_counter() - t0
         log.info("output side M=%d: %s", m, fmt(row))
@@ -187,4 +242,9 @@ def head_states(stage: Stage, embed: torch.Tensor, windows: torch.Tensor) -> tor
 
 
 def fmt(row: dict) -> str:
-    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+    def one(v: object) -> str:
+        if isinstance(v, dict) and "rate" in v:
+            return f"{v['rate']:.3g}"
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{k}={one(v)}" for k, v in row.items() if not (isinstance(v, dict) and "rate" not in v))

@@ -16,16 +16,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from splitllm.model.weights import ModelFiles, cache_root
 
 
-def tiny_model(folder: Path | None = None, layers: int = 4, seed: int = 0) -> Path:
-    """Build (once) and return an HF folder holding a random 4-layer, 64-wide Llama."""
-    folder = folder or cache_root() / "models" / f"tiny-random-llama-{layers}-{seed}"
+def tiny_model(folder: Path | None = None, layers: int = 4, width: int = 128, seed: int = 0) -> Path:
+    """Build (once) and return an HF folder holding a random 4-layer, 128-wide Llama (wide enough that
+    its 49,152 token embeddings stay distinguishable, as a real model's are)."""
+    folder = folder or cache_root() / "models" / f"tiny-random-llama-{layers}-{width}-{seed}"
     if (folder / "config.json").is_file():
         return folder
     tokenizer = AutoTokenizer.from_pretrained(ModelFiles(None).path)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=width,
+        intermediate_size=2 * width,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

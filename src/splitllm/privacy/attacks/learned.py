@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitllm.privacy import rates
+
 
 def rms_normalize(x: torch.Tensor) -> torch.Tensor:
     """States differ in scale by depth and position; attackers see them at unit RMS."""
@@ -100,7 +102,11 @@ def top_k(attacker: Attacker, states: torch.Tensor, k: int = 5, batch: int = 64)
     return torch.cat([attacker.scorer.vocab_logits(attacker(s)).topk(k, dim=-1).indices for s in states.split(batch)])
 
 
-def recovery(predicted: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    """(top-1, top-k) fraction of positions whose token is the first / among the k predictions."""
+def recovery(predicted: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[dict, dict]:
+    """(top-1, top-k) rates of positions whose token is the first / among the k predictions, over the
+    positions where `mask` is True (all by default)."""
     hit = predicted == labels[..., None]
-    return float(hit[..., 0].float().mean()), float(hit.any(-1).float().mean())
+    first, anywhere = hit[..., 0], hit.any(-1)
+    if mask is not None:
+        first, anywhere = first[mask], anywhere[mask]
+    return rates.of(first), rates.of(anywhere)

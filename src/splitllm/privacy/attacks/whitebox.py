@@ -8,12 +8,18 @@ wire's rounding, so the search stops at the first exact match. Candidates are tr
 proposals the attacker can compute from public weights (the public language model's next-token guess
 on the recovered prefix, an attacker it trained on states it computed itself), so most positions
 cost one small batch and the whole vocabulary is searched only when no proposal matches.
+
+A certified search (as in SipIt) never gives up on an undefended state: when no proposed candidate
+matches, it goes on through the rest of the vocabulary, so every position ends either with an exact
+match (certified: this token reproduces the state sent) or with proof that no single token does.
+Exact matches are unique in practice; to check, chosen positions are searched over the whole
+vocabulary and every other token within tolerance is counted as a collision.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -62,6 +68,9 @@ class LanguageModelPrior:
 class Inversion:
     tokens: list[int]
     candidates: list[int]  # how many candidates were run per position
+    certified: list[bool]  # the chosen token reproduces the state within tolerance
+    collisions: list[int]  # other tokens within tolerance seen at that position
+    exhaustive: list[bool]  # the whole vocabulary was searched at that position
     seconds: float
 
 
@@ -84,41 +93,53 @@ def invert(
     ratio: float = 0.5,
     max_candidates: int | None = None,
     chunk: tuple[int, int] = (64, 1024),
+    certify: bool = True,
+    exhaustive: Collection[int] = (),
 ) -> Inversion:
     """Recover the tokens of one sequence from its (P, d) states after the stack's last layer.
 
     `proposals(t, recovered)` returns score vectors over the vocabulary to order the search by. The
-    search at a position stops at a candidate within `tolerance` (relative L2: an exact match), or
-    one at most `ratio` times as far as the runner-up (a clear winner, which is what is left once
-    noise or a wrong earlier token rules out exact matches), or after `max_candidates`.
+    search at a position stops at a candidate within `tolerance` (relative L2: an exact match). With
+    `certify` it otherwise searches the whole vocabulary and keeps the nearest token. Without it (for
+    defended states, which never match exactly) it also stops at a candidate at most `ratio` times
+    as far as the runner-up (a clear winner), or after `max_candidates`. Positions in `exhaustive`
+    are searched over the whole vocabulary regardless, counting every other token within tolerance.
     """
     t0 = time.perf_counter()
     n_pos, vocab = targets.shape[0], embed.shape[0]
-    limit = min(max_candidates or vocab, vocab)
+    limit = vocab if certify else min(max_candidates or vocab, vocab)
     caches = stack.new_caches(n_pos + chunk[1])
     last = stack.cuts[-1]
-    recovered: list[int] = []
-    tried: list[int] = []
+    out = Inversion([], [], [], [], [], 0.0)
     keep: list[int] = []
     for t in range(n_pos):
         target = targets[t].float()
         norm = target.norm()
-        best, dists, n = -1, torch.full((2,), float("inf")), 0
-        for ids in _chunks(fuse_rankings(proposals(t, recovered))[:limit], *chunk):
-            out = stack.forward(caches, embed[ids], torch.full((len(ids),), t), _roots(len(ids)), keep)[last]
+        full = t in exhaustive
+        best, dists, n, close = -1, torch.full((2,), float("inf")), 0, 0
+        for ids in _chunks(fuse_rankings(proposals(t, out.tokens))[: vocab if full else limit], *chunk):
+            states = stack.forward(caches, embed[ids], torch.full((len(ids),), t), _roots(len(ids)), keep)[last]
             keep = []
-            dist = (out.float() - target).norm(dim=-1) / norm
+            dist = (states.float() - target).norm(dim=-1) / norm
             n += len(ids)
+            close += int((dist <= tolerance).sum())
             merged = torch.cat([dists, dist])
             top = merged.topk(2, largest=False)
             if top.indices[0] >= 2:
                 best = int(ids[top.indices[0] - 2])
             dists = top.values
-            if dists[0] <= tolerance or dists[0] <= ratio * dists[1]:
+            if full:
+                continue
+            if dists[0] <= tolerance or (not certify and dists[0] <= ratio * dists[1]):
                 break
-        recovered.append(best)
-        tried.append(n)
+        certified = bool(dists[0] <= tolerance)
+        out.tokens.append(best)
+        out.candidates.append(n)
+        out.certified.append(certified)
+        out.collisions.append(close - int(certified))
+        out.exhaustive.append(full)
         # The chosen token becomes part of the prefix: append it, commit it with the next step's keep.
         stack.forward(caches, embed[[best]], torch.tensor([t]), Visibility.chain(1), keep)
         keep = [0]
-    return Inversion(recovered, tried, time.perf_counter() - t0)
+    out.seconds = time.perf_counter() - t0
+    return out
