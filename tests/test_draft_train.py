@@ -114,7 +114,7 @@ def test_shipped_head_drafts_well_above_chance(default_files) -> None:
     head = store.load_head(default_files)
     assert head is not None, "the default model ships a draft head"
     tok = data.load_tokenizer(default_files)
-    docs = [d for d in data.corpus.documents() if d.is_test and d.kind == "prose"][:3]
+    docs = [d for d in data.corpus.reference_documents() if d.test and d.kind == "prose"][:3]
     seqs = [data.chat_ids(tok, "Tell me about Python.", d.text[:600]) for d in docs]
     target = train.Target(LocalModel(default_files, 1, 0))
     val = train.validate(head, target, train.prepare(data.features(default_files, seqs), target), depth=2)

@@ -71,7 +71,7 @@ EVAL_NGRAM = 8  # a training sequence sharing any 8-gram of tokens with an evalu
 
 def _topic_names() -> list[str]:
     """Language Reference topics of the corpus' training documents (its test documents stay unseen)."""
-    return [d.name.split(":", 1)[1] for d in corpus.documents() if d.kind == "prose" and not d.is_test]
+    return [d.name.split(":", 1)[1] for d in corpus.reference_documents() if d.kind == "prose" and not d.test]
 
 
 def build_prompts(n: int, seed: int = 0) -> list[str]:
@@ -102,7 +102,7 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, user: str, assistant: str | Non
 
 def text_sequences(tokenizer: PreTrainedTokenizerBase, n: int, length: int) -> list[list[int]]:
     """n chat-templated passages of about `length` tokens from the corpus' training documents."""
-    docs = [d for d in corpus.documents() if not d.is_test]
+    docs = [d for d in corpus.reference_documents() if not d.test]
     prose = [d for d in docs if d.kind == "prose" and len(d.text) > 400]
     code = [d for d in docs if d.kind == "code"]
     out: list[list[int]] = []

@@ -181,8 +181,8 @@ def _prose(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if len(p.split()) >= 6)
 
 
-def documents(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> list[Document]:
-    """Every document of the corpus in a fixed order: prose, code, then the generated kinds."""
+def reference_documents() -> list[Document]:
+    """The corpus' prose and code documents, in a fixed order: the part that needs no tokenizer."""
     from pydoc_data.topics import topics
 
     docs = [Document(f"topic:{n}", "prose", _prose(t), _is_test(f"topic:{n}")) for n, t in sorted(topics.items())]
@@ -192,6 +192,12 @@ def documents(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> list[Documen
             continue
         text = Path(spec.origin).read_text(encoding="utf-8")
         docs.append(Document(f"module:{module}", "code", text, _is_test(f"module:{module}")))
+    return [d for d in docs if d.text]
+
+
+def documents(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> list[Document]:
+    """Every document of the corpus in a fixed order: prose, code, then the generated kinds."""
+    docs = reference_documents()
     for test, count in zip((False, True), SYNTHETIC_DOCS):
         rng = random.Random(f"{seed}-{test}")
         for i in range(count):
