@@ -27,7 +27,7 @@ def test_cuts_split_chains_and_keep_trees_whole() -> None:
 
 
 # Cut by the client (steps of at most max_nodes) or sliced by the server (forwards of slice_rows).
-CUTS = [{"max_nodes_per_step": 8}, {"slice_rows": 3}]
+CUTS = [{"max_nodes_per_step": 8}, {"slice_rows": 3, "slice_above": 3}]
 
 
 @pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])

@@ -235,7 +235,10 @@ def serve(
     max_header_kib: Annotated[int, typer.Option(help="largest request head (request line and headers), KiB")] = 16,
     max_batch_rows: Annotated[int, typer.Option(help="positions in one shared forward pass")] = 256,
     slice_rows: Annotated[
-        int, typer.Option(help="a longer step (a prompt) runs as forwards of this many positions, others' steps in between")
+        int, typer.Option(help="a step longer than --slice-above (a prompt) runs as forwards of this many positions, others' steps in between")
+    ] = 16,
+    slice_above: Annotated[
+        int, typer.Option(help="a step of at most this many positions (a speculative tree) always runs in one forward")
     ] = 64,
     max_batch_mib: Annotated[float, typer.Option(help="estimated activation and mask memory of one shared forward, MiB")] = 256.0,
     batch_window_ms: Annotated[
@@ -278,6 +281,7 @@ def serve(
         operators=tuple(operator or ()),
         max_batch_rows=max_batch_rows,
         slice_rows=slice_rows,
+        slice_above=slice_above,
         max_batch_bytes=int(max_batch_mib * (1 << 20)),
         handshake_timeout_s=handshake_timeout_s,
         max_header_bytes=max_header_kib << 10,
@@ -627,7 +631,7 @@ def bench_load(
     ] = 0,
     max_nodes_per_step: Annotated[int, typer.Option(help="the server's positions per step (--prefill runs)")] = 256,
     max_batch_rows: Annotated[int, typer.Option(help="the server's positions per shared forward (--prefill runs)")] = 256,
-    slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 64,
+    slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 16,
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
     import shlex

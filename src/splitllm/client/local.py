@@ -14,7 +14,7 @@ from splitllm.draft.store import load_head
 from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
 from splitllm.model.precision import Precision
-from splitllm.model.quant import Linear
+from splitllm.model.quant import Linear, PackedLinear
 from splitllm.model.stage import Stage, read_norm
 from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
@@ -61,7 +61,7 @@ class LocalModel:
         scale = torch.tensor(cfg.embed_scale).to(self.embed_weight.device, self.embed_weight.dtype)
         self.embed_scale = scale if cfg.embed_scale != 1.0 else None
         tied_dense = head_name == embed_name and self.head_precision.quant == "none"
-        self.lm_head = Linear(self.embed_weight) if tied_dense else weights.linear([head_name])
+        self.lm_head = self.head_precision.linear({"weight": self.embed_weight}) if tied_dense else weights.linear([head_name])
         # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
         wide = (torch.float32, torch.float64)
         self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype in wide
@@ -82,8 +82,9 @@ class LocalModel:
         """Dense rows of the LM head for token `ids` (a draft vocabulary), whatever form the head is
         stored in: a quantized head is read back through its own kernel, once, at the cost of a
         hidden-size-row product."""
-        if isinstance(self.lm_head, Linear):
-            return self.lm_head.weight[ids.to(self.lm_head.weight.device)]
+        if isinstance(self.lm_head, (Linear, PackedLinear)):
+            weight = self.lm_head.weight
+            return weight[ids.to(weight.device)]
         hp = self.head_precision
         eye = torch.eye(self.cfg.hidden_size, dtype=hp.dtype, device=hp.torch_device)
         return self.lm_head(eye).T[ids.to(hp.torch_device)]

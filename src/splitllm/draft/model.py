@@ -20,6 +20,7 @@ from torch import nn
 from splitllm.kv import KVCache
 from splitllm.model.config import ModelConfig
 from splitllm.model.blocks import Segment
+from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.visibility import Visibility
 
@@ -51,6 +52,17 @@ class DraftHead(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=True, dtype=dtype)
         self.stage = Stage(cfg, 0, 1, dtype)
         self.register_buffer("vocab", torch.as_tensor(vocab, dtype=torch.long), persistent=True)
+
+    def packed(self) -> DraftHead:
+        """This head for drafting only: its linear weights in the form the CPU runs fastest (see
+        `Precision.linear`); training and saving use the plain modules."""
+        precision = Precision(self.dtype)
+        layer = self.stage.layers[0]
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            linear = getattr(layer, name)
+            setattr(layer, name, precision.linear({"weight": linear.weight.data}, linear.bias))
+        self.fc = precision.linear({"weight": self.fc.weight.data}, self.fc.bias.data)
+        return self
 
     def new_cache(self, max_context: int) -> KVCache:
         return self.stage.new_cache(max_context)

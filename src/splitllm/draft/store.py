@@ -83,7 +83,7 @@ def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.d
         head.load_state_dict({k: v.long() if k == "vocab" else v for k, v in tensors.items()}, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{weights_path} does not fit a draft head for this model: {e}") from e
-    return head.eval()
+    return head.eval().packed()
 
 
 def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:

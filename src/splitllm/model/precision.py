@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitllm.model.quant import QUANTIZED, Linear
+from splitllm.model.quant import QUANTIZED, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 # The fastest setting `splitllm bench runtime` measured on the CPU here; the default of the demo and the
 # end-to-end benchmarks (the commands themselves default to the exact mode).
-FASTEST = "bfloat16-int8"
+FASTEST = "bfloat16-none"
 QUANTS = ("none", "int8", "int4")
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -90,7 +90,8 @@ class Precision:
         dev = self.torch_device
         bias = None if bias is None else bias.to(dev, self.dtype)
         if self.quant == "none":
-            return Linear(stored["weight"].to(dev, self.dtype), bias)
+            weight = stored["weight"].to(dev, self.dtype)
+            return PackedLinear(weight, bias) if PackedLinear.available(self.dtype, dev) else Linear(weight, bias)
         return QUANTIZED[self.quant].from_stored(stored, bias, dev)
 
     def dense(self, tensor: torch.Tensor) -> torch.Tensor:

