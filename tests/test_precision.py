@@ -14,7 +14,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import MODES, SpeculativeDecoder
 from splitllm.model.precision import Precision
-from splitllm.model.quant import Int4Linear, Int8Linear, Linear
+from splitllm.model.quant import Int4Linear, Int8Linear, Linear, PackedLinear
 from splitllm.model.stage import Stage
 from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles, cache_root
@@ -52,6 +52,19 @@ def test_quantized_linear_is_close_to_float32(module, tolerance) -> None:  # typ
     assert _relative_error(out, x @ w.T + bias) < tolerance
     # Every row gets the same bits alone or in a batch: verification may score any number of rows.
     assert torch.equal(out, torch.cat([quantized(row) for row in x.split(1)]))
+
+
+def test_packed_bfloat16_linear_is_plain_bfloat16() -> None:
+    """The packed layout changes speed only: the same bits as F.linear in bfloat16, row by row or batched."""
+    gen = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(96, 128, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(1, 7, 128, generator=gen)
+    linear = Precision(torch.bfloat16).linear({"weight": w}, bias)
+    assert isinstance(linear, PackedLinear) and linear.out_features == 96 and torch.equal(linear.weight, w)
+    out = linear(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.nn.functional.linear(x.bfloat16(), w, bias))
+    assert torch.equal(out[0], torch.cat([linear(row) for row in x[0].split(1)]))
+    assert isinstance(Precision(torch.float32).linear({"weight": w.float()}), Linear)
 
 
 def test_quantized_forms_take_fewer_bytes() -> None:
