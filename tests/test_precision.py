@@ -184,3 +184,16 @@ def test_runtime_report_checks_every_target() -> None:
     assert met["server_1_token_ms_bfloat16-none"] is None and met["sequential_tok_s_at_80ms"] is None
     text = markdown({**result, "met": met})
     assert "| bfloat16-int8 | 1 | 88 | 9.0 | 8.0 (0.89x) |" in text and "| sequential_tok_s_at_80ms | 9.5 | not measured |" in text
+
+
+def test_quality_report_shows_every_setting_against_float32() -> None:
+    from splitllm.bench.quality import markdown
+
+    row = {"perplexity": 24.0, "kl_nats": 0.0, "top1_agreement": {"rate": 1.0}, "ppl_positions": 128}
+    result = {"prompts": 4, "max_new_tokens": 8, "settings": {
+        "float32-none": row,
+        "bfloat16-none": {**row, "perplexity": 24.24, "kl_nats": 0.002, "identical": 3, "mean_first_divergence": 5.0},
+    }}
+    text = markdown(result)
+    assert "| float32-none | reference | - | 24.000 | 1.000x | 0.0000 |" in text
+    assert "| bfloat16-none | 3 / 4 | 5.0 | 24.240 | 1.010x | 0.0020 |" in text

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 
 from splitllm.bench.exactness import first_difference
 from splitllm.bench.workload import workload
@@ -22,7 +23,7 @@ from splitllm.client.session import SplitClient
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.privacy.corpus import build_corpus
-from splitllm.privacy.defenses import perplexity
+from splitllm.privacy.defenses import log_probs, quality
 from splitllm.threads import set_compute_threads
 
 Progress = Callable[[str], None]
@@ -42,14 +43,21 @@ def run_quality(
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "split": [2, 2], "settings": {},
     }
     reference: list[list[int]] = []
+    reference_lp: torch.Tensor | None = None
     for name in ("float32-none", *settings):
         precision = Precision.from_name(name)
         client = SplitClient(None, None, 2, 2, dtype=precision)
         ids = [client.generate(client.encode_prompt(p), max_new_tokens, "sequential").ids for p in prompts]
         middle = Stage.load(client.files, *client.local.middle_range, precision)
         windows = build_corpus(client.tokenizer, test_positions=ppl_positions, train_positions=0).test
-        ppl = perplexity(client.local, lambda: LocalMiddle(middle, windows.shape[1]), windows)
-        row: dict[str, Any] = {"perplexity": ppl, "ppl_positions": int(windows.numel())}
+        lp = log_probs(client.local, lambda: LocalMiddle(middle, windows.shape[1]), windows)
+        reference_lp = lp if reference_lp is None else reference_lp
+        cost = quality(windows, reference_lp, lp)
+        ppl = cost["perplexity"]
+        row: dict[str, Any] = {
+            "perplexity": ppl, "kl_nats": cost["kl_nats"], "top1_agreement": cost["top1_agreement"],
+            "ppl_positions": int(windows.numel()),
+        }
         if reference:
             first = [first_difference(ref, got) for ref, got in zip(reference, ids)]
             diverged = [f for f in first if f is not None]
@@ -75,14 +83,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"Quality against float32, default model split 2+2, {result['prompts']} prompts x "
         f"{result['max_new_tokens']} greedy tokens; perplexity on held-out text.",
         "",
-        "| setting | identical to float32 | mean first divergence (token) | perplexity | vs float32 |",
-        "| --- | --- | --- | --- | --- |",
+        "| setting | identical to float32 | mean first divergence (token) | perplexity | vs float32 | KL from float32 (nats/token) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in result["settings"].items():
         same = f"{row['identical']} / {result['prompts']}" if "identical" in row else "reference"
         mean = row.get("mean_first_divergence")
         lines.append(
             f"| {name} | {same} | {'-' if mean is None else f'{mean:.1f}'} | {row['perplexity']:.3f} | "
-            f"{row['perplexity'] / base:.3f}x |"
+            f"{row['perplexity'] / base:.3f}x | {row['kl_nats']:.4f} |"
         )
     return "\n".join(lines) + "\n"
