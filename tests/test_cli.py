@@ -58,3 +58,9 @@ def test_the_entry_point_upgrades_old_spellings() -> None:
         [sys.executable, "-m", "splitllm.cli", "netem", "--rtt", "5", "--help"], capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0 and "--rtt is deprecated; use --rtt-ms" in run.stderr and "--listen" in run.stdout
+
+
+@pytest.mark.parametrize("option", ["--slice-rows", "--slice-above", "--max-batch-rows", "--max-nodes-per-step"])
+def test_server_limits_below_one_are_refused_before_anything_loads(option: str) -> None:
+    result = CliRunner().invoke(app, ["serve", option, "0", "--model", "/nonexistent"], env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "must be at least 1" in result.output

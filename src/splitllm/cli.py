@@ -270,22 +270,25 @@ def serve(
     configure(log_format)
     _threads(threads)
     precision = _precision(dtype, quant, device)
-    settings = ServerSettings(
-        head=head, tail=tail, dtype=precision.dtype, quant=precision.quant, device=precision.device,
-        max_context=max_context, max_sessions=max_sessions,
-        session_ttl_s=session_ttl_s, max_nodes_per_step=max_nodes_per_step, max_frame_bytes=int(max_frame_mib * (1 << 20)),
-        max_sessions_per_principal=max_sessions_per_principal, max_kv_bytes=int(max_kv_gib * (1 << 30)),
-        idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, max_connections=max_connections,
-        batch_window_ms=batch_window_ms,
-        max_connections_per_principal=max_connections_per_principal,
-        operators=tuple(operator or ()),
-        max_batch_rows=max_batch_rows,
-        slice_rows=slice_rows,
-        slice_above=slice_above,
-        max_batch_bytes=int(max_batch_mib * (1 << 20)),
-        handshake_timeout_s=handshake_timeout_s,
-        max_header_bytes=max_header_kib << 10,
-    )
+    try:
+        settings = ServerSettings(
+            head=head, tail=tail, dtype=precision.dtype, quant=precision.quant, device=precision.device,
+            max_context=max_context, max_sessions=max_sessions,
+            session_ttl_s=session_ttl_s, max_nodes_per_step=max_nodes_per_step, max_frame_bytes=int(max_frame_mib * (1 << 20)),
+            max_sessions_per_principal=max_sessions_per_principal, max_kv_bytes=int(max_kv_gib * (1 << 30)),
+            idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, max_connections=max_connections,
+            batch_window_ms=batch_window_ms,
+            max_connections_per_principal=max_connections_per_principal,
+            operators=tuple(operator or ()),
+            max_batch_rows=max_batch_rows,
+            slice_rows=slice_rows,
+            slice_above=slice_above,
+            max_batch_bytes=int(max_batch_mib * (1 << 20)),
+            handshake_timeout_s=handshake_timeout_s,
+            max_header_bytes=max_header_kib << 10,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     tls = TlsFiles(tls_cert, tls_key, client_ca) if tls_cert and tls_key else None
     scheme = "wss" if tls else "ws"
     if engine == "ray":

@@ -77,6 +77,11 @@ class ServerSettings:
     max_header_bytes: int = 16 << 10  # request line plus headers
     max_header_lines: int = 64
 
+    def __post_init__(self) -> None:
+        for name in ("max_nodes_per_step", "max_batch_rows", "slice_rows", "slice_above"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
     @property
     def precision(self) -> Precision:
         return Precision(self.dtype, self.quant, self.device)
