@@ -54,7 +54,10 @@ class PackedLinear(nn.Module):
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:
-        return dtype == torch.bfloat16 and device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return (
+            dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
 
     @property
     def out_features(self) -> int:
