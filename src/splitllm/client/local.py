@@ -60,8 +60,10 @@ class LocalModel:
         # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as transformers does.
         scale = torch.tensor(cfg.embed_scale).to(self.embed_weight.device, self.embed_weight.dtype)
         self.embed_scale = scale if cfg.embed_scale != 1.0 else None
-        tied_dense = head_name == embed_name and self.head_precision.quant == "none"
-        self.lm_head = self.head_precision.linear({"weight": self.embed_weight}) if tied_dense else weights.linear([head_name])
+        self._tied_dense = head_name == embed_name and self.head_precision.quant == "none"
+        self.lm_head = (
+            self.head_precision.linear({"weight": self.embed_weight}) if self._tied_dense else weights.linear([head_name])
+        )
         # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
         wide = (torch.float32, torch.float64)
         self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype in wide
@@ -81,9 +83,10 @@ class LocalModel:
     def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dense rows of the LM head for token `ids` (a draft vocabulary), whatever form the head is
         stored in: a quantized head is read back through its own kernel, once, at the cost of a
-        hidden-size-row product."""
-        if isinstance(self.lm_head, (Linear, PackedLinear)):
-            weight = self.lm_head.weight
+        hidden-size-row product. A tied head's rows are the embedding's (a packed head would have to
+        unpack all of its rows first)."""
+        if self._tied_dense or isinstance(self.lm_head, (Linear, PackedLinear)):
+            weight = self.embed_weight if self._tied_dense else self.lm_head.weight
             return weight[ids.to(weight.device)]
         hp = self.head_precision
         eye = torch.eye(self.cfg.hidden_size, dtype=hp.dtype, device=hp.torch_device)
