@@ -26,10 +26,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as the reference implementation does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm, PyTorch's fused kernel: in float32 the same bits as the reference implementation's
+    float32 formula (checked against transformers in the exactness tests), one call instead of seven."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Rotary:
