@@ -15,9 +15,10 @@ candidate) rather than estimated from the noised state: that is the exact likeli
 the log-determinant term that tells a quiet state from a loud one.
 
 Candidates per hypothesis come in the order of a learned attacker's ranking of the sent state fused
-with the hypothesis's prior, in geometric chunks, until one fits the noise model (`fit`: what the
-truth would pass but for a 1e-4 chance) or a cap: without noise the first match ends the search as
-in the white-box search, under heavy noise the first chunk already fits and the scores decide.
+with the hypothesis's prior, in geometric chunks, until the best one fits the noise model (`fit`:
+what the truth would pass but for a 1e-4 chance) and leads the runner-up by `MARGIN` nats, or a
+cap: without noise the true token ends the search at once, as in the white-box search; under
+heavy noise, where a wrong candidate fits too, the search runs to the cap and the scores decide.
 Candidates that fail the fit are dropped from the beam while any candidate passes it. Each
 hypothesis holds the public model's caches over its prefix (the head's layers give the candidates'
 states, the rest the prior), so a chunk costs one batched step of every searching hypothesis's
@@ -45,6 +46,7 @@ from splitllm.visibility import Visibility
 
 WIRE_STD = 2.0**-11  # float16 rounding per coordinate, relative to the state's RMS (an upper bound)
 FIT_Z = 4.0  # standard deviations a fitting candidate's statistics may lie from their expectation
+MARGIN = 10.0  # nats by which a fitting candidate must lead the runner-up to end a hypothesis's search
 
 
 @dataclass
@@ -120,6 +122,14 @@ def _scored(
     return score, f.fits
 
 
+def _decided(tried: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
+    """The best candidate so far fits and leads the runner-up by `MARGIN` nats: a clear winner."""
+    scores, fits = torch.cat([t[0] for t in tried]), torch.cat([t[1] for t in tried])
+    top = scores.topk(min(2, len(scores)))
+    runner_up = top.values[1] if len(top.values) > 1 else -math.inf
+    return bool(fits[top.indices[0]]) and float(top.values[0] - runner_up) >= MARGIN
+
+
 def _search(
     head: Sequence[Stage],
     embed: torch.Tensor,
@@ -129,8 +139,8 @@ def _search(
     chunk: tuple[int, int],
     t: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every hypothesis's candidates in its order, chunk by chunk, until one fits or its order runs
-    out: (score, token, fits, hypothesis index) of every candidate tried."""
+    """Every hypothesis's candidates in its order, chunk by chunk, until a clear winner fits or its
+    order runs out: (score, token, fits, hypothesis index) of every candidate tried."""
     chunks = [iter(geometric_chunks(order, *chunk)) for order in orders]
     tried: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in beams]
     searching = list(range(len(beams)))
@@ -139,9 +149,7 @@ def _search(
         states = _step(head, [beams[i].caches for i in searching], [embed[x] for x in ids], t)
         for i, x, s in zip(searching, ids, states):
             tried[i].append((*score(beams[i], x, s), x))
-        searching = [
-            i for i in searching if not tried[i][-1][1].any() and sum(len(x) for *_, x in tried[i]) < len(orders[i])
-        ]
+        searching = [i for i in searching if not _decided(tried[i]) and sum(len(x) for *_, x in tried[i]) < len(orders[i])]
     for h in beams:
         for cache in h.caches[: len(head)]:
             cache.keep([])  # drop the candidates: the prefix is committed alone again
@@ -170,7 +178,8 @@ def map_beam(
 
     `learned`: (P, V) a learned attacker's scores of each sent state. Each hypothesis tries
     candidates in the fused order of those scores and its prior, in geometric chunks from `first`,
-    until one fits the noise model or `max_candidates` were tried; every candidate tried is scored.
+    until a clear winner fits the noise model or `max_candidates` were tried; every candidate tried
+    is scored.
     `prior=False` scores by the likelihood alone (the prior still orders the candidates).
     """
     t0 = time.perf_counter()
