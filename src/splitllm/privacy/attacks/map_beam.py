@@ -92,7 +92,9 @@ class Decoding:
     seconds: float
 
 
-def _step(stages: Sequence[Stage], caches: list[list[KVCache]], hidden: list[torch.Tensor], t: int) -> list[torch.Tensor]:
+def _step(
+    stages: Sequence[Stage], caches: list[list[KVCache]], hidden: list[torch.Tensor], t: int
+) -> list[torch.Tensor]:
     """One batched step at position t of several sequences (each: tokens that see only its committed
     prefix and themselves) through consecutive stages; their entries are left pending."""
     for i, stage in enumerate(stages):
