@@ -68,7 +68,7 @@ def test_quick_audit_fills_every_report_field(quick_report) -> None:  # type: ig
     assert [row["temperature"] for row in report["output_sampling"]] == [0.7, 1.0]
     d = report["defenses"]
     assert {"noise", "dp_noise", "rotation", "lowrank"} <= d.keys()
-    cost = {"perplexity", "kl_nats", "top1_agreement", "whitebox_recovery", "mlp_top1"}
+    cost = {"perplexity", "kl_nats", "top1_agreement", "whitebox_recovery", "mlp_top1", "map_likelihood", "map_beam"}
     assert all(cost <= row.keys() for row in d["noise"] + d["dp_noise"])
     p = report["provenance"]
     assert len(p["git_commit"]) == 40 and len(p["model_fingerprint"]) == 64 and p["libraries"]["torch"]

@@ -59,16 +59,16 @@ class Quality:
 
 def map_attack(ctx: Context, targets: list[Target], proposer: Attacker, noise: defenses.GaussianNoise) -> dict:
     """MAP decoding of the noised white-box targets, with the white-box search's candidate cap: by
-    the likelihood alone (one hypothesis: the nearest candidate under the exact noise model) and
-    with the LM prior and a beam."""
+    the likelihood alone (one hypothesis: the most likely token at each position given the
+    recovered prefix) and with the LM prior and a beam."""
     cfg, k = ctx.cfg, ctx.cfg.defense_head
+    cap = cfg.whitebox_max_candidates or ctx.files.config.vocab_size
     hits: dict[str, list[bool]] = {"map_likelihood": [], "map_beam": []}
     seconds = 0.0
     for states, truth, _ in targets:
         with torch.inference_mode():
             learned = proposer.scorer.vocab_logits(proposer(states))
         for key, beam, prior in (("map_likelihood", 1, False), ("map_beam", cfg.map_beam_width, True)):
-            cap = cfg.whitebox_max_candidates or len(learned[0])
             out = map_beam(ctx.model, k, states, noise, learned, beam, prior, max_candidates=cap)
             hits[key] += [a == b for a, b in zip(out.tokens, truth)]
             seconds += out.seconds if prior else 0.0

@@ -60,7 +60,7 @@ class Fit:
 def fit(noise: GaussianNoise, sent: torch.Tensor, clean: torch.Tensor) -> Fit:
     """The defense's Gaussian, widened by the wire's rounding so that no noise at all stays finite.
 
-    Two tests a true candidate passes but for a 1e-4 chance each (`FIT_Z` standard deviations):
+    Two tests a true candidate passes but for about a 1e-4 chance each (`FIT_Z` standard deviations):
     its squared residual over the variance is chi-square with d degrees of freedom (mean d, std
     sqrt(2d)); and the sent state's squared norm is what its mean and variance predict (mean
     |m|^2 + d var, variance 4 var |m|^2 + 2 d var^2). The second rejects a state so large that its
