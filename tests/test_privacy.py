@@ -220,6 +220,16 @@ def test_map_beam_recovers_what_was_sent_not_what_was_proposed(tiny_models) -> N
             out = map_beam(model, 1, sent, noise, learned, beam, prior, max_candidates=64, first=8)
             assert out.tokens == b.tolist()
             assert not any(x == y for x, y in zip(out.tokens, a.tolist()))
+    # Heavy noise: several hypotheses survive and share parents; the winner's score is its log
+    # likelihood and log prior recomputed from scratch over its own tokens.
+    noise = defenses.RelativeNoise(3.0)
+    sent = noise(_states_after(model, 1, b), gen)
+    out = map_beam(model, 1, sent, noise, learned, 4, True, max_candidates=64, first=8)
+    tokens = torch.tensor(out.tokens)
+    states = model.stack.forward(model.stack.new_caches(10), model.embed[tokens], torch.arange(10), Visibility.chain(10), [])
+    log_prior = torch.log_softmax(model.logits(states[model.cfg.num_layers]).float(), -1)[:-1].gather(-1, tokens[1:, None])
+    likelihood = sum(fit(noise, sent[t], states[1][t : t + 1]).log_likelihood for t in range(10))
+    assert math.isclose(out.score, float(likelihood + log_prior.sum()), rel_tol=1e-4)
     # The first position has no prior: its order is the learned one alone, where b[0] ranks 100th.
     far = -torch.arange(vocab, dtype=torch.float32)[None]
     far[0, b[0]] = -99.5 - int(b[0] < 100)

@@ -88,6 +88,7 @@ class _Hypothesis:
 @dataclass
 class Decoding:
     tokens: list[int]  # the best final hypothesis
+    score: float  # its log likelihood, plus its log prior if used
     candidates: int  # candidate states scored, over all positions and hypotheses
     seconds: float
 
@@ -205,14 +206,17 @@ def map_beam(
         ]
         if t + 1 < n_pos:
             _extend(model, beams, t)
-    return Decoding(beams[0].tokens, scored, time.perf_counter() - t0)
+    return Decoding(beams[0].tokens, beams[0].score, scored, time.perf_counter() - t0)
 
 
 def _extend(model: PublicModel, beams: list[_Hypothesis], t: int) -> None:
-    """Give each new hypothesis its own caches (a copy of its parent's) with its last token committed
-    through every layer, and the prior for its next token."""
+    """Give each new hypothesis its own caches (its parent's; a copy for a parent's second child on)
+    with its last token committed through every layer, and the prior for its next token."""
+    taken: set[int] = set()
     for h in beams:
-        h.caches = copy.deepcopy(h.caches)
+        if id(h.caches) in taken:
+            h.caches = copy.deepcopy(h.caches)
+        taken.add(id(h.caches))
     hidden = _step(model.stack.stages, [h.caches for h in beams], [model.embed[h.tokens[-1:]] for h in beams], t)
     for h, out in zip(beams, hidden):
         for cache in h.caches:
