@@ -62,7 +62,8 @@ _TINY_COMMON = dict(
 TINY_CONFIGS = {
     "llama": LlamaConfig(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=False),
     "qwen2": Qwen2Config(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=True),
-    "mistral": MistralConfig(**_TINY_COMMON, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=False),
+    # Heads of 64 (as the real models have) so 16-bit runs take the CPU attention kernel.
+    "mistral": MistralConfig(**_TINY_COMMON, num_hidden_layers=6, head_dim=64, sliding_window=8, tie_word_embeddings=False),
     # Every Gemma 3 feature: sliding (window 8) and full layers on each side of any split, their own rotary
     # (linear scaling on the full ones), q/k and sandwich norms, scaled embeddings, GELU, a query scale
     # other than the head size, and final logit soft-capping (the real 270M has none).

@@ -58,7 +58,7 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
     vocab = train.draft_vocabulary(seqs[1:], 128, files.config.vocab_size)
     assert len(vocab) == 128 and len(set(vocab)) == 128
     head = train.new_head(local, vocab)
-    settings = train.TrainSettings(vocab=128, epochs=3, batch_tokens=64, lr=3e-3)
+    settings = train.TrainSettings(vocab=128, epochs=3, passes=2, batch_tokens=64, lr=3e-3)
     history = train.train(head, target, seqs[1:], settings)
     assert history["steps"] >= 3 and history["last_loss"] < history["first_loss"]
     val = train.validate(head, target, seqs[:1], depth=3)

@@ -549,17 +549,20 @@ def bench_sweep(
         float, typer.Option(help="seconds to wait for quiet moments; then what is left runs regardless")
     ] = 3600.0,
     quiet_deadline_min: Annotated[Optional[float], typer.Option(hidden=True, help="deprecated: --quiet-deadline-s")] = None,
+    setting: Annotated[Optional[str], typer.Option(help="dtype-quant of both sides; default: the fastest")] = None,
 ) -> None:
     """Tokens per second against RTT for every mode: measured, predicted (cross-validated), plotted."""
     import shlex
 
     from splitllm.bench.sweep import Quiet
     from splitllm.bench.sweep_report import sweep
+    from splitllm.model.precision import FASTEST
 
     _need_extra("bench")
+    precision = _setting(setting or FASTEST)
     command = shlex.join(["splitllm", *sys.argv[1:]])
     quiet = Quiet(max_other_cores, quiet_deadline_s if quiet_deadline_min is None else quiet_deadline_min * 60)
-    summary = sweep(out, links, prompts_per_category, max_new_tokens, profile, merge, reanalyze, command, quiet)
+    summary = sweep(out, links, prompts_per_category, max_new_tokens, profile, merge, reanalyze, command, quiet, precision)
     typer.echo(summary["markdown"])
     typer.echo(f"overall MAPE {100 * summary['mape']['overall']:.2f}%; plots: {', '.join(summary['plots'])}", err=True)
 
@@ -816,12 +819,12 @@ app.add_typer(draft_app, name="draft")
 def draft_train(
     out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
     model: Annotated[str, typer.Option(help="'default', an HF folder or a .gguf file")] = "default",
-    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 96,
+    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 480,
     max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
-    texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 48,
+    texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 96,
     vocab: Annotated[int, typer.Option(help="draft vocabulary: the most frequent target tokens")] = 8192,
     epochs: Annotated[int, typer.Option(help="passes over the training data")] = 6,
-    passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 2,
+    passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 3,
     seed: int = 0,
     work: Annotated[Optional[str], typer.Option(help="folder caching answers and features [default: under the cache]")] = None,
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,

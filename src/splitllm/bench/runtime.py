@@ -49,6 +49,7 @@ from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
 FORWARD_TOKENS = (1, 8, 32)
+GEMMA_VOCAB = 262_144
 CONTEXT = 512
 # Compute dtype and weight quantization, the same on both sides; the first is the exact mode.
 SETTINGS = ("float32-none", "bfloat16-none", "bfloat16-int8", "bfloat16-int4")
@@ -140,9 +141,11 @@ def server_forward(
     }
 
 
-def client_step(head: int, tail: int, precision: Precision, context: int = CONTEXT) -> dict[str, Any]:
+def client_step(
+    head: int, tail: int, precision: Precision, context: int = CONTEXT, model: str | None = None
+) -> dict[str, Any]:
     """The client's compute for one new token over `context`: embedding, head layers, tail layers, LM head."""
-    local = LocalModel(ModelFiles(None), head, tail, precision)
+    local = LocalModel(ModelFiles(model), head, tail, precision)
     caches = local.new_caches(context + 1)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, local.cfg.vocab_size, (context,), generator=gen)
@@ -159,7 +162,10 @@ def client_step(head: int, tail: int, precision: Precision, context: int = CONTE
     wait_quiet([os.getpid()], QUIET_CORES, timeout_s=QUIET_WAIT_S)
     with OtherLoad([os.getpid()]) as others:
         timing = _median_ms(step, repeats=30)
-    return {**timing, "precision": precision.name, "weight_bytes": _weight_bytes_local(local), "others_cores": others.cores}
+    return {
+        **timing, "precision": precision.name, "weight_bytes": _weight_bytes_local(local),
+        "lm_head_bytes": _weight_bytes(local.lm_head), "others_cores": others.cores,
+    }
 
 
 def _weight_bytes_local(local: LocalModel) -> int:
@@ -377,6 +383,9 @@ def run_runtime(
                      f"(floor {fwd['floor_ms']:.1f} ms)")
             result["client_step"][f"{setting} {n}t"] = client_step(head, tail, Precision.from_name(setting))
     set_compute_threads(1)
+    progress(f"(a') Gemma 3's client step per setting: its LM head has {GEMMA_VOCAB:,} rows")
+    result["client_step_gemma3"] = {s: client_step(head, tail, Precision.from_name(s), model="gemma3") for s in settings}
+    set_compute_threads(1)
     texts = [p.text for p in workload(prompts)]
     result["decoding"] = {}
     for setting in dict.fromkeys([fastest, "float32-none"]):
@@ -459,6 +468,12 @@ def markdown(result: dict[str, Any]) -> str:
         setting, threads = key.split()
         lines.append(f"| {setting} | {threads.removesuffix('t')} | {c['weight_bytes'] / _MIB:.0f} | "
                      f"{c['median_ms']:.2f} | {c['others_cores']:.2f} |")
+    gemma = result.get("client_step_gemma3")
+    if gemma:
+        lines += ["", f"## Gemma 3 270M: client compute for one token (one thread; LM head of {GEMMA_VOCAB:,} rows)", "",
+                  "| setting | weights MiB | LM head MiB | median ms | others' cores |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {setting} | {c['weight_bytes'] / _MIB:.0f} | {c['lm_head_bytes'] / _MIB:.0f} | {c['median_ms']:.2f} | "
+                  f"{c['others_cores']:.2f} |" for setting, c in gemma.items()]
     lines += ["", "## Load time and peak memory", "", "| load | total s | resolve s | server s | client s |",
               "| --- | --- | --- | --- | --- |"]
     lines += [f"| {k} | {v['total_s']:.2f} | {v['resolve_s']:.2f} | {v['server_s']:.2f} | {v['client_s']:.2f} |"

@@ -33,6 +33,7 @@ from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second, tokens_per_second
 from splitllm.launch import ServerProcess
+from splitllm.model.precision import FASTEST, Precision
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
 from splitllm.threads import set_compute_threads
@@ -219,23 +220,25 @@ def run_sweep(
     profile: AutoProfile | None = None,
     log_path: str | None = None,
     quiet: Quiet = Quiet(),
+    precision: Precision = Precision.from_name(FASTEST),
 ) -> tuple[list[Run], AutoProfile]:
     """Measure every config at every point; calibrate the adaptive profile first unless one is given.
 
     Every link has its own proxy for the whole sweep, so generations can run in any order: they are
     interleaved (prompt by prompt, link by link, mode by mode), and a disturbed one goes to the back
     of the queue. Each link's RTT is the median of pings taken in quiet moments before its first runs.
+    Client and server compute in `precision` (the fastest setting unless told otherwise).
     """
     set_compute_threads(1)
     prompts = workload(per_category)
     held_out = [Prompt(c, workload(8, (c,))[-1].text) for c in CATEGORIES]  # never in a measured run
     configs = [*fixed_configs(), Config(ADAPTIVE, "auto")]
-    client = SplitClient(None, head=2, tail=2)
+    client = SplitClient(None, head=2, tail=2, dtype=precision)
     tasks = deque((prompt, point, config) for prompt in prompts for point in points for config in configs)
     total = len(tasks) + (0 if profile else len(held_out) * len(CANDIDATE_BUDGETS))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with ExitStack() as stack:
-        server = stack.enter_context(ServerProcess("--head", "2", "--tail", "2", "--threads", "1", log_path=log_path))
+        server = stack.enter_context(ServerProcess("--head", "2", "--tail", "2", "--threads", "1", *precision.serve_args(), log_path=log_path))
         bar = stack.enter_context(Progress(*columns))
         assert server.proc is not None
         bench = _Bench(client, server.proc.pid, quiet)

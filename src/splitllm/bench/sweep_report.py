@@ -24,6 +24,7 @@ from splitllm.bench.sweep import (
 from splitllm.decoding.budget import AutoProfile
 from splitllm.decoding.policy import SpecBudget
 from splitllm.latency import LatencyProfile, Link, StepShape
+from splitllm.model.precision import FASTEST, Precision
 from splitllm.stats import StepStats, mean_stats
 
 PARTS = {  # stacked-bar segments: label -> StepStats fields summed
@@ -264,6 +265,7 @@ def sweep(
     reanalyze: bool,
     command: str,
     quiet: Quiet = Quiet(),
+    precision: Precision = Precision.from_name(FASTEST),
 ) -> dict:
     """The `bench sweep` command: measure (or reuse) runs, then write the report into `out`.
 
@@ -277,7 +279,9 @@ def sweep(
     wanted = parse_points(points)
     auto = AutoProfile.load(profile) if profile else AutoProfile.load(saved) if merge and saved.exists() else None
     folder.mkdir(parents=True, exist_ok=True)
-    runs, auto = run_sweep(wanted, per_category, max_new_tokens, auto, str(folder / "server.log"), quiet)
+    runs, auto = run_sweep(
+        wanted, per_category, max_new_tokens, auto, str(folder / "server.log"), quiet, precision
+    )
     auto.save(saved)
     if merge and steps.exists():
         runs = [r for r in load_runs(steps) if r.point not in wanted] + runs

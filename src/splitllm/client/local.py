@@ -14,7 +14,7 @@ from splitllm.draft.store import load_head
 from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
 from splitllm.model.precision import Precision
-from splitllm.model.quant import Linear, PackedLinear
+from splitllm.model.quant import BlockedLinear, Linear, PackedLinear
 from splitllm.model.stage import Stage, read_norm
 from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
@@ -85,7 +85,7 @@ class LocalModel:
         stored in: a quantized head is read back through its own kernel, once, at the cost of a
         hidden-size-row product. A tied head's rows are the embedding's (a packed head would have to
         unpack all of its rows first)."""
-        if self._tied_dense or isinstance(self.lm_head, (Linear, PackedLinear)):
+        if self._tied_dense or isinstance(self.lm_head, (Linear, PackedLinear, BlockedLinear)):
             weight = self.embed_weight if self._tied_dense else self.lm_head.weight
             return weight[ids.to(weight.device)]
         hp = self.head_precision

@@ -27,9 +27,9 @@ from splitllm.model.weights import ModelFiles, cache_root
 
 @dataclass(frozen=True)
 class DataSettings:
-    prompts: int = 96  # self-distillation prompts answered by the target
+    prompts: int = 480  # self-distillation prompts answered by the target (the shipped head's recipe)
     max_new_tokens: int = 160
-    texts: int = 48  # passages of standard-library prose and code
+    texts: int = 96  # passages of standard-library prose and code
     text_length: int = 256
     generate_batch: int = 32
     seed: int = 0

@@ -34,7 +34,7 @@ from splitllm.model.stage import Stage
 class TrainSettings:
     vocab: int = 8192  # draft vocabulary: the most frequent target tokens of the data
     epochs: int = 6
-    passes: int = 2  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
+    passes: int = 3  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
     batch_tokens: int = 512
     lr: float = 1e-3
     feature_weight: float = 1.0

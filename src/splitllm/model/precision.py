@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitllm.model.quant import QUANTIZED, Linear, PackedLinear
+from splitllm.model import cpu_kernels
+from splitllm.model.attention import Attention, KernelAttention, fused
+from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -70,6 +72,14 @@ class Precision:
         """CPU attention runs in float32: its 16-bit kernels are several times slower for a few query rows."""
         return torch.float32 if self.torch_device.type == "cpu" and self.dtype in _SIXTEEN_BIT else self.dtype
 
+    def attention(self, head_dim: int) -> Attention:
+        """The attention a layer of this precision runs: the CPU kernel for 16-bit compute where it runs
+        (`attention.py`), else PyTorch's (always for the exact mode)."""
+        kernels = cpu_kernels.load() if self.torch_device.type == "cpu" and not self.exact else None
+        if kernels is not None and KernelAttention.supports(head_dim, self.attention_dtype):
+            return KernelAttention(kernels)
+        return fused
+
     @property
     def name(self) -> str:
         """'bfloat16-int8': names the stored form of the weights (the device does not change it)."""
@@ -91,7 +101,10 @@ class Precision:
         bias = None if bias is None else bias.to(dev, self.dtype)
         if self.quant == "none":
             weight = stored["weight"].to(dev, self.dtype)
-            return PackedLinear(weight, bias) if PackedLinear.available(self.dtype, dev) else Linear(weight, bias)
+            for fast in (BlockedLinear, PackedLinear):  # the fastest bfloat16 CPU kernel that runs here
+                if fast.available(self.dtype, dev):
+                    return fast(weight, bias)
+            return Linear(weight, bias)
         return QUANTIZED[self.quant].from_stored(stored, bias, dev)
 
     def dense(self, tensor: torch.Tensor) -> torch.Tensor:

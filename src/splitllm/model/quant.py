@@ -1,8 +1,8 @@
 """Linear layers in the form their weights are stored: dense, int8 per output channel, int4 grouped.
 
 Weight-only quantization as gpt-fast does it: the weights are streamed from memory as 8 or 4 bits and
-multiplied by 16-bit activations in PyTorch's packed kernels, so a one-token step reads 2-4x fewer
-bytes than with float32 weights. Each module's `stored` form (plain tensors, device independent) is
+multiplied by 16-bit activations in packed kernels (splitllm's own for bfloat16 and int8 where the CPU
+has AVX-512 BF16, else PyTorch's), so a one-token step reads 2-4x fewer bytes than with float32 weights. Each module's `stored` form (plain tensors, device independent) is
 what the conversion cache keeps; `from_stored` builds the running module on a device.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from splitllm.model import cpu_kernels
 
 # The packed kernels take bfloat16 activations on CPU (float32 / float16 inputs run 10-30x slower there).
 KERNEL_DTYPE = torch.bfloat16
@@ -72,6 +74,49 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(_cast(x, torch.bfloat16), self.packed, self.bias, "none", [], "")
 
 
+class BlockedLinear(nn.Module):
+    """bfloat16 (or int8 with per-output scales) weights in the blocks of splitllm's own CPU kernel.
+
+    Where it runs (`cpu_kernels`), it streams a step's weights at the memory bandwidth (1.6-2x
+    PyTorch's kernels for 1-8 rows here) and gives every row the same bits alone or in any batch. Its
+    sums run in a different order from oneDNN's, so bits differ from `F.linear` (by bfloat16 rounding).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+        super().__init__()
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            raise RuntimeError("splitllm's CPU kernels do not run on this machine (see BlockedLinear.available)")
+        self._kernels = kernels
+        self._out, self._in = weight.shape
+        dense = weight.contiguous() if weight.dtype == torch.int8 else weight.to(torch.bfloat16).contiguous()
+        self.register_buffer("packed", kernels.pack(F.pad(dense, (0, self._in % 2))))
+        self.register_buffer("scales", None if scales is None else scales.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        return dtype == torch.bfloat16 and device.type == "cpu" and cpu_kernels.load() is not None
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (out, in) bfloat16 weight the kernel multiplies by (a copy: for reading rows, not for steps)."""
+        blocks, pairs, width, _ = self.packed.shape
+        dense = self.packed.permute(0, 2, 1, 3).reshape(blocks * width, pairs * 2)[: self._out, : self._in]
+        return dense if self.scales is None else (dense.float() * self.scales[:, None]).bfloat16()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """In the input's dtype, computed in bfloat16 (as the quantized kernels do)."""
+        flat = _cast(x, torch.bfloat16).contiguous()
+        if self._in % 2:
+            flat = F.pad(flat, (0, 1))
+        return _cast(self._kernels.linear(flat, self.packed, self._out, self.bias, self.scales), x.dtype)
+
+
 class Int8Linear(nn.Module):
     """Symmetric int8 weights with one scale per output channel: w ~= q * scale."""
 
@@ -93,7 +138,10 @@ class Int8Linear(nn.Module):
         return {"q": q, "scales": scales.to(KERNEL_DTYPE)}
 
     @classmethod
-    def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> Int8Linear:
+    def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> nn.Module:
+        """splitllm's kernel where it runs (2-3x PyTorch's int8 kernel here), else PyTorch's."""
+        if BlockedLinear.available(KERNEL_DTYPE, device):
+            return BlockedLinear(stored["q"], bias, stored["scales"])
         return cls(stored["q"].to(device), stored["scales"].to(device), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

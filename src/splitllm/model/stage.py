@@ -156,7 +156,7 @@ class Stage(nn.Module):
             cache_pos = s.cache.positions[: s.cache.length]
             masks = {w: self._mask(s.vis, cache_pos, s.positions, w) for w in set(self.windows)}
             for segs, w, rotary in zip(segments, self.windows, self.rotaries):
-                cos, sin = (t.to(self.device) for t in rotary(s.positions, self.dtype))
+                cos, sin = (t.to(self.device) for t in rotary(s.positions, self.precision.attention_dtype))
                 segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
             row += n
         x = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])[None]

@@ -1,0 +1,44 @@
+"""How a layer attends: PyTorch's fused attention, or splitllm's CPU kernel for the few rows of a decoding step.
+
+Both take queries (1, H, n, D) and a cache view (1, KV, L, D) with an additive mask (or None) and return
+(1, n, H * D). The kernel (`kernels/attention.cpp`) is 2-4x faster for one to eight rows and gives a row
+the same bits alone, in a speculative tree or after its ancestors were committed; it serves the 16-bit
+precisions on the CPU for steps of up to `KERNEL_ROWS` rows (prompts above that use PyTorch's, whose
+blocked matrix products win there). The float32 exact mode always uses PyTorch's, as transformers does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
+KERNEL_ROWS = 64  # speculative trees (at most 51 nodes) and the server's prompt slices stay below it
+
+
+def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """PyTorch's attention; `scale` None is 1 / sqrt(head size)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(1, q.shape[2], -1)
+
+
+class KernelAttention:
+    """The CPU kernel for steps of up to KERNEL_ROWS rows, `fused` above."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    @staticmethod
+    def supports(head_dim: int, cache_dtype: torch.dtype) -> bool:
+        return head_dim % 64 == 0 and cache_dtype == torch.float32
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+    ) -> torch.Tensor:
+        if q.shape[2] > KERNEL_ROWS:
+            return fused(q, k, v, mask, scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return self.kernels.attention(q, k, v, None if mask is None else mask.contiguous(), scale)

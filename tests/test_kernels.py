@@ -1,0 +1,102 @@
+"""splitllm's CPU kernels (linear in bfloat16 and int8, attention over a float32 cache): close to the
+reference, and batch-invariant, the property speculation's exactness rests on: a row gets the same bits
+alone, among other rows, inside a tree whose other nodes are masked, or after its ancestors were committed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitllm.model import cpu_kernels
+from splitllm.model.attention import KERNEL_ROWS, KernelAttention, fused
+from splitllm.model.precision import Precision
+from splitllm.model.quant import BlockedLinear, Int8Linear
+
+KERNELS = cpu_kernels.load()
+
+
+def test_kernels_build_wherever_the_cpu_runs_them() -> None:
+    """A missing compiler must fail here, not fall back silently to the slower kernels."""
+    assert (KERNELS is not None) == cpu_kernels.cpu_has_avx512_bf16()
+
+
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU has no AVX-512 BF16 (the kernels do not run here)")
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> bool:
+    return float((out.float() - ref.float()).norm() / ref.float().norm()) < tolerance
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+@pytest.mark.parametrize(("outputs", "inputs"), [(96, 128), (7, 101)])  # whole blocks; a ragged block and odd width
+def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, inputs) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(outputs, inputs, generator=gen) * 0.1, torch.randn(outputs, generator=gen)
+    if form == "int8":
+        stored = Int8Linear.quantize(w)
+        linear = Int8Linear.from_stored(stored, bias, torch.device("cpu"))
+        w = stored["q"].float() * stored["scales"].float()[:, None]
+    else:
+        linear = Precision(torch.bfloat16).linear({"weight": w.bfloat16()}, bias.bfloat16())
+        w, bias = w.bfloat16().float(), bias.bfloat16().float()
+    assert isinstance(linear, BlockedLinear) and linear.out_features == outputs
+    assert torch.equal(linear.weight, w.bfloat16())
+    x = torch.randn(1, 29, inputs, generator=gen).bfloat16()  # more rows than one tile of 12
+    out = linear(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 29, outputs)
+    assert _close(out, x.float() @ w.T + bias, 0.01)
+    assert torch.equal(out[0], torch.cat([linear(row) for row in x[0].split(1)]))
+    assert torch.equal(out[0, 5:9], linear(x[0, 5:9]))
+    assert linear(x.float()).dtype == torch.float32  # the input's dtype back, computed in bfloat16
+
+
+def _cache(heads: int, length: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a larger cache buffer, as a layer's cache is."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 1, heads, length + 7, dim, generator=gen)
+    return k[:, :, :length], v[:, :, :length]
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "n"), [(9, 3, 64, 1), (9, 3, 64, 13), (4, 1, 256, 6), (2, 2, 128, 3)])
+def test_attention_kernel_matches_pytorch(heads, kv_heads, dim, n) -> None:  # type: ignore[no-untyped-def]
+    k, v = _cache(kv_heads, 40 + n, dim, seed=1)
+    q = torch.randn(1, n, heads, dim, generator=torch.Generator().manual_seed(2)).transpose(1, 2)
+    mask = torch.zeros(n, 40 + n)
+    mask[:, 40:] = torch.triu(torch.full((n, n), float("-inf")), 1)
+    mask[0, :3] = float("-inf")  # a window edge
+    for m in (mask[None, None], None):
+        out = KernelAttention(KERNELS)(q, k, v, m, 0.2)
+        assert out.shape == (1, n, heads * dim)
+        assert torch.allclose(out, fused(q, k, v, m, 0.2), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_attention_kernel_row_is_the_same_in_a_tree_and_after_committing() -> None:
+    """Node 5 of a tree sees the cache and nodes 0, 2, 4; sequentially those were committed first."""
+    attention = KernelAttention(KERNELS)
+    k, v = _cache(3, 106, 64, seed=3)
+    q = torch.randn(1, 9, 6, 64, generator=torch.Generator().manual_seed(4))
+    sees = [0, 2, 4, 5]
+    mask = torch.full((6, 106), float("-inf"))
+    mask[:, :100] = 0
+    for node, ancestors in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], sees]):
+        mask[node, [100 + a for a in ancestors]] = 0
+    tree = attention(q, k, v, mask[None, None], None)
+    committed = [torch.cat([t[:, :, :100], t[:, :, [100 + a for a in sees]]], 2) for t in (k, v)]
+    alone = attention(q[:, :, 5:], *committed, None, None)
+    assert torch.equal(tree[:, 5:], alone)
+
+
+@needs_kernels
+def test_attention_kernel_leaves_prompts_and_other_head_sizes_to_pytorch() -> None:
+    long_q = torch.randn(1, 2, KERNEL_ROWS + 1, 64)
+    k, v = _cache(2, KERNEL_ROWS + 1, 64, seed=5)
+    assert torch.equal(KernelAttention(KERNELS)(long_q, k, v, None, None), fused(long_q, k, v, None, None))
+    assert not KernelAttention.supports(16, torch.float32) and not KernelAttention.supports(64, torch.bfloat16)
+    assert isinstance(Precision(torch.bfloat16).attention(64), KernelAttention)
+    assert Precision(torch.float32).attention(64) is fused  # the exact mode attends as transformers does
+    assert torch.equal(fused(long_q, k, v, None, None),
+                       F.scaled_dot_product_attention(long_q, k, v).transpose(1, 2).reshape(1, KERNEL_ROWS + 1, -1))
