@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from splitllm.cli import app
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.privacy import defenses
+from splitllm.privacy.attacks.map_beam import fit, map_beam
 from splitllm.privacy.attacks.whitebox import LanguageModelPrior, invert
 from splitllm.privacy.checks import quick_checks
 from splitllm.privacy.rates import clopper_pearson
@@ -67,7 +68,7 @@ def test_quick_audit_fills_every_report_field(quick_report) -> None:  # type: ig
     assert [row["temperature"] for row in report["output_sampling"]] == [0.7, 1.0]
     d = report["defenses"]
     assert {"noise", "dp_noise", "rotation", "lowrank"} <= d.keys()
-    cost = {"perplexity", "kl_nats", "top1_agreement", "whitebox_recovery", "mlp_top1"}
+    cost = {"perplexity", "kl_nats", "top1_agreement", "whitebox_recovery", "mlp_top1", "map_likelihood", "map_beam"}
     assert all(cost <= row.keys() for row in d["noise"] + d["dp_noise"])
     p = report["provenance"]
     assert len(p["git_commit"]) == 40 and len(p["model_fingerprint"]) == 64 and p["libraries"]["torch"]
@@ -176,6 +177,68 @@ def test_certified_search_falls_back_to_the_whole_vocabulary(tiny_models) -> Non
     assert capped.candidates[1] == 8 and not capped.certified[1]
 
 
+def test_noise_likelihood_is_the_density_the_defense_draws_from() -> None:
+    """Relative noise: std sigma x the clean state's RMS; DP: clipped to the norm bound, then a fixed
+    std. The draws follow that model, the attack's log likelihood is its Gaussian density, and only
+    the clean state that was sent fits the draw."""
+    gen = torch.Generator().manual_seed(0)
+    clean = torch.randn(3, 256, generator=gen) * torch.tensor([[1.0], [3.0], [10.0]])
+    rms = clean.pow(2).mean(-1, keepdim=True).sqrt()
+    clipped = clean * (20.0 / clean.norm(dim=-1, keepdim=True)).clamp(max=1.0)
+    dp = defenses.DPNoise(clip=20.0, epsilon=200.0)
+    for noise, mean, std in ((defenses.RelativeNoise(0.5), clean, 0.5 * rms), (dp, clipped, torch.full((3, 1), dp.sigma))):
+        sent = noise(clean, gen)
+        z = (sent - mean) / std
+        assert abs(float(z.mean())) < 0.15 and abs(float(z.std()) - 1) < 0.1  # 4 standard errors
+        for i in range(3):
+            f = fit(noise, sent[i], clean)
+            density = torch.distributions.Normal(mean[i], std[i]).log_prob(sent[i]).sum()
+            assert torch.isclose(f.log_likelihood[i], density, rtol=1e-5)
+            assert f.fits.tolist() == [j == i for j in range(3)]
+
+
+def _states_after(model: PublicModel, cut: int, tokens: torch.Tensor) -> torch.Tensor:
+    n = len(tokens)
+    caches = model.stack.new_caches(n)
+    return model.stack.forward(caches, model.embed[tokens], torch.arange(n), Visibility.chain(n), [])[cut].to(WIRE_DTYPE)
+
+
+def test_map_beam_recovers_what_was_sent_not_what_was_proposed(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """Proposals rank sequence a first and sequence b second at every position. From b's states,
+    clean or under noise of 0.3 x their RMS, the MAP attack recovers b and none of a: an attack that
+    followed its proposals or peeked at a would fail. A true token ranked past the first chunk is
+    still found (no candidate fits before it), and not when the cap stops the search short of it."""
+    model = PublicModel(ModelFiles(tiny_models["llama"]), [1])
+    vocab = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, vocab, (2, 10), generator=gen)
+    learned = torch.randn(10, vocab, generator=gen)
+    learned[torch.arange(10), a], learned[torch.arange(10), b] = 100.0, 99.0
+    for noise in (defenses.RelativeNoise(0.0), defenses.RelativeNoise(0.3)):
+        sent = noise(_states_after(model, 1, b), gen)
+        for beam, prior in ((1, False), (3, True)):
+            out = map_beam(model, 1, sent, noise, learned, beam, prior, max_candidates=64, first=8)
+            assert out.tokens == b.tolist()
+            assert not any(x == y for x, y in zip(out.tokens, a.tolist()))
+    # Heavy noise: several hypotheses survive and share parents; the winner's score is its log
+    # likelihood and log prior recomputed from scratch over its own tokens.
+    noise = defenses.RelativeNoise(3.0)
+    sent = noise(_states_after(model, 1, b), gen)
+    out = map_beam(model, 1, sent, noise, learned, 4, True, max_candidates=64, first=8)
+    tokens = torch.tensor(out.tokens)
+    states = model.stack.forward(model.stack.new_caches(10), model.embed[tokens], torch.arange(10), Visibility.chain(10), [])
+    log_prior = torch.log_softmax(model.logits(states[model.cfg.num_layers]).float(), -1)[:-1].gather(-1, tokens[1:, None])
+    likelihood = sum(fit(noise, sent[t], states[1][t : t + 1]).log_likelihood for t in range(10))
+    assert math.isclose(out.score, float(likelihood + log_prior.sum()), rel_tol=1e-4)
+    # The first position has no prior: its order is the learned one alone, where b[0] ranks 100th.
+    far = -torch.arange(vocab, dtype=torch.float32)[None]
+    far[0, b[0]] = -99.5 - int(b[0] < 100)
+    sent, clean = _states_after(model, 1, b[:1]), defenses.RelativeNoise(0.0)
+    found = map_beam(model, 1, sent, clean, far, 1, False, max_candidates=256, first=8)
+    assert found.tokens == b[:1].tolist() and found.candidates == 8 + 16 + 32 + 64  # the fourth chunk holds it
+    assert map_beam(model, 1, sent, clean, far, 1, False, max_candidates=64, first=8).tokens != b[:1].tolist()
+
+
 @pytest.mark.slow
 def test_whitebox_inverts_the_default_model_after_one_layer(default_files) -> None:  # type: ignore[no-untyped-def]
     """Left to right over a real sentence, proposals from the public LM only: exact matches."""
@@ -196,6 +259,25 @@ def test_whitebox_inverts_the_default_model_after_one_layer(default_files) -> No
 
     inv = invert(model.stack.upto(1), model.embed, states, proposals)
     assert sum(a == b for a, b in zip(inv.tokens, ids)) / n >= 0.9
+
+
+@pytest.mark.slow
+def test_map_beam_reads_a_chat_message_through_noise_on_the_default_model(default_files) -> None:  # type: ignore[no-untyped-def]
+    """K = 2, noise of 0.3 x the state's RMS, proposals from the public LM only (the learned ranking
+    is replaced by token id order): the user's message comes back word for word."""
+    from transformers import AutoTokenizer
+
+    model = PublicModel(default_files, [2])
+    tokenizer = AutoTokenizer.from_pretrained(default_files.path)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "My name is Alice and I live in Paris."}])
+    ids = chat if isinstance(chat, list) else chat["input_ids"]
+    noise = defenses.RelativeNoise(0.3)
+    sent = noise(_states_after(model, 2, torch.tensor(ids)), torch.Generator().manual_seed(0))
+    by_id = -torch.arange(model.cfg.vocab_size, dtype=torch.float32).expand(len(ids), -1)
+    out = map_beam(model, 2, sent, noise, by_id, beam=2)
+    message = len(ids) - 15  # <|im_start|>user\nMy name is Alice and I live in Paris.<|im_end|>\n
+    assert tokenizer.decode(out.tokens[message:]) == tokenizer.decode(ids[message:])
+    assert sum(a == b for a, b in zip(out.tokens, ids)) >= 0.75 * len(ids)
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ class AuditConfig:
     noise_sigmas: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0)
     dp_epsilons: tuple[float, ...] = (16.0, 128.0, 1024.0)  # per token, after clipping to the median norm
     dp_delta: float = 1e-5
+    map_beam_width: int = 4  # hypotheses the MAP attack on noised states keeps
     lowrank_scales: tuple[float, ...] = (0.02, 0.1)
     lowrank_rank: int = 8
     known_pairs: int = 640  # state pairs a known-plaintext attacker gets to fit a rotation

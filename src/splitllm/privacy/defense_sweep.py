@@ -19,11 +19,13 @@ from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.model.stage import Stage
 from splitllm.privacy import defenses, rates
 from splitllm.privacy.attacks.learned import Attacker, recovery, top_k
+from splitllm.privacy.attacks.map_beam import map_beam
 from splitllm.privacy.attacks.output_probe import whitebox_next_tokens
 from splitllm.privacy.attacks.whitebox import WIRE_TOLERANCE
 from splitllm.privacy.states import WIRE_DTYPE
 from splitllm.privacy.sweep import (
     Context,
+    Target,
     flat,
     fmt,
     head_states,
@@ -55,20 +57,64 @@ class Quality:
         return defenses.quality(self.windows, self.reference, defenses.log_probs(local, middle, self.windows))
 
 
-Noise = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+def map_attack(ctx: Context, targets: list[Target], proposer: Attacker, noise: defenses.GaussianNoise) -> dict:
+    """MAP decoding of the noised white-box targets, with the white-box search's candidate cap: by
+    the likelihood alone (one hypothesis: the most likely token at each position given the
+    recovered prefix) and with the LM prior and a beam."""
+    cfg, k = ctx.cfg, ctx.cfg.defense_head
+    cap = cfg.whitebox_max_candidates or ctx.files.config.vocab_size
+    hits: dict[str, list[bool]] = {"map_likelihood": [], "map_beam": []}
+    seconds = 0.0
+    for states, truth, _ in targets:
+        with torch.inference_mode():
+            learned = proposer.scorer.vocab_logits(proposer(states))
+        for key, beam, prior in (("map_likelihood", 1, False), ("map_beam", cfg.map_beam_width, True)):
+            out = map_beam(ctx.model, k, states, noise, learned, beam, prior, max_candidates=cap)
+            hits[key] += [a == b for a, b in zip(out.tokens, truth)]
+            seconds += out.seconds if prior else 0.0
+    result: dict = {key: rates.of(torch.tensor(h)) for key, h in hits.items()}
+    result["map_beam_seconds_per_token"] = seconds / len(hits["map_beam"])
+    return result
 
 
-def noise_row(ctx: Context, quality: Quality, noise: Noise, row: dict, tolerance: float, seed: int) -> dict:
+def noise_row(
+    ctx: Context, quality: Quality, noise: defenses.GaussianNoise, row: dict, tolerance: float, seed: int
+) -> dict:
     """Attackers that know the noise and train on noised states, and the noise's cost."""
     k, labels = ctx.cfg.defense_head, (ctx.corpus.train, ctx.corpus.test)
     gen = torch.Generator().manual_seed(seed)
     train, test = noise(ctx.train.states[k], gen), noise(ctx.test.states[k], gen)
     learned, mlp = learned_attacks(ctx, k, train, test, labels, ctx.model.embed, sequence=True)
     row.update(learned)
-    row.update(whitebox_attack(ctx, k, whitebox_targets(ctx, test), mlp, tolerance=tolerance, certify=False))
+    targets = whitebox_targets(ctx, test)
+    row.update(whitebox_attack(ctx, k, targets, mlp, tolerance=tolerance, certify=False))
+    row.update(map_attack(ctx, targets, mlp, noise))
     row.update(quality.measure(quality.local, lambda: defenses.NoisyMiddle(quality.plain()(), noise, seed)))
     log.info("noise %s", fmt(row))
     return row
+
+
+def noise_defenses(ctx: Context, quality: Quality) -> tuple[list[dict], list[dict]]:
+    """The rows of relative noise (per sigma) and of DP noise (per epsilon)."""
+    cfg, k = ctx.cfg, ctx.cfg.defense_head
+    relative = [
+        noise_row(
+            ctx,
+            quality,
+            defenses.RelativeNoise(sigma),
+            {"sigma": sigma},
+            WIRE_TOLERANCE + 1.25 * sigma,
+            cfg.seed + 100 + i,
+        )
+        for i, sigma in enumerate(cfg.noise_sigmas)
+    ]
+    clip = float(flat(ctx.train.states[k]).float().norm(dim=-1).median())
+    dp_rows = []
+    for i, epsilon in enumerate(cfg.dp_epsilons):
+        dp = defenses.DPNoise(clip, epsilon, cfg.dp_delta)
+        row = {"epsilon": epsilon, "delta": cfg.dp_delta, "clip": clip, "sigma": dp.sigma}
+        dp_rows.append(noise_row(ctx, quality, dp, row, WIRE_TOLERANCE, cfg.seed + 200 + i))
+    return relative, dp_rows
 
 
 def defense_sweep(ctx: Context, attackers: dict[int, Attacker]) -> dict:
@@ -86,23 +132,7 @@ def defense_sweep(ctx: Context, attackers: dict[int, Attacker]) -> dict:
         "undefended": {"perplexity": quality.base["perplexity"]},
         "quality_positions": int(quality.windows.numel()),
     }
-    out["noise"] = [
-        noise_row(
-            ctx,
-            quality,
-            defenses.relative_noise(sigma),
-            {"sigma": sigma},
-            WIRE_TOLERANCE + 1.25 * sigma,
-            cfg.seed + 100 + i,
-        )
-        for i, sigma in enumerate(cfg.noise_sigmas)
-    ]
-    clip = float(flat(ctx.train.states[k]).float().norm(dim=-1).median())
-    out["dp_noise"] = []
-    for i, epsilon in enumerate(cfg.dp_epsilons):
-        dp = defenses.DPNoise(clip, epsilon, cfg.dp_delta)
-        row = {"epsilon": epsilon, "delta": cfg.dp_delta, "clip": clip, "sigma": dp.sigma}
-        out["dp_noise"].append(noise_row(ctx, quality, dp, row, WIRE_TOLERANCE, cfg.seed + 200 + i))
+    out["noise"], out["dp_noise"] = noise_defenses(ctx, quality)
     out["rotation"] = rotation(ctx, quality, public_mlp)
     out["lowrank"] = lowrank(ctx, quality, public_mlp)
     ctx.timings["defenses"] = time.perf_counter() - t0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,16 +33,36 @@ from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
 
 
-def add_noise(states: torch.Tensor, sigma: float, gen: torch.Generator) -> torch.Tensor:
-    """Gaussian noise of standard deviation sigma x the state's own RMS, per position."""
-    x = states.float()
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.randn(x.shape, generator=gen) * (sigma * rms)
-    return (x + noise).to(states.dtype)
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+class GaussianNoise(ABC):
+    """A noise defense the server knows exactly: given the clean state x, the state sent is
+    N(mean(x), std(x)^2) independently per coordinate (`moments`), drawn by calling it."""
+
+    @abstractmethod
+    def moments(self, clean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., d) clean states -> (..., d) means and (..., 1) per-coordinate standard deviations."""
+
+    def __call__(self, states: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        mean, std = self.moments(states)
+        return (mean + torch.randn(mean.shape, generator=gen) * std).to(states.dtype)
 
 
 @dataclass(frozen=True)
-class DPNoise:
+class RelativeNoise(GaussianNoise):
+    """Gaussian noise of standard deviation sigma x the state's own RMS, per position."""
+
+    sigma: float
+
+    def moments(self, clean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = clean.float()
+        return x, self.sigma * _rms(x)
+
+
+@dataclass(frozen=True)
+class DPNoise(GaussianNoise):
     """The Gaussian mechanism per sent state: clip its L2 norm to `clip`, add N(0, s^2) per coordinate
     with s = 2 clip sqrt(2 ln(1.25/delta)) / epsilon. Any two clipped states are at most 2 clip apart,
     so each state (each token's contribution) is (epsilon, delta)-differentially private."""
@@ -54,20 +75,16 @@ class DPNoise:
     def sigma(self) -> float:
         return 2 * self.clip * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
 
-    def __call__(self, states: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        x = states.float()
+    def moments(self, clean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = clean.float()
         x = x * (self.clip / x.norm(dim=-1, keepdim=True).clamp_min(self.clip))
-        return (x + torch.randn(x.shape, generator=gen) * self.sigma).to(states.dtype)
-
-
-def relative_noise(sigma: float) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
-    return lambda states, gen: add_noise(states, sigma, gen)
+        return x, torch.full((*x.shape[:-1], 1), self.sigma)
 
 
 class NoisyMiddle:
     """A `Middle` whose input is noised first: what the server receives under a noise defense."""
 
-    def __init__(self, inner: Middle, noise: Callable[[torch.Tensor, torch.Generator], torch.Tensor], seed: int) -> None:
+    def __init__(self, inner: Middle, noise: GaussianNoise, seed: int) -> None:
         self.inner, self.noise = inner, noise
         self.gen = torch.Generator().manual_seed(seed)
 

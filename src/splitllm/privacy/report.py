@@ -104,10 +104,24 @@ def sampling_table(r: dict) -> str:
     )
 
 
-def noise_table(rows: list[dict], first: str, label) -> str:  # type: ignore[no-untyped-def]
+def noise_table(rows: list[dict], first: str, label, config: dict) -> str:  # type: ignore[no-untyped-def]
+    """The MAP columns appear only for reports that carry them (older ones predate that attack)."""
+    maps = [
+        (key, name)
+        for key, name in (
+            ("map_likelihood", "MAP, likelihood only"),
+            ("map_beam", f"MAP + LM prior, beam {config.get('map_beam_width')}"),
+        )
+        if any(key in x for x in rows)
+    ]
     return _table(
-        [first, "MLP top-1", "sequence top-1", "white-box"] + COST,
-        [[label(x), _ci(x["mlp_top1"]), _ci(x["sequence_top1"]), _of(x["whitebox_recovery"])] + _cost(x) for x in rows],
+        [first, "MLP top-1", "sequence top-1", "white-box"] + [name for _, name in maps] + COST,
+        [
+            [label(x), _ci(x["mlp_top1"]), _ci(x["sequence_top1"]), _of(x["whitebox_recovery"])]
+            + [_of(x[key]) if key in x else "-" for key, _ in maps]
+            + _cost(x)
+            for x in rows
+        ],
     )
 
 
@@ -224,12 +238,12 @@ def results(r: dict) -> str:
         f"(perplexity {d['undefended']['perplexity']:.2f}): perplexity, KL from the undefended next-token "
         "distribution, share of positions whose most likely next token is unchanged.",
         "Gaussian noise, std = sigma x the state's RMS (attackers know sigma and train on noised states):",
-        noise_table(d["noise"], "sigma", lambda x: f"{x['sigma']:g}"),
+        noise_table(d["noise"], "sigma", lambda x: f"{x['sigma']:g}", r["config"]),
         "Differential privacy per token: states clipped to the median training-state norm "
         f"({d['dp_noise'][0]['clip']:.1f}) then the Gaussian mechanism (delta {d['dp_noise'][0]['delta']:g}):"
         if d["dp_noise"]
         else "",
-        noise_table(d["dp_noise"], "epsilon (noise std)", lambda x: f"{x['epsilon']:g} ({x['sigma']:.1f})")
+        noise_table(d["dp_noise"], "epsilon (noise std)", lambda x: f"{x['epsilon']:g} ({x['sigma']:.1f})", r["config"])
         if d["dp_noise"]
         else "",
         "Secret rotation of the residual stream (function-preserving; the server runs rotated middle weights):",

@@ -74,7 +74,7 @@ class Inversion:
     seconds: float
 
 
-def _chunks(order: torch.Tensor, first: int, largest: int) -> list[torch.Tensor]:
+def geometric_chunks(order: torch.Tensor, first: int, largest: int) -> list[torch.Tensor]:
     """Geometric chunks (first, 2*first, ... up to largest): an easy position costs one small step."""
     out, start, size = [], 0, first
     while start < len(order):
@@ -117,7 +117,7 @@ def invert(
         norm = target.norm()
         full = t in exhaustive
         best, dists, n, close = -1, torch.full((2,), float("inf")), 0, 0
-        for ids in _chunks(fuse_rankings(proposals(t, out.tokens))[: vocab if full else limit], *chunk):
+        for ids in geometric_chunks(fuse_rankings(proposals(t, out.tokens))[: vocab if full else limit], *chunk):
             states = stack.forward(caches, embed[ids], torch.full((len(ids),), t), _roots(len(ids)), keep)[last]
             keep = []
             dist = (states.float() - target).norm(dim=-1) / norm
