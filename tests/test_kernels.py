@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from splitllm.model import cpu_kernels
-from splitllm.model.attention import KERNEL_ROWS, KernelAttention, fused
+from splitllm.model.attention import KernelAttention, fused
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int8Linear
 
@@ -91,12 +91,18 @@ def test_attention_kernel_row_is_the_same_in_a_tree_and_after_committing() -> No
 
 
 @needs_kernels
-def test_attention_kernel_leaves_prompts_and_other_head_sizes_to_pytorch() -> None:
-    long_q = torch.randn(1, 2, KERNEL_ROWS + 1, 64)
-    k, v = _cache(2, KERNEL_ROWS + 1, 64, seed=5)
-    assert torch.equal(KernelAttention(KERNELS)(long_q, k, v, None, None), fused(long_q, k, v, None, None))
+def test_attention_kernel_serves_prompts_and_leaves_other_head_sizes_to_pytorch() -> None:
+    """A prompt row scores the same alone as in a step that also carries a speculative tree (the first
+    step of a speculative generation sends both)."""
+    attention = KernelAttention(KERNELS)
+    k, v = _cache(2, 90, 64, seed=5)
+    q = torch.randn(1, 4, 90, 64, generator=torch.Generator().manual_seed(6))
+    causal = torch.triu(torch.full((90, 90), float("-inf")), 1)
+    with_tree = attention(q, k, v, causal[None, None], None)
+    prompt = attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], causal[None, None, :70, :70], None)
+    assert torch.equal(with_tree[:, :70], prompt)
     assert not KernelAttention.supports(16, torch.float32) and not KernelAttention.supports(64, torch.bfloat16)
     assert isinstance(Precision(torch.bfloat16).attention(64), KernelAttention)
     assert Precision(torch.float32).attention(64) is fused  # the exact mode attends as transformers does
-    assert torch.equal(fused(long_q, k, v, None, None),
-                       F.scaled_dot_product_attention(long_q, k, v).transpose(1, 2).reshape(1, KERNEL_ROWS + 1, -1))
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).reshape(1, 90, -1)
+    assert torch.equal(fused(q, k, v, None, None), expected)

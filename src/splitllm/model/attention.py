@@ -1,10 +1,12 @@
-"""How a layer attends: PyTorch's fused attention, or splitllm's CPU kernel for the few rows of a decoding step.
+"""How a layer attends: PyTorch's fused attention, or splitllm's CPU kernel in 16-bit settings.
 
 Both take queries (1, H, n, D) and a cache view (1, KV, L, D) with an additive mask (or None) and return
 (1, n, H * D). The kernel (`kernels/attention.cpp`) is 2-4x faster for one to eight rows and gives a row
-the same bits alone, in a speculative tree or after its ancestors were committed; it serves the 16-bit
-precisions on the CPU for steps of up to `KERNEL_ROWS` rows (prompts above that use PyTorch's, whose
-blocked matrix products win there). The float32 exact mode always uses PyTorch's, as transformers does.
+the same bits alone, in a speculative tree or after its ancestors were committed. It serves every step
+of the 16-bit precisions on the CPU, prompts included: a first speculative step carries the prompt and
+a tree, so a prompt row must score the same in a step of any size (PyTorch's blocked attention is
+faster for hundreds of rows, about 3x at 512, but its rows depend on the step; the server cuts long
+prompts into 16-row slices anyway). The float32 exact mode always uses PyTorch's, as transformers does.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import torch
 import torch.nn.functional as F
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
-KERNEL_ROWS = 64  # speculative trees (at most 51 nodes) and the server's prompt slices stay below it
-
 
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """PyTorch's attention; `scale` None is 1 / sqrt(head size)."""
@@ -26,7 +26,7 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 class KernelAttention:
-    """The CPU kernel for steps of up to KERNEL_ROWS rows, `fused` above."""
+    """The CPU kernel, for steps of any size."""
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
@@ -38,7 +38,5 @@ class KernelAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
     ) -> torch.Tensor:
-        if q.shape[2] > KERNEL_ROWS:
-            return fused(q, k, v, mask, scale)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return self.kernels.attention(q, k, v, None if mask is None else mask.contiguous(), scale)
