@@ -102,7 +102,7 @@ class DraftHead(nn.Module):
         if n and int(positions.max()) >= self.cfg.max_position:
             raise ValueError(f"draft positions must lie below {self.cfg.max_position}")
         cache.stage_new(positions)
-        cos, sin = self.stage.rotaries[self.stage.layer_kinds[0]](positions, self.dtype)
+        cos, sin = self.stage.rotaries[self.stage.layer_kinds[0]](positions, self.stage.precision.attention_dtype)
         mask = torch.zeros(sees.shape, dtype=self.stage.precision.attention_dtype).masked_fill_(~sees, float("-inf"))[None, None]
         segment = Segment(slice(0, n), cos, sin, mask, cache.length)
         x = self.stage.layers[0](self.fuse(features, embeddings)[None], [segment], [cache.layer(0, n)[:2]])

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
 
+
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """PyTorch's attention; `scale` None is 1 / sqrt(head size)."""
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

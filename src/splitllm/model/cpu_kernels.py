@@ -3,10 +3,10 @@
 PyTorch's bfloat16 linear kernels read a one-row step's weights at about half this machine's memory
 bandwidth, and its attention spends most of a few-row step in overhead; these stream the weights and
 the cache at the bandwidth (see docs/precision.md). Both give a row the same bits whatever else is in
-its batch, so speculation stays exact against sequential decoding. They are built with the
-system's C++ compiler through `torch.utils.cpp_extension` into PyTorch's extension cache (about 30 s,
-once per machine and source version; `TORCH_EXTENSIONS_DIR` moves it); where the CPU lacks the instructions or the build fails, `load()` returns None and
-callers use PyTorch's kernels.
+its batch, so speculation stays exact against sequential decoding. They are built with the system's
+C++ compiler through `torch.utils.cpp_extension` into PyTorch's extension cache (about 30 s, once per
+machine and source version; `TORCH_EXTENSIONS_DIR` moves it); where the CPU lacks the instructions
+or the build fails, `load()` returns None and callers use PyTorch's kernels.
 """
 
 from __future__ import annotations
