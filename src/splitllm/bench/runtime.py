@@ -385,7 +385,6 @@ def run_runtime(
     set_compute_threads(1)
     progress(f"(a') Gemma 3's client step per setting: its LM head has {GEMMA_VOCAB:,} rows")
     result["client_step_gemma3"] = {s: client_step(head, tail, Precision.from_name(s), model="gemma3") for s in settings}
-    set_compute_threads(1)
     texts = [p.text for p in workload(prompts)]
     result["decoding"] = {}
     for setting in dict.fromkeys([fastest, "float32-none"]):

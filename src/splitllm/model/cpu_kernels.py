@@ -44,5 +44,5 @@ def load() -> ModuleType | None:
             "splitllm_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as err:  # no compiler, no ninja, a compiler without these instructions
-        log.warning("CPU kernels unavailable, using PyTorch's: %s", str(err).strip().splitlines()[-1:])
+        log.warning("CPU kernels unavailable, using PyTorch's: %s", (str(err).strip().splitlines() or [""])[-1])
         return None

@@ -39,10 +39,9 @@ import torch.nn.functional as F
 
 from splitllm.kv import KVCache
 from splitllm.model.stage import Stage, StepInput
-from splitllm.privacy.attacks.whitebox import fuse_rankings, geometric_chunks
+from splitllm.privacy.attacks.whitebox import fuse_rankings, geometric_chunks, roots
 from splitllm.privacy.defenses import GaussianNoise
 from splitllm.privacy.states import PublicModel
-from splitllm.visibility import Visibility
 
 WIRE_STD = 2.0**-11  # float16 rounding per coordinate, relative to the state's RMS (an upper bound)
 FIT_Z = 4.0  # standard deviations a fitting candidate's statistics may lie from their expectation
@@ -101,7 +100,7 @@ def _step(
     for i, stage in enumerate(stages):
         hidden = stage.forward_many(
             [
-                StepInput(c[i], h, torch.full((len(h),), t), Visibility.from_parents([-1] * len(h)), [])
+                StepInput(c[i], h, torch.full((len(h),), t), roots(len(h)), [])
                 for c, h in zip(caches, hidden)
             ]
         )

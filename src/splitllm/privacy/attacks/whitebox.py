@@ -32,7 +32,7 @@ WIRE_TOLERANCE = 2e-3  # relative L2 distance a float16 wire leaves between equa
 
 
 @cache
-def _roots(n: int) -> Visibility:
+def roots(n: int) -> Visibility:
     """n candidates that each see the committed prefix and themselves only."""
     return Visibility.from_parents([-1] * n)
 
@@ -118,7 +118,7 @@ def invert(
         full = t in exhaustive
         best, dists, n, close = -1, torch.full((2,), float("inf")), 0, 0
         for ids in geometric_chunks(fuse_rankings(proposals(t, out.tokens))[: vocab if full else limit], *chunk):
-            states = stack.forward(caches, embed[ids], torch.full((len(ids),), t), _roots(len(ids)), keep)[last]
+            states = stack.forward(caches, embed[ids], torch.full((len(ids),), t), roots(len(ids)), keep)[last]
             keep = []
             dist = (states.float() - target).norm(dim=-1) / norm
             n += len(ids)
