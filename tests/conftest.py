@@ -70,7 +70,7 @@ TINY_CONFIGS = {
     "gemma3": Gemma3TextConfig(
         **_TINY_COMMON,
         num_hidden_layers=6,
-        head_dim=16,
+        head_dim=64,  # the CPU kernels' smallest head, so 16-bit runs take the fused step
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 3,
         rope_parameters={

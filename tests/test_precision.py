@@ -106,10 +106,11 @@ def test_lossy_stage_is_close_to_float32(precision, tiny_models, random_ids) -> 
 
 
 @pytest.mark.parametrize("precision", [Precision(torch.bfloat16), Precision(torch.bfloat16, "int8")], ids=lambda p: p.name)
+@pytest.mark.parametrize("model", ["mistral", "gemma3"])  # sliding windows: trees cross window edges
 def test_speculation_is_exact_against_sequential_in_the_same_precision(
-    precision, tiny_models  # type: ignore[no-untyped-def]
+    precision, model, tiny_models  # type: ignore[no-untyped-def]
 ) -> None:
-    files = ModelFiles(tiny_models["mistral"])  # a sliding window: trees cross window edges
+    files = ModelFiles(tiny_models[model])
     local = LocalModel(files, 1, 1, precision)
     local.draft_head = random_head(files, precision.dtype)  # the draft mode's noise must not change the output
     middle = Stage.load(files, 1, files.config.num_layers - 1, precision)

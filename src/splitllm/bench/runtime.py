@@ -111,6 +111,9 @@ def server_forward(
     """Median time of the server's stage over `context` committed positions, per step size.
 
     Each timed step drops the previous one's entries (keep=[]), so every step sees the same context.
+    Two floors: the weight bytes read once at the measured bandwidth, and those plus the KV cache a
+    one-position step's attention reads. Where the stage runs fused (`model/fused.py`), the one-position
+    step is also timed layer by layer, for the ratio.
     """
     server = MiddleServer(model, ServerSettings(head=head, tail=tail, dtype=precision.dtype, quant=precision.quant))
     stage = server.stage
@@ -120,23 +123,36 @@ def server_forward(
     cache = stage.new_cache(context + max(FORWARD_TOKENS))
     stage(cache, torch.randn(context, d, generator=gen), torch.arange(context), Visibility.chain(context), [])
     stage(cache, torch.randn(1, d, generator=gen), torch.tensor([context]), Visibility.chain(1), list(range(context)))
+    cache_bytes = cache.nbytes * (context + 1) // cache.max_context  # keys and values of every layer
     floor_ms = weight_bytes / bandwidth_gb_s / 1e6
+    cache_floor_ms = (weight_bytes + cache_bytes) / bandwidth_gb_s / 1e6
     rows = {}
     wait_quiet([os.getpid()], QUIET_CORES, timeout_s=QUIET_WAIT_S)
     for n in FORWARD_TOKENS:
         hidden, positions = torch.randn(n, d, generator=gen), torch.arange(context, context + n)
         vis = Visibility.chain(n)
+
+        def step() -> None:
+            stage(cache, hidden, positions, vis, [])
+
         with OtherLoad([os.getpid()]) as others:
-            timing = _median_ms(lambda: stage(cache, hidden, positions, vis, []), repeats=max(12, 60 // n))
+            timing = _median_ms(step, repeats=max(12, 60 // n))
+            if n == 1 and stage.fused:
+                stage.fuse = False
+                timing["layered_ms"] = _median_ms(step, repeats=12)["median_ms"]
+                stage.fuse = True
         rows[str(n)] = {
             **timing, "floor_ms": floor_ms, "floor_ratio": timing["median_ms"] / floor_ms, "others_cores": others.cores
         }
+    rows["1"]["cache_floor_ratio"] = rows["1"]["median_ms"] / cache_floor_ms
     return {
         "layers": [stage.start, stage.end],
         "precision": precision.name,
         "context": context,
         "weight_bytes": weight_bytes,
+        "cache_bytes": cache_bytes,
         "floor_ms": floor_ms,
+        "cache_floor_ms": cache_floor_ms,
         "tokens": rows,
     }
 
@@ -442,6 +458,10 @@ def _met(result: dict[str, Any]) -> dict[str, bool | None]:
     return met
 
 
+def _or_dash(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The report as Markdown tables (what `bench runtime` prints and writes next to the JSON)."""
     split = result["split"]
@@ -450,15 +470,20 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"| {n} | {bw['read_gb_s']:.2f} | {bw['copy_gb_s']:.2f} |" for n, bw in result["bandwidth"].items()]
     some = next(iter(result["server_forward"].values()))
     lines += ["", f"## Server forward, layers {some['layers']}, context {some['context']}", "",
-              "Floor: the stage's weight bytes read once at the read bandwidth of the same thread count.", "",
-              "| setting | threads | weights MiB | floor ms | 1 position ms (x floor) | 8 positions ms | 32 positions ms | "
-              "others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "Floor: the stage's weight bytes read once at the read bandwidth of the same thread count; "
+              "with cache: plus the keys and values a one-position step attends to. Layer by layer: the same "
+              "step without the fused kernel (where the setting runs it).", "",
+              "| setting | threads | weights MiB | floor ms | 1 position ms (x floor) | floor with cache ms (x) | "
+              "layer by layer ms | 8 positions ms | 32 positions ms | others' cores |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, fwd in result["server_forward"].items():
         setting, threads = key.split()
         t = fwd["tokens"]
         lines.append(
             f"| {setting} | {threads.removesuffix('t')} | {fwd['weight_bytes'] / _MIB:.0f} | {fwd['floor_ms']:.1f} | "
-            f"{t['1']['median_ms']:.1f} ({t['1']['floor_ratio']:.2f}x) | {t['8']['median_ms']:.1f} | "
+            f"{t['1']['median_ms']:.1f} ({t['1']['floor_ratio']:.2f}x) | "
+            f"{_or_dash(fwd.get('cache_floor_ms'), '.1f')} ({_or_dash(t['1'].get('cache_floor_ratio'), '.2f')}x) | "
+            f"{_or_dash(t['1'].get('layered_ms'), '.1f')} | {t['8']['median_ms']:.1f} | "
             f"{t['32']['median_ms']:.1f} | {max(r['others_cores'] for r in t.values()):.2f} |"
         )
     lines += ["", "## Client compute for one token (embedding, head and tail layers, LM head)", "",

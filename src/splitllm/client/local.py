@@ -14,7 +14,7 @@ from splitllm.draft.store import load_head
 from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
 from splitllm.model.precision import Precision
-from splitllm.model.quant import BlockedLinear, Linear, PackedLinear
+from splitllm.model.quant import BlockedLinear, Linear, PackedLinear, on_huge_pages
 from splitllm.model.stage import Stage, read_norm
 from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
@@ -64,6 +64,7 @@ class LocalModel:
         self.lm_head = (
             self.head_precision.linear({"weight": self.embed_weight}) if self._tied_dense else weights.linear([head_name])
         )
+        on_huge_pages([self.lm_head])  # the client's biggest read
         # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
         wide = (torch.float32, torch.float64)
         self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype in wide

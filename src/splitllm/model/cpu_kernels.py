@@ -2,7 +2,8 @@
 
 PyTorch's bfloat16 linear kernels read a one-row step's weights at about half this machine's memory
 bandwidth, and its attention spends most of a few-row step in overhead; these stream the weights and
-the cache at the bandwidth (see docs/precision.md). Both give a row the same bits whatever else is in
+the cache at the bandwidth, and run a stage's whole step without a framework call between its
+operations (see docs/precision.md). Both give a row the same bits whatever else is in
 its batch, so speculation stays exact against sequential decoding. They are built with the system's
 C++ compiler through `torch.utils.cpp_extension` into PyTorch's extension cache (about 30 s, once per
 machine and source version; `TORCH_EXTENSIONS_DIR` moves it); where the CPU lacks the instructions
@@ -18,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("bindings.cpp", "linear.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("bindings.cpp", "linear.cpp", "attention.cpp", "decoder.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 

@@ -19,9 +19,9 @@ from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-# The fastest setting `splitllm bench runtime` measured on the CPU here (with splitllm's kernel, int8 is
-# 1.4x faster than bfloat16 for one row and as fast for 8-32, for +0.2% perplexity); the default of the
-# demo and the end-to-end benchmarks (the commands themselves default to the exact mode).
+# The fastest setting `splitllm bench runtime` measured on the CPU here (with splitllm's fused step, int8
+# is 1.7-1.9x faster than bfloat16 for one row and as fast for 8-32, for +0.1% perplexity); the default
+# of the demo and the end-to-end benchmarks (the commands themselves default to the exact mode).
 FASTEST = "bfloat16-int8"
 QUANTS = ("none", "int8", "int4")
 DEVICES = ("cpu", "cuda", "mps")

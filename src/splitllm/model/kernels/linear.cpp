@@ -86,26 +86,37 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return padded.view({blocks, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous bfloat16 input");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2, "linear: weight not packed");
+void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
+                 const float* scales, uint16_t* y) {
+  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = 2 * pairs;
+  if (packed.scalar_type() == torch::kChar)
+    run(x, packed.data_ptr<int8_t>(), y, scales, bias, rows, k, n, blocks, pairs);
+  else
+    run(x, reinterpret_cast<const uint16_t*>(packed.data_ptr()), y, nullptr, bias, rows, k, n, blocks, pairs);
+}
+
+void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
+                  const c10::optional<torch::Tensor>& scales) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 && packed.is_contiguous(),
+              "linear: weight not packed");
   const bool int8 = packed.scalar_type() == torch::kChar;
+  TORCH_CHECK(int8 || packed.scalar_type() == torch::kBFloat16, "linear: bfloat16 or int8 weights");
   TORCH_CHECK(int8 == scales.has_value(), "linear: int8 weights need scales, bfloat16 weights none");
-  int64_t k = x.size(-1), rows = k ? x.numel() / k : 0, blocks = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(pairs * 2 == k && blocks * kBlock >= n, "linear: input width ", k, " does not match the weight");
+  TORCH_CHECK(packed.size(1) * 2 == k && packed.size(0) * kBlock >= n, "linear: input width ", k, " does not match the weight");
   for (const auto* t : {&bias, &scales})
     TORCH_CHECK(!*t || ((*t)->scalar_type() == torch::kFloat && (*t)->is_contiguous() && (*t)->numel() == n),
                 "linear: bias and scales must be float32 with one value per output");
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& scales) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous bfloat16 input");
+  const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;
+  check_linear(packed, n, k, bias, scales);
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   auto y = torch::empty(sizes, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  if (int8)
-    run(xp, packed.data_ptr<int8_t>(), yp, scales->data_ptr<float>(), bp, rows, k, n, blocks, pairs);
-  else
-    run(xp, reinterpret_cast<const uint16_t*>(packed.data_ptr()), yp, nullptr, bp, rows, k, n, blocks, pairs);
+  linear_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, packed, n, bias ? bias->data_ptr<float>() : nullptr,
+              scales ? scales->data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
 }

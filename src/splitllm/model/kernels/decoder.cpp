@@ -1,0 +1,264 @@
+// A stage's whole step through its decoder layers in one call: norms, projections, rotary, cache
+// writes, attention, activation and residuals, with no framework call between them.
+//
+// Layer by layer in PyTorch, a one-position step spends more time in its ~40 small calls per layer
+// (each a dispatch, an allocation and a pass over a few KiB) than in reading the weights. Here the
+// projections and attention are the kernels of linear.cpp and attention.cpp, and everything between
+// them is a loop over one row at a time into buffers allocated once per step. Every row goes through
+// the same operations in the same order whatever the other rows, so the step stays batch-invariant.
+//
+// The residual stream and the projections' inputs and outputs are bfloat16, as in PyTorch's bfloat16
+// layers; norms, rotary, activation and attention compute in float32 and round once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+#include "decoder.h"
+#include "simd.h"
+
+void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
+                 const float* scales, uint16_t* y);
+void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
+                  const c10::optional<torch::Tensor>& scales);
+void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
+                    int64_t heads, int64_t kv_heads, int64_t n, int64_t length, int64_t dim, const float* mp,
+                    int64_t mask_row, float scale, float* op);
+
+namespace {
+
+const float* data_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
+
+// y = x * rsqrt(mean(x^2) + eps) * w over one row (w null: y = x), in float32, rounded once on store.
+template <typename In, typename Out>
+void norm_row(const In* x, int64_t size, const float* w, float eps, Out* y) {
+  float inv = 1.0f;
+  if (w) {
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < size; i += 16) {
+      const __m512 v = load(x + i, lanes(size - i));
+      total = _mm512_fmadd_ps(v, v, total);
+    }
+    inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(total) / static_cast<float>(size) + eps);
+  }
+  for (int64_t i = 0; i < size; i += 16) {
+    const __mmask16 m = lanes(size - i);
+    __m512 v = load(x + i, m);
+    if (w) v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), load(w + i, m));
+    store(y + i, v, m);
+  }
+}
+
+// One head (dim a multiple of 32): x * cos + rotate_half(x) * signed_sin, rotate-half's sign folded
+// into the table as in blocks.py.
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 swapped = _mm512_loadu_ps(x + (i < half ? i + half : i - half));
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(cos + i),
+                                              _mm512_mul_ps(swapped, _mm512_loadu_ps(sin + i))));
+  }
+}
+
+// SiLU, or GELU's tanh approximation, through exp of -|.| only (no overflow).
+inline __m512 activate(__m512 x, bool gelu) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (gelu) {
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                   _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+    const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(y)));
+    const __m512 magnitude = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));  // tanh(|y|)
+    const __m512 tanh = _mm512_mask_sub_ps(magnitude, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                           _mm512_setzero_ps(), magnitude);
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, tanh));
+  }
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), one, e);
+  return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));  // x * sigmoid(x)
+}
+
+// Each row on its own, several rows per thread task: the row's bits never depend on the grouping.
+template <typename F>
+void each_row(int64_t rows, F&& f) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r);
+  });
+}
+
+// x[r] = bf16(x[r] + norm(add[r])), the residual update (no norm unless Gemma's sandwich norms).
+void add_rows(uint16_t* x, const uint16_t* add, int64_t rows, int64_t size, const float* w, float eps) {
+  each_row(rows, [&](int64_t r) {
+    std::vector<float> row(size);
+    norm_row(add + r * size, size, w, eps, row.data());
+    for (int64_t i = 0; i < size; i += 16) {
+      const __mmask16 m = lanes(size - i);
+      store(x + r * size + i, _mm512_add_ps(load(x + r * size + i, m), load(row.data() + i, m)), m);
+    }
+  });
+}
+
+}  // namespace
+
+void Projection::operator()(const uint16_t* x, int64_t rows, uint16_t* y) const {
+  linear_rows(x, rows, packed, outputs, data_or_null(bias), data_or_null(scales), y);
+}
+
+Projection::Projection(torch::Tensor packed_, int64_t outputs_, c10::optional<torch::Tensor> bias_,
+                       c10::optional<torch::Tensor> scales_)
+    : packed(std::move(packed_)), outputs(outputs_), bias(std::move(bias_)), scales(std::move(scales_)) {
+  inputs = packed.dim() == 4 ? packed.size(1) * 2 : 0;
+  check_linear(packed, outputs, inputs, bias, scales);
+}
+
+namespace {
+
+torch::Tensor float_norm(const c10::optional<torch::Tensor>& w, int64_t size, const char* name) {
+  if (!w) return {};
+  TORCH_CHECK(w->dim() == 1 && w->numel() == size, "decoder: ", name, " norm weight must have ", size, " values");
+  return w->to(torch::kFloat).contiguous();
+}
+
+const float* ptr(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+}  // namespace
+
+Layer::Layer(const Shape& shape, Projection qkv_, Projection o_, Projection gate_up_, Projection down_,
+             const torch::Tensor& input_norm_, const torch::Tensor& post_norm_, const c10::optional<torch::Tensor>& q_norm_,
+             const c10::optional<torch::Tensor>& k_norm_, const c10::optional<torch::Tensor>& attn_out_norm_,
+             const c10::optional<torch::Tensor>& mlp_out_norm_, int64_t kind_)
+    : qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)), kind(kind_) {
+  const int64_t d = shape.hidden, q = shape.heads * shape.head_dim, kv = shape.kv_heads * shape.head_dim;
+  TORCH_CHECK(qkv.inputs == d && qkv.outputs == q + 2 * kv && o.inputs == q && o.outputs == d &&
+              gate_up.inputs == d && gate_up.outputs == 2 * shape.intermediate && down.inputs == shape.intermediate &&
+              down.outputs == d, "decoder: projection shapes do not match the layer's shape");
+  input_norm = float_norm(input_norm_, d, "input");
+  post_norm = float_norm(post_norm_, d, "post-attention");
+  q_norm = float_norm(q_norm_, shape.head_dim, "query");
+  k_norm = float_norm(k_norm_, shape.head_dim, "key");
+  attn_out_norm = float_norm(attn_out_norm_, d, "attention-output");
+  mlp_out_norm = float_norm(mlp_out_norm_, d, "MLP-output");
+  TORCH_CHECK(input_norm.defined() && post_norm.defined(), "decoder: the input and post-attention norms are required");
+  TORCH_CHECK(q_norm.defined() == k_norm.defined(), "decoder: query and key norms come together");
+  TORCH_CHECK(kind >= 0, "decoder: a layer's kind indexes the step's rotary tables and masks");
+}
+
+namespace {
+
+void check_sequence(const Shape& shape, const Sequence& s, int64_t rows, size_t kinds, int64_t layers) {
+  const int64_t dim = shape.head_dim, length = s.offset + s.count;
+  TORCH_CHECK(s.row >= 0 && s.count >= 0 && s.row + s.count <= rows && s.offset >= 0, "decoder: sequence rows out of range");
+  for (const auto* c : {&s.k, &s.v})
+    TORCH_CHECK(c->scalar_type() == torch::kFloat && c->dim() == 5 && c->is_contiguous() && c->size(0) >= layers &&
+                c->size(2) == shape.kv_heads && c->size(3) >= length && c->size(4) == dim,
+                "decoder: caches must be contiguous float32 (layers, 1, kv heads, context, head size) with room for the step");
+  TORCH_CHECK(s.cos.size() == kinds && s.sin.size() == kinds && s.masks.size() == kinds, "decoder: one rotary table and mask per layer kind");
+  for (size_t i = 0; i < kinds; ++i) {
+    for (const auto* t : {&s.cos[i], &s.sin[i]})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == s.count * dim,
+                  "decoder: rotary tables must be float32 (count, head size)");
+    const auto& m = s.masks[i];
+    TORCH_CHECK(!m || (m->scalar_type() == torch::kFloat && m->dim() >= 2 && m->size(-2) == s.count &&
+                       m->size(-1) == length && m->stride(-1) == 1), "decoder: masks must be float32 (count, context)");
+  }
+}
+
+// Layer `layer`'s entries of a cache.
+float* entries(const torch::Tensor& cache, int64_t layer) { return cache.data_ptr<float>() + layer * cache.stride(0); }
+
+// Queries and new keys normed and rotated, new keys and values written to layer `index`'s cache.
+void place(const Shape& shape, const Layer& layer, const Sequence& s, int64_t index, const uint16_t* qkv, float* queries) {
+  const int64_t dim = shape.head_dim, heads = shape.heads, kv_heads = shape.kv_heads;
+  const int64_t width = (heads + 2 * kv_heads) * dim;
+  const float* cos = s.cos[layer.kind].data_ptr<float>();
+  const float* sin = s.sin[layer.kind].data_ptr<float>();
+  const int64_t head_stride = s.k.stride(2), key_stride = s.k.stride(3);
+  float* k_layer = entries(s.k, index);
+  float* v_layer = entries(s.v, index);
+  const float eps = static_cast<float>(shape.eps);
+  each_row(s.count, [&](int64_t i) {
+    std::vector<float> head(dim);
+    const uint16_t* src = qkv + (s.row + i) * width;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      norm_row(src + h * dim, dim, ptr(h < heads ? layer.q_norm : layer.k_norm), eps, head.data());
+      float* out = h < heads ? queries + (h * s.count + i) * dim
+                             : k_layer + (h - heads) * head_stride + (s.offset + i) * key_stride;
+      rotate(head.data(), cos + i * dim, sin + i * dim, dim, out);
+    }
+    for (int64_t g = 0; g < kv_heads; ++g)
+      norm_row(src + (heads + kv_heads + g) * dim, dim, nullptr, eps, v_layer + g * head_stride + (s.offset + i) * key_stride);
+  });
+}
+
+// One sequence's attention for layer `index`: its rows of `attended`.
+void attend_sequence(const Shape& shape, const Layer& layer, const Sequence& s, int64_t index, const uint16_t* qkv,
+                     float* queries, float* attended) {
+  place(shape, layer, s, index, qkv, queries);
+  const auto& mask = s.masks[layer.kind];
+  attention_rows(queries, entries(s.k, index), entries(s.v, index), s.k.stride(2), s.k.stride(3), shape.heads,
+                 shape.kv_heads, s.count, s.offset + s.count, shape.head_dim, mask ? mask->data_ptr<float>() : nullptr,
+                 mask ? mask->stride(-2) : 0, static_cast<float>(shape.scale), attended + s.row * shape.heads * shape.head_dim);
+}
+
+}  // namespace
+
+torch::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const torch::Tensor& x,
+                     const std::vector<Sequence>& sequences) {
+  const int64_t d = shape.hidden, dim = shape.head_dim, heads = shape.heads;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == d, "decoder: bfloat16 (rows, hidden) input");
+  TORCH_CHECK(dim % 64 == 0 && heads % shape.kv_heads == 0, "decoder: head size a multiple of 64, grouped heads");
+  const int64_t rows = x.size(0);
+  size_t kinds = 0;
+  for (const auto& layer : layers) kinds = std::max(kinds, static_cast<size_t>(layer.kind + 1));
+  int64_t covered = 0;
+  for (const auto& s : sequences) {
+    check_sequence(shape, s, rows, kinds, static_cast<int64_t>(layers.size()));
+    TORCH_CHECK(s.row == covered, "decoder: sequences must cover the rows in order");
+    covered += s.count;
+  }
+  TORCH_CHECK(covered == rows, "decoder: sequences must cover every row");
+
+  auto out = x.contiguous().clone();
+  auto bf = x.options();
+  auto f32 = x.options().dtype(torch::kFloat);
+  const int64_t q = heads * dim, kv = shape.kv_heads * dim, inter = shape.intermediate;
+  auto normed = torch::empty({rows, d}, bf), qkv = torch::empty({rows, q + 2 * kv}, bf);
+  auto attended = torch::empty({rows, q}, f32), attended16 = torch::empty({rows, q}, bf);
+  auto projected = torch::empty({rows, d}, bf), gate_up = torch::empty({rows, 2 * inter}, bf);
+  auto hidden = torch::empty({rows, inter}, bf);
+  int64_t most = 0;
+  for (const auto& s : sequences) most = std::max(most, s.count);
+  auto queries = torch::empty({heads * most * dim}, f32);
+
+  auto* xp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  auto* np = reinterpret_cast<uint16_t*>(normed.data_ptr());
+  auto* qkvp = reinterpret_cast<uint16_t*>(qkv.data_ptr());
+  auto* ap = attended.data_ptr<float>();
+  auto* a16 = reinterpret_cast<uint16_t*>(attended16.data_ptr());
+  auto* pp = reinterpret_cast<uint16_t*>(projected.data_ptr());
+  auto* gp = reinterpret_cast<uint16_t*>(gate_up.data_ptr());
+  auto* hp = reinterpret_cast<uint16_t*>(hidden.data_ptr());
+  const float eps = static_cast<float>(shape.eps);
+
+  for (size_t index = 0; index < layers.size(); ++index) {
+    const Layer& layer = layers[index];
+    each_row(rows, [&](int64_t r) { norm_row(xp + r * d, d, ptr(layer.input_norm), eps, np + r * d); });
+    layer.qkv(np, rows, qkvp);
+    for (const auto& s : sequences)
+      attend_sequence(shape, layer, s, static_cast<int64_t>(index), qkvp, queries.data_ptr<float>(), ap);
+    each_row(rows, [&](int64_t r) { norm_row(ap + r * q, q, nullptr, eps, a16 + r * q); });
+    layer.o(a16, rows, pp);
+    add_rows(xp, pp, rows, d, ptr(layer.attn_out_norm), eps);
+    each_row(rows, [&](int64_t r) { norm_row(xp + r * d, d, ptr(layer.post_norm), eps, np + r * d); });
+    layer.gate_up(np, rows, gp);
+    each_row(rows, [&](int64_t r) {
+      const uint16_t* g = gp + r * 2 * inter;
+      for (int64_t j = 0; j < inter; j += 16) {
+        const __mmask16 m = lanes(inter - j);
+        store(hp + r * inter + j, _mm512_mul_ps(activate(load(g + j, m), shape.gelu), load(g + inter + j, m)), m);
+      }
+    });
+    layer.down(hp, rows, pp);
+    add_rows(xp, pp, rows, d, ptr(layer.mlp_out_norm), eps);
+  }
+  return out;
+}
