@@ -126,6 +126,9 @@ class BlockedLinear(nn.Module):
         return _cast(self._kernels.linear(flat, self.packed, self._out, self.bias, self.scales), x.dtype)
 
 
+_TRIM_EVERY = 8 << 20  # bytes moved between handing freed memory back
+
+
 def on_huge_pages(modules: Iterable[nn.Module]) -> None:
     """Move the packed weights of the `BlockedLinear`s among `modules` into one anonymous mapping advised
     for transparent huge pages (Linux; elsewhere, or for other modules, nothing changes).
@@ -157,9 +160,6 @@ def on_huge_pages(modules: Iterable[nn.Module]) -> None:
             _release_freed_memory()
             moved = 0
     _release_freed_memory()
-
-
-_TRIM_EVERY = 8 << 20
 
 
 def _release_freed_memory() -> None:
