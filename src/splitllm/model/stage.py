@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -86,7 +87,6 @@ class Stage(nn.Module):
         self.windows = [w for w, _ in distinct]
         self.rotaries = [Rotary(rope) for _, rope in distinct]
         self.fuse = True
-        self._fused: FusedStep | None | bool = False  # False: not built yet (weights load after __init__)
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
@@ -183,14 +183,15 @@ class Stage(nn.Module):
         return self._fused_step() is not None
 
     def _fused_step(self) -> FusedStep | None:
-        """The fused step, built on first use from the loaded weights; None where it does not apply."""
-        if not self.fuse:
+        return self._fused if self.fuse else None
+
+    @cached_property
+    def _fused(self) -> FusedStep | None:
+        """The fused step, built on first use (weights load after __init__); None where it does not apply."""
+        kernels = cpu_kernels.load()
+        if kernels is None or not FusedStep.supports(self.cfg, self.layers, self.dtype):
             return None
-        if self._fused is False:
-            kernels = cpu_kernels.load()
-            supported = kernels is not None and FusedStep.supports(self.cfg, self.layers, self.dtype)
-            self._fused = FusedStep(kernels, self.cfg, self.layers, self.layer_kinds) if supported else None
-        return self._fused if isinstance(self._fused, FusedStep) else None
+        return FusedStep(kernels, self.cfg, self.layers, self.layer_kinds)
 
     def _mask(
         self, vis: Visibility, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None
