@@ -1,4 +1,4 @@
-"""splitllm's CPU kernels (linear in bfloat16 and int8, attention over a float32 cache, the fused step
+"""splitllm's CPU kernels (linear in bfloat16, int8 and int4, attention over a float32 cache, the fused step
 through a stage's layers): close to the reference, and batch-invariant, the property speculation's
 exactness rests on: a row gets the same bits alone, among other rows, inside a tree whose other nodes are
 masked, or after its ancestors were committed."""
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from splitllm.model import cpu_kernels
 from splitllm.model.attention import KernelAttention, fused
 from splitllm.model.precision import Precision
-from splitllm.model.quant import BlockedLinear, Int8Linear, on_huge_pages
+from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, on_huge_pages
 from splitllm.model.stage import Stage, StepInput
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -33,8 +33,10 @@ def _close(out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> bool:
 
 
 @needs_kernels
-@pytest.mark.parametrize("form", ["bfloat16", "int8"])
-@pytest.mark.parametrize(("outputs", "inputs"), [(96, 128), (7, 101)])  # whole blocks; a ragged block and odd width
+@pytest.mark.parametrize(
+    ("form", "outputs", "inputs"),  # whole blocks; a ragged block (and an odd width where the form allows it)
+    [("bfloat16", 96, 128), ("bfloat16", 7, 101), ("int8", 96, 128), ("int8", 7, 101), ("int4", 96, 128), ("int4", 7, 96)],
+)
 def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, inputs) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(0)
     w, bias = torch.randn(outputs, inputs, generator=gen) * 0.1, torch.randn(outputs, generator=gen)
@@ -42,6 +44,12 @@ def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, 
         stored = Int8Linear.quantize(w)
         linear = Int8Linear.from_stored(stored, bias, torch.device("cpu"))
         w = stored["q"].float() * stored["scales"].float()[:, None]
+    elif form == "int4":
+        stored = Int4Linear.quantize(w)
+        linear = Int4Linear.from_stored(stored, bias, torch.device("cpu"))
+        nibbles, sz = stored["nibbles"], stored["scales_zeros"].float()
+        q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(outputs, inputs).float().view(outputs, -1, 32)
+        w = ((q - 8) * sz[..., :1] + sz[..., 1:]).view(outputs, inputs)
     else:
         linear = Precision(torch.bfloat16).linear({"weight": w.bfloat16()}, bias.bfloat16())
         w, bias = w.bfloat16().float(), bias.bfloat16().float()
@@ -135,7 +143,7 @@ def _prompt_and_step(stage: Stage, seed: int, prompt: int = 20, n: int = 5) -> t
 
 
 @needs_kernels
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("model", ["mistral", "gemma3"])  # Gemma: q/k and sandwich norms, GELU, two kinds of layer
 def test_fused_step_matches_layer_by_layer(model, quant, tiny_models) -> None:  # type: ignore[no-untyped-def]
     precision = Precision(torch.bfloat16, quant)

@@ -105,7 +105,7 @@ def test_lossy_stage_is_close_to_float32(precision, tiny_models, random_ids) -> 
     assert _relative_error(outs[precision], outs[Precision()]) < tolerance
 
 
-@pytest.mark.parametrize("precision", [Precision(torch.bfloat16), Precision(torch.bfloat16, "int8")], ids=lambda p: p.name)
+@pytest.mark.parametrize("precision", [Precision(torch.bfloat16, q) for q in ("none", "int8", "int4")], ids=lambda p: p.name)
 @pytest.mark.parametrize("model", ["mistral", "gemma3"])  # sliding windows: trees cross window edges
 def test_speculation_is_exact_against_sequential_in_the_same_precision(
     precision, model, tiny_models  # type: ignore[no-untyped-def]
@@ -151,7 +151,7 @@ def test_stored_forms_are_converted_per_layer_once(tiny_models, tensor_reads) ->
     assert isinstance(stage.layers[0].gate_up, (Int8Linear, BlockedLinear)) and stage.layers[0].input_norm.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-untyped-def]
     """The real model in a 16-bit or quantized precision on both sides still answers a factual question,
     and speculation gives the same tokens as sequential decoding in that precision."""

@@ -1,9 +1,8 @@
 """Linear layers in the form their weights are stored: dense, int8 per output channel, int4 grouped.
 
 Weight-only quantization as gpt-fast does it: the weights are streamed from memory as 8 or 4 bits and
-multiplied by 16-bit activations in packed kernels (splitllm's own for bfloat16 and int8 where the CPU
-has AVX-512 BF16, else PyTorch's), so a one-token step reads 2-4x fewer bytes than with float32
-weights. Each module's `stored` form (plain tensors, device independent) is what the conversion cache
+multiplied by 16-bit activations in packed kernels (splitllm's own where the CPU has AVX-512 BF16, else
+PyTorch's), so a one-token step reads 2-4x fewer bytes than with bfloat16 weights, 4-6x fewer than float32. Each module's `stored` form (plain tensors, device independent) is what the conversion cache
 keeps; `from_stored` builds the running module on a device.
 """
 
@@ -80,23 +79,32 @@ class PackedLinear(nn.Module):
 
 
 class BlockedLinear(nn.Module):
-    """bfloat16 (or int8 with per-output scales) weights in the blocks of splitllm's own CPU kernel.
+    """Weights in the blocks of splitllm's own CPU kernel: bfloat16, int8 with per-output scales, or
+    int4 with a scale and zero per output and group of `INT4_GROUP` inputs.
 
     Where it runs (`cpu_kernels`), it streams a step's weights at the memory bandwidth (1.6-2x
     PyTorch's kernels for 1-8 rows here) and gives every row the same bits alone or in any batch. Its
     sums run in a different order from oneDNN's, so bits differ from `F.linear` (by bfloat16 rounding).
+    `scales` is the int8 per-output float32 vector or the int4 kernel's packed bfloat16 scales and zeros.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+        """weight (out, in): float (run in bfloat16); int8 with float32 `scales` (out,); or uint8 values
+        0..15 with `scales` the (out, in / INT4_GROUP, 2) scales and zeros of w = (q - 8) * scale + zero."""
         super().__init__()
         kernels = cpu_kernels.load()
         if kernels is None:
             raise RuntimeError("splitllm's CPU kernels do not run on this machine (see BlockedLinear.available)")
         self._kernels = kernels
         self._out, self._in = weight.shape
-        dense = weight.contiguous() if weight.dtype == torch.int8 else weight.to(torch.bfloat16).contiguous()
-        self.register_buffer("packed", kernels.pack(F.pad(dense, (0, self._in % 2))))
-        self.register_buffer("scales", None if scales is None else scales.float().contiguous())
+        if weight.dtype == torch.uint8:
+            packed, scales = kernels.pack_int4(weight.contiguous(), scales.to(torch.bfloat16).contiguous())
+        else:
+            dense = weight.contiguous() if weight.dtype == torch.int8 else weight.to(torch.bfloat16).contiguous()
+            packed = kernels.pack(F.pad(dense, (0, self._in % 2)))
+            scales = None if scales is None else scales.float().contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     @staticmethod
@@ -114,6 +122,13 @@ class BlockedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The (out, in) bfloat16 weight the kernel multiplies by (a copy: for reading rows, not for steps)."""
+        if self.packed.dtype == torch.uint8:  # (blocks, pairs, 32 lanes): low nibbles the block's first 16 outputs
+            blocks, pairs, _ = self.packed.shape
+            halves = torch.stack([self.packed & 15, self.packed >> 4], 2).view(blocks, pairs, 2, 16, 2)
+            q = halves.permute(0, 2, 3, 1, 4).reshape(blocks * 32, pairs * 2)[: self._out].float()
+            sz = self.scales.permute(0, 3, 1, 2).reshape(blocks * 32, -1, 2)[: self._out].float()
+            groups = q.view(self._out, -1, INT4_GROUP)
+            return ((groups - 8) * sz[..., :1] + sz[..., 1:]).view(self._out, -1).bfloat16()
         blocks, pairs, width, _ = self.packed.shape
         dense = self.packed.permute(0, 2, 1, 3).reshape(blocks * width, pairs * 2)[: self._out, : self._in]
         return dense if self.scales is None else (dense.float() * self.scales[:, None]).bfloat16()
@@ -232,9 +247,13 @@ class Int4Linear(nn.Module):
         return {"nibbles": q[:, ::2] << 4 | q[:, 1::2], "scales_zeros": scales_zeros}
 
     @classmethod
-    def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> Int4Linear:
+    def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> nn.Module:
+        """splitllm's kernel where it runs, else PyTorch's int4 kernel."""
         nibbles = stored["nibbles"]
-        q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(nibbles.shape[0], -1).to(torch.int32)
+        q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(nibbles.shape[0], -1)
+        if BlockedLinear.available(KERNEL_DTYPE, device):
+            return BlockedLinear(q, bias, stored["scales_zeros"])
+        q = q.to(torch.int32)
         sz = stored["scales_zeros"].transpose(0, 1).contiguous().to(KERNEL_DTYPE)
         if device.type == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

@@ -25,19 +25,47 @@ struct Rows {
 
 // Scores, softmax and weighted values for `Count` query rows against one head's L keys (compile-time
 // counts keep the accumulators in registers).
+// The horizontal sums of 16 vectors as one vector (lane j: the sum of a[j]'s lanes), by a fixed tree of
+// shuffles and adds: a third of the instructions of 16 separate reductions, and each sum's bits depend
+// on its own vector only.
+inline __m512 sum16(const __m512* a) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane L: [a0 L0+2, a1 L0+2, a0 L1+3, a1 L1+3] of the pair
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane L: the four vectors' sums over that lane
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes [y0 L0+1, y0 L2+3, y1 L0+1, y1 L2+3]
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores, softmax and weighted values for `Count` query rows against one head's L keys (compile-time
+// counts keep the accumulators in registers). Scores are computed 16 keys at a time.
 template <int Count>
 void attend(const Rows& rows, const float* k, const float* v, int64_t key_stride, int64_t length,
             int64_t dim, float scale, float* scores) {
   const int64_t chunks = dim / 16;
-  for (int64_t j = 0; j < length; ++j) {
-    __m512 acc[Count];
-    for (int r = 0; r < Count; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 kc = _mm512_loadu_ps(k + j * key_stride + c * 16);
-      for (int r = 0; r < Count; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(rows.q[r] + c * 16), kc, acc[r]);
+  __m512 dots[Count][16];
+  for (int64_t j0 = 0; j0 < length; j0 += 16) {
+    const int keys = static_cast<int>(std::min<int64_t>(16, length - j0));
+    for (int jj = 0; jj < 16; ++jj) {
+      __m512 acc[Count];
+      for (int r = 0; r < Count; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t c = 0; jj < keys && c < chunks; ++c) {
+        const __m512 kc = _mm512_loadu_ps(k + (j0 + jj) * key_stride + c * 16);
+        for (int r = 0; r < Count; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(rows.q[r] + c * 16), kc, acc[r]);
+      }
+      for (int r = 0; r < Count; ++r) dots[r][jj] = acc[r];
     }
-    for (int r = 0; r < Count; ++r)
-      scores[r * length + j] = _mm512_reduce_add_ps(acc[r]) * scale + (rows.mask[r] ? rows.mask[r][j] : 0.0f);
+    const __mmask16 m = lanes(keys);
+    for (int r = 0; r < Count; ++r) {
+      __m512 s = _mm512_mul_ps(sum16(dots[r]), _mm512_set1_ps(scale));
+      if (rows.mask[r]) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(m, rows.mask[r] + j0));
+      _mm512_mask_storeu_ps(scores + r * length + j0, m, s);
+    }
   }
   float inv[Count];
   for (int r = 0; r < Count; ++r) {
@@ -85,7 +113,7 @@ void attention_rows(const float* qp, const float* kp, const float* vp, int64_t h
                     int64_t mask_row, float scale, float* op) {
   const int64_t group = heads / kv_heads;
   const int64_t per_head = (group * n + kTile - 1) / kTile;  // row tiles per key/value head
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, length * dim / 64));
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, length * dim));  // tasks of >= 32K key values
   at::parallel_for(0, kv_heads * per_head, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kTile * length);
     for (int64_t task = begin; task < end; ++task) {

@@ -18,7 +18,7 @@
 #include "simd.h"
 
 void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
-                 const float* scales, uint16_t* y);
+                 const c10::optional<torch::Tensor>& scales, uint16_t* y);
 void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
                   const c10::optional<torch::Tensor>& scales);
 void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
@@ -100,13 +100,13 @@ void add_rows(uint16_t* x, const uint16_t* add, int64_t rows, int64_t size, cons
 }  // namespace
 
 void Projection::operator()(const uint16_t* x, int64_t rows, uint16_t* y) const {
-  linear_rows(x, rows, packed, outputs, data_or_null(bias), data_or_null(scales), y);
+  linear_rows(x, rows, packed, outputs, data_or_null(bias), scales, y);
 }
 
 Projection::Projection(torch::Tensor packed_, int64_t outputs_, c10::optional<torch::Tensor> bias_,
                        c10::optional<torch::Tensor> scales_)
     : packed(std::move(packed_)), outputs(outputs_), bias(std::move(bias_)), scales(std::move(scales_)) {
-  inputs = packed.dim() == 4 ? packed.size(1) * 2 : 0;
+  inputs = packed.dim() >= 2 ? packed.size(1) * 2 : 0;
   check_linear(packed, outputs, inputs, bias, scales);
 }
 

@@ -10,7 +10,7 @@ struct Shape {
   bool gelu;          // GELU (tanh) instead of SiLU on the gate
 };
 
-// A packed linear weight (see linear.cpp): y = x W^T (* scales) (+ bias), bfloat16 in and out.
+// A packed linear weight (see linear.cpp) with its int8 or int4 scales: y = x W^T (+ bias), bfloat16 in and out.
 struct Projection {
   torch::Tensor packed;
   int64_t outputs, inputs;

@@ -1,22 +1,33 @@
 // y = x W^T (+ b) in bfloat16 for the few rows of a decoding step, at the speed of reading W once.
-// W is bfloat16, or int8 with one scale per output (y = scale * x q^T + b).
+// W is bfloat16; or int8 with one scale per output (y = scale * x q^T + b); or int4 with a scale and a
+// zero per output and group of 32 inputs (w = (q - 8) * scale + zero, q in 0..15).
 //
 // W is packed at load as (N/32, K/2, 32, 2): for each block of 32 outputs, each pair of inputs is one
-// run of 32 pairs (128 bytes in bfloat16, 64 in int8), so a block is one contiguous stream and the
-// hardware prefetcher sees a single sequential read. int8 pairs are widened to bfloat16 in registers
-// (exactly: every int8 value is a bfloat16). AVX-512 BF16's dot-product instruction multiplies a
-// broadcast input pair by the pairs of 16 outputs at once, so accumulators hold outputs directly (no
-// horizontal sums). Up to 12 rows share each weight load. Every output is accumulated over the input pairs in the same order whatever the number
-// of rows, the row's place in the batch or the thread count, so results are batch-invariant.
+// run of 32 pairs (128 bytes in bfloat16, 64 in int8, 32 in int4: the first 16 outputs' nibbles low,
+// the other 16's high), so a block is one contiguous stream and the hardware prefetcher sees a single
+// sequential read. int8 pairs are widened to bfloat16 in registers (exactly: every int8 value is a
+// bfloat16); an int4 nibble q becomes the bfloat16 128 + q with one bitwise OR (its bits are
+// 0x4300 | q), and each group's sum is corrected by 136 times the group's input sum before its scale
+// and zero apply. AVX-512 BF16's dot-product instruction multiplies a broadcast input pair by the
+// pairs of 16 outputs at once, so accumulators hold outputs directly (no horizontal sums). Several
+// rows share each weight load. Every output is accumulated over the input pairs in the same order
+// whatever the number of rows, the row's place in the batch or the thread count, so results are
+// batch-invariant.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <type_traits>
+
+#include "simd.h"
 
 namespace {
 
 constexpr int kVectors = 2;                 // 16-output vectors per block
 constexpr int kBlock = 16 * kVectors;       // outputs per block
 constexpr int kRowTile = 12;                // rows per pass over a block (24 accumulators)
+constexpr int kGroup = 32;                  // int4 inputs per scale and zero
+constexpr int kGroupPairs = kGroup / 2;
+constexpr int kInt4RowTile = 6;             // 12 accumulators and 12 group sums
 
 // 16 outputs' pairs of inputs as 32 bfloat16 values.
 inline __m512bh load_pairs(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
@@ -24,6 +35,16 @@ inline __m512bh load_pairs(const int8_t* w) {
   const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
   const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
   return _mm512_cvtne2ps_pbh(high, low);
+}
+
+// f(std::integral_constant<int, R>{}) with R = rows (1 <= rows <= Max): the tile's row count as a
+// compile-time constant, so its accumulators stay in registers.
+template <int Max, typename F>
+void with_rows(int rows, F&& f) {
+  if constexpr (Max > 1) {
+    if (rows < Max) return with_rows<Max - 1>(rows, f);
+  }
+  f(std::integral_constant<int, Max>{});
 }
 
 template <int Rows, typename W>
@@ -39,40 +60,92 @@ void block(const W* w, const uint16_t* x, int64_t ldx, int64_t pairs, __m512* ac
   }
 }
 
-template <int Rows, typename W>
-void rows_tile(const W* w, const uint16_t* x, int64_t ldx, int64_t pairs, __m512* acc, int rows) {
-  if constexpr (Rows > 1) {
-    if (rows < Rows) return rows_tile<Rows - 1>(w, x, ldx, pairs, acc, rows);
+// One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) bfloat16 scales and zeros,
+// sums (Rows, groups) each row's input sum per group.
+template <int Rows>
+void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx, const float* sums,
+                int64_t groups, __m512* acc) {
+  const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+  const __m512 offset = _mm512_set1_ps(136.0f);  // 128 from the OR, 8 from q - 8
+  for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dot[Rows * kVectors];
+    for (int i = 0; i < Rows * kVectors; ++i) dot[i] = _mm512_setzero_ps();
+    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; ++p) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kBlock)));
+      const __m512bh wv[kVectors] = {(__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA),  // a & b | c
+                                     (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent)};
+      for (int r = 0; r < Rows; ++r) {
+        __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + 2 * p));
+        for (int j = 0; j < kVectors; ++j) dot[r * kVectors + j] = _mm512_dpbf16_ps(dot[r * kVectors + j], xv, wv[j]);
+      }
+    }
+    for (int j = 0; j < kVectors; ++j) {
+      const __m512 scale = load(sz + (g * 2) * kBlock + j * 16, 0xFFFF);
+      const __m512 zero = load(sz + (g * 2 + 1) * kBlock + j * 16, 0xFFFF);
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 sum = _mm512_set1_ps(sums[r * groups + g]);
+        const __m512 centered = _mm512_fnmadd_ps(offset, sum, dot[r * kVectors + j]);  // sum x (q - 8)
+        acc[r * kVectors + j] = _mm512_fmadd_ps(zero, sum, _mm512_fmadd_ps(centered, scale, acc[r * kVectors + j]));
+      }
+    }
   }
-  block<Rows>(w, x, ldx, pairs, acc);
 }
 
-// Every block of outputs for every row: y[r, col] = round_bf16(acc * scale[col] + bias[col]).
-template <typename W>
-void run(const uint16_t* xp, const W* wp, uint16_t* yp, const float* scales, const float* bp, int64_t rows,
-         int64_t k, int64_t n, int64_t blocks, int64_t pairs) {
+// Every block of outputs for every row, `RowTile` rows at a time: tile(b, r0, rows, acc) sums block b
+// for rows [r0, r0 + rows) into acc, then y[r, col] = round_bf16(acc * scale[col] + bias[col]).
+template <int RowTile, typename Tile>
+void run(int64_t rows, int64_t n, int64_t blocks, const float* scales, const float* bias, uint16_t* y, Tile&& tile) {
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    __m512 acc[kRowTile * kVectors];
+    __m512 acc[RowTile * kVectors];
     for (int64_t b = begin; b < end; ++b) {
-      const W* w = wp + b * pairs * kBlock * 2;
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-        int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-        rows_tile<kRowTile>(w, xp + r0 * k, k, pairs, acc, tile);
-        for (int r = 0; r < tile; ++r) {
+      for (int64_t r0 = 0; r0 < rows; r0 += RowTile) {
+        const int count = static_cast<int>(std::min<int64_t>(RowTile, rows - r0));
+        tile(b, r0, count, acc);
+        for (int r = 0; r < count; ++r) {
           for (int j = 0; j < kVectors; ++j) {
-            int64_t col = b * kBlock + j * 16;
+            const int64_t col = b * kBlock + j * 16;
             if (col >= n) break;
-            auto mask = static_cast<__mmask16>(n - col >= 16 ? 0xFFFF : (1u << (n - col)) - 1);
+            const __mmask16 mask = lanes(n - col);
             __m512 v = acc[r * kVectors + j];
             if (scales) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scales + col));
-            if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + col));
-            _mm256_mask_storeu_epi16(yp + (r0 + r) * n + col, mask, (__m256i)_mm512_cvtneps_pbh(v));
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
+            store(y + (r0 + r) * n + col, v, mask);
           }
         }
       }
     }
   });
 }
+
+template <typename W>
+void run_dense(const uint16_t* x, const W* w, int64_t rows, int64_t n, int64_t blocks, int64_t pairs,
+               const float* scales, const float* bias, uint16_t* y) {
+  run<kRowTile>(rows, n, blocks, scales, bias, y, [&](int64_t b, int64_t r0, int count, __m512* acc) {
+    with_rows<kRowTile>(count, [&](auto tile) {
+      block<decltype(tile)::value>(w + b * pairs * kBlock * 2, x + r0 * 2 * pairs, 2 * pairs, pairs, acc);
+    });
+  });
+}
+
+void run_int4(const uint16_t* x, const uint8_t* w, const uint16_t* sz, int64_t rows, int64_t n, int64_t blocks,
+              int64_t pairs, const float* bias, uint16_t* y) {
+  const int64_t k = 2 * pairs, groups = k / kGroup;
+  std::vector<float> sums(rows * groups);  // each row's inputs summed per group, in a fixed order
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* xg = x + r * k + g * kGroup;
+      sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(load(xg, 0xFFFF), load(xg + 16, 0xFFFF)));
+    }
+  run<kInt4RowTile>(rows, n, blocks, nullptr, bias, y, [&](int64_t b, int64_t r0, int count, __m512* acc) {
+    with_rows<kInt4RowTile>(count, [&](auto tile) {
+      block_int4<decltype(tile)::value>(w + b * pairs * kBlock, sz + b * groups * 2 * kBlock, x + r0 * k, k,
+                                        sums.data() + r0 * groups, groups, acc);
+    });
+  });
+}
+
+bool is_int4(const torch::Tensor& packed) { return packed.scalar_type() == torch::kByte; }
 
 }  // namespace
 
@@ -86,26 +159,54 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return padded.view({blocks, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "pack_int4: a 2-D uint8 weight of values 0..15");
+  const int64_t n = q.size(0), k = q.size(1), blocks = (n + kBlock - 1) / kBlock;
+  TORCH_CHECK(k % kGroup == 0, "pack_int4: the input width must be a multiple of ", kGroup);
+  TORCH_CHECK(q.numel() == 0 || q.max().item<int>() < 16, "pack_int4: values must lie in 0..15");
+  TORCH_CHECK(scales_zeros.sizes() == torch::IntArrayRef({n, k / kGroup, 2}) && scales_zeros.scalar_type() == torch::kBFloat16,
+              "pack_int4: bfloat16 scales and zeros of shape (outputs, inputs / ", kGroup, ", 2)");
+  auto padded = torch::zeros({blocks * kBlock, k}, q.options());
+  padded.narrow(0, 0, n).copy_(q);
+  // (block, half, output, pair, element) -> (block, pair, half, output * 2 + element)
+  auto lanes = padded.view({blocks, kVectors, 16, k / 2, 2}).permute({0, 3, 1, 2, 4}).reshape({blocks, k / 2, kVectors, 32});
+  auto packed = lanes.select(2, 0).bitwise_or(lanes.select(2, 1).bitwise_left_shift(4)).contiguous();
+  auto sz = torch::zeros({blocks * kBlock, k / kGroup, 2}, scales_zeros.options());
+  sz.narrow(0, 0, n).copy_(scales_zeros);
+  return std::make_tuple(packed, sz.view({blocks, kBlock, k / kGroup, 2}).permute({0, 2, 3, 1}).contiguous());
+}
+
 void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
-                 const float* scales, uint16_t* y) {
-  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = 2 * pairs;
-  if (packed.scalar_type() == torch::kChar)
-    run(x, packed.data_ptr<int8_t>(), y, scales, bias, rows, k, n, blocks, pairs);
+                 const c10::optional<torch::Tensor>& scales, uint16_t* y) {
+  const int64_t blocks = packed.size(0), pairs = packed.size(1);
+  if (is_int4(packed))
+    run_int4(x, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales->data_ptr()), rows, n, blocks,
+             pairs, bias, y);
+  else if (packed.scalar_type() == torch::kChar)
+    run_dense(x, packed.data_ptr<int8_t>(), rows, n, blocks, pairs, scales->data_ptr<float>(), bias, y);
   else
-    run(x, reinterpret_cast<const uint16_t*>(packed.data_ptr()), y, nullptr, bias, rows, k, n, blocks, pairs);
+    run_dense(x, reinterpret_cast<const uint16_t*>(packed.data_ptr()), rows, n, blocks, pairs, nullptr, bias, y);
 }
 
 void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
                   const c10::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 && packed.is_contiguous(),
-              "linear: weight not packed");
+  TORCH_CHECK(bias == c10::nullopt || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "linear: the bias must be float32 with one value per output");
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() >= 2 && packed.size(1) * 2 == k && packed.size(0) * kBlock >= n,
+              "linear: input width ", k, " does not match the packed weight");
+  if (is_int4(packed)) {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && k % kGroup == 0, "linear: int4 weight not packed");
+    TORCH_CHECK(scales && scales->scalar_type() == torch::kBFloat16 && scales->is_contiguous() &&
+                scales->sizes() == torch::IntArrayRef({packed.size(0), k / kGroup, 2, kBlock}),
+                "linear: int4 weights need packed bfloat16 scales and zeros (pack_int4)");
+    return;
+  }
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2, "linear: weight not packed");
   const bool int8 = packed.scalar_type() == torch::kChar;
-  TORCH_CHECK(int8 || packed.scalar_type() == torch::kBFloat16, "linear: bfloat16 or int8 weights");
+  TORCH_CHECK(int8 || packed.scalar_type() == torch::kBFloat16, "linear: bfloat16, int8 or int4 weights");
   TORCH_CHECK(int8 == scales.has_value(), "linear: int8 weights need scales, bfloat16 weights none");
-  TORCH_CHECK(packed.size(1) * 2 == k && packed.size(0) * kBlock >= n, "linear: input width ", k, " does not match the weight");
-  for (const auto* t : {&bias, &scales})
-    TORCH_CHECK(!*t || ((*t)->scalar_type() == torch::kFloat && (*t)->is_contiguous() && (*t)->numel() == n),
-                "linear: bias and scales must be float32 with one value per output");
+  TORCH_CHECK(!scales || (scales->scalar_type() == torch::kFloat && scales->is_contiguous() && scales->numel() == n),
+              "linear: int8 scales must be float32 with one value per output");
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
@@ -117,6 +218,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   sizes.back() = n;
   auto y = torch::empty(sizes, x.options());
   linear_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, packed, n, bias ? bias->data_ptr<float>() : nullptr,
-              scales ? scales->data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()));
+              scales, reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
 }
