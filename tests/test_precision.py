@@ -41,12 +41,16 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
+@pytest.mark.parametrize("kernels", ["splitllm", "pytorch"])  # PyTorch's: CPUs without AVX-512 BF16
 @pytest.mark.parametrize(("module", "tolerance"), [(Int8Linear, 0.01), (Int4Linear, 0.1)])
-def test_quantized_linear_is_close_to_float32(module, tolerance) -> None:  # type: ignore[no-untyped-def]
+def test_quantized_linear_is_close_to_float32(module, tolerance, kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    if kernels == "pytorch":
+        monkeypatch.setattr(BlockedLinear, "available", staticmethod(lambda dtype, device: False))
     gen = torch.Generator().manual_seed(0)
     w, bias = torch.randn(96, 128, generator=gen) * 0.05, torch.randn(96, generator=gen)
     x = torch.randn(5, 128, generator=gen)
     quantized = module.from_stored(module.quantize(w), bias, CPU)
+    assert isinstance(quantized, module if kernels == "pytorch" or not BlockedLinear.available(torch.bfloat16, CPU) else BlockedLinear)
     out = quantized(x)
     assert out.dtype == x.dtype and out.shape == (5, 96)
     assert _relative_error(out, x @ w.T + bias) < tolerance

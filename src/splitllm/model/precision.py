@@ -19,9 +19,10 @@ from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-# The fastest setting `splitllm bench runtime` measured on the CPU here (with splitllm's fused step, int8
-# is 1.7-1.9x faster than bfloat16 for one row and as fast for 8-32, for +0.1% perplexity); the default
-# of the demo and the end-to-end benchmarks (the commands themselves default to the exact mode).
+# The fastest setting `splitllm bench runtime` measured on the CPU here that keeps float32's quality
+# (with splitllm's fused step, int8 is 1.8-2.1x faster than bfloat16 for one row and as fast for 8-32,
+# for +0.1% perplexity; int4 is 1.2x faster still for one row but costs 6%); the default of the demo
+# and the end-to-end benchmarks (the commands themselves default to the exact mode).
 FASTEST = "bfloat16-int8"
 QUANTS = ("none", "int8", "int4")
 DEVICES = ("cpu", "cuda", "mps")
