@@ -1,4 +1,4 @@
-"""splitllm's CPU kernels (`kernels/`), compiled on first use where the CPU has AVX-512 BF16.
+"""splitllm's CPU kernels (`kernels/`), compiled on first use where the CPU has AVX-512 BF16 and VBMI.
 
 PyTorch's bfloat16 linear kernels read a one-row step's weights at about half this machine's memory
 bandwidth, and its attention spends most of a few-row step in overhead; these stream the weights and
@@ -20,23 +20,24 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("bindings.cpp", "linear.cpp", "attention.cpp", "decoder.cpp")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp"]
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_has_instructions() -> bool:
+    """AVX-512 with BF16 dot products and VBMI byte permutes (AMD Zen 4, Intel Sapphire Rapids and later)."""
     if platform.system() != "Linux":
         return False
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags.split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"} <= set(flags.split())
 
 
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled kernels, or None where it cannot run here (said once in the log)."""
-    if not cpu_has_avx512_bf16():
+    if not cpu_has_instructions():
         return None
     from torch.utils import cpp_extension
 

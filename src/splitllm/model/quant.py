@@ -1,7 +1,7 @@
 """Linear layers in the form their weights are stored: dense, int8 per output channel, int4 grouped.
 
 Weight-only quantization as gpt-fast does it: the weights are streamed from memory as 8 or 4 bits and
-multiplied by 16-bit activations in packed kernels (splitllm's own where the CPU has AVX-512 BF16, else
+multiplied by 16-bit activations in packed kernels (splitllm's own where the CPU has AVX-512 BF16 and VBMI, else
 PyTorch's), so a one-token step reads 2-4x fewer bytes than with bfloat16 weights, 4-6x fewer than float32. Each module's `stored` form (plain tensors, device independent) is what the conversion cache
 keeps; `from_stored` builds the running module on a device.
 """
@@ -130,7 +130,10 @@ class BlockedLinear(nn.Module):
             groups = q.view(self._out, -1, INT4_GROUP)
             return ((groups - 8) * sz[..., :1] + sz[..., 1:]).view(self._out, -1).bfloat16()
         blocks, pairs, width, _ = self.packed.shape
-        dense = self.packed.permute(0, 2, 1, 3).reshape(blocks * width, pairs * 2)[: self._out, : self._in]
+        packed = self.packed
+        if packed.dtype == torch.int8:  # each pair's bytes by (128-bit lane, vector, byte): see kernels/linear.cpp
+            packed = packed.view(blocks, pairs, 4, 2, 8).permute(0, 1, 3, 2, 4).reshape(blocks, pairs, width, 2)
+        dense = packed.permute(0, 2, 1, 3).reshape(blocks * width, pairs * 2)[: self._out, : self._in]
         return dense if self.scales is None else (dense.float() * self.scales[:, None]).bfloat16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@
 // run of 32 pairs (128 bytes in bfloat16, 64 in int8, 32 in int4: the first 16 outputs' nibbles low,
 // the other 16's high), so a block is one contiguous stream and the hardware prefetcher sees a single
 // sequential read. int8 pairs are widened to bfloat16 in registers (exactly: every int8 value is a
-// bfloat16); an int4 nibble q becomes the bfloat16 128 + q with one bitwise OR (its bits are
+// bfloat16) by byte-table lookups (AVX-512 VBMI); an int4 nibble q becomes the bfloat16 128 + q with one bitwise OR (its bits are
 // 0x4300 | q), and each group's sum is corrected by 136 times the group's input sum before its scale
 // and zero apply. AVX-512 BF16's dot-product instruction multiplies a broadcast input pair by the
 // pairs of 16 outputs at once, so accumulators hold outputs directly (no horizontal sums). Several
@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstring>
 #include <type_traits>
 
 #include "simd.h"
@@ -29,12 +30,38 @@ constexpr int kGroup = 32;                  // int4 inputs per scale and zero
 constexpr int kGroupPairs = kGroup / 2;
 constexpr int kInt4RowTile = 6;             // 12 accumulators and 12 group sums
 
-// 16 outputs' pairs of inputs as 32 bfloat16 values.
-inline __m512bh load_pairs(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
-inline __m512bh load_pairs(const int8_t* w) {
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
-  return _mm512_cvtne2ps_pbh(high, low);
+// The bfloat16 bits of 0..127 as two 128-entry byte tables (low and high bytes), two registers each.
+struct Int8Tables {
+  __m512i low[2], high[2];
+  Int8Tables() {
+    alignas(64) uint8_t bytes[2][128];
+    for (int a = 0; a < 128; ++a) {
+      const float f = static_cast<float>(a);
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);  // exact in bfloat16: the low 16 bits are zero
+      bytes[0][a] = static_cast<uint8_t>(bits >> 16);
+      bytes[1][a] = static_cast<uint8_t>(bits >> 24);
+    }
+    for (int h = 0; h < 2; ++h) {
+      low[h] = _mm512_load_si512(bytes[0] + 64 * h);
+      high[h] = _mm512_load_si512(bytes[1] + 64 * h);
+    }
+  }
+};
+
+// One pair of inputs for the block's 32 outputs: two vectors of 16 outputs' pairs as bfloat16.
+inline void load_pairs(const uint16_t* w, __m512bh* v, const Int8Tables&) {
+  for (int j = 0; j < kVectors; ++j) v[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
+}
+// int8 (64 bytes, in the order `pack` gives them): |q|'s bfloat16 bytes looked up, q's sign put back,
+// low and high bytes interleaved into 16-bit lanes; six instructions for 64 weights, all exact.
+inline void load_pairs(const int8_t* w, __m512bh* v, const Int8Tables& tables) {
+  const __m512i q = _mm512_loadu_si512(w), magnitude = _mm512_abs_epi8(q);
+  const __m512i low = _mm512_permutex2var_epi8(tables.low[0], magnitude, tables.low[1]);
+  const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tables.high[0], magnitude, tables.high[1]), q,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // a | b & c
+  v[0] = (__m512bh)_mm512_unpacklo_epi8(low, high);
+  v[1] = (__m512bh)_mm512_unpackhi_epi8(low, high);
 }
 
 // f(std::integral_constant<int, R>{}) with R = rows (1 <= rows <= Max): the tile's row count as a
@@ -49,10 +76,12 @@ void with_rows(int rows, F&& f) {
 
 template <int Rows, typename W>
 void block(const W* w, const uint16_t* x, int64_t ldx, int64_t pairs, __m512* acc) {
+  static const Int8Tables shared;
+  const Int8Tables tables = shared;  // in registers for the whole block
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[kVectors];
-    for (int j = 0; j < kVectors; ++j) wv[j] = load_pairs(w + (p * kVectors + j) * 32);
+    load_pairs(w + p * kVectors * 32, wv, tables);
     for (int r = 0; r < Rows; ++r) {
       __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + 2 * p));
       for (int j = 0; j < kVectors; ++j) acc[r * kVectors + j] = _mm512_dpbf16_ps(acc[r * kVectors + j], xv, wv[j]);
@@ -154,9 +183,15 @@ torch::Tensor pack(const torch::Tensor& weight) {
               "pack: a 2-D bfloat16 or int8 weight");
   TORCH_CHECK(weight.size(1) % 2 == 0, "pack: the input width must be even");
   int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlock - 1) / kBlock;
+  TORCH_CHECK(weight.scalar_type() != torch::kChar || weight.numel() == 0 || weight.min().item<int>() > -128,
+              "pack: int8 weights must lie in -127..127");
   auto padded = torch::zeros({blocks * kBlock, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({blocks, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  auto packed = padded.view({blocks, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  if (weight.scalar_type() != torch::kChar) return packed;
+  // Each pair's 64 bytes (vector, 128-bit lane, byte) -> (128-bit lane, vector, byte): the order in which
+  // unpacking low and high bytes gives the two vectors back (see load_pairs).
+  return packed.view({blocks, k / 2, kVectors, 4, 8}).permute({0, 1, 3, 2, 4}).contiguous().view({blocks, k / 2, kBlock, 2});
 }
 
 std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros) {
