@@ -3,12 +3,12 @@
 // zero per output and group of 32 inputs (w = (q - 8) * scale + zero, q in 0..15).
 //
 // W is packed at load as (N/32, K/2, 32, 2): for each block of 32 outputs, each pair of inputs is one
-// run of 32 pairs (128 bytes in bfloat16, 64 in int8, 32 in int4: the first 16 outputs' nibbles low,
-// the other 16's high), so a block is one contiguous stream and the hardware prefetcher sees a single
-// sequential read. int8 pairs are widened to bfloat16 in registers (exactly: every int8 value is a
-// bfloat16) by byte-table lookups (AVX-512 VBMI); an int4 nibble q becomes the bfloat16 128 + q with one bitwise OR (its bits are
-// 0x4300 | q), and each group's sum is corrected by 136 times the group's input sum before its scale
-// and zero apply. AVX-512 BF16's dot-product instruction multiplies a broadcast input pair by the
+// run of 32 pairs (128 bytes in bfloat16; 64 in int8, in the byte order its unpacking needs; 32 in
+// int4, the first 16 outputs' nibbles low and the other 16's high), so a block is one contiguous
+// stream and the hardware prefetcher sees a single sequential read. int8 pairs are widened to
+// bfloat16 in registers by byte-table lookups (exactly: every int8 value is a bfloat16); an int4
+// nibble q becomes the bfloat16 128 + q with one bitwise OR (its bits are 0x4300 | q), and each
+// group's sum is corrected by 136 times the group's input sum before its scale and zero apply. AVX-512 BF16's dot-product instruction multiplies a broadcast input pair by the
 // pairs of 16 outputs at once, so accumulators hold outputs directly (no horizontal sums). Several
 // rows share each weight load. Every output is accumulated over the input pairs in the same order
 // whatever the number of rows, the row's place in the batch or the thread count, so results are
