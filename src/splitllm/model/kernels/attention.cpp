@@ -23,8 +23,6 @@ struct Rows {
   float* out[kTile];
 };
 
-// Scores, softmax and weighted values for `Count` query rows against one head's L keys (compile-time
-// counts keep the accumulators in registers).
 // The horizontal sums of 16 vectors as one vector (lane j: the sum of a[j]'s lanes), by a fixed tree of
 // shuffles and adds: a third of the instructions of 16 separate reductions, and each sum's bits depend
 // on its own vector only.
