@@ -8,9 +8,10 @@
 // stream and the hardware prefetcher sees a single sequential read. int8 pairs are widened to
 // bfloat16 in registers by byte-table lookups (exactly: every int8 value is a bfloat16); an int4
 // nibble q becomes the bfloat16 128 + q with one bitwise OR (its bits are 0x4300 | q), and each
-// group's sum is corrected by 136 times the group's input sum before its scale and zero apply. AVX-512 BF16's dot-product instruction multiplies a broadcast input pair by the
-// pairs of 16 outputs at once, so accumulators hold outputs directly (no horizontal sums). Several
-// rows share each weight load. Every output is accumulated over the input pairs in the same order
+// group's sum is corrected by 136 times the group's input sum before its scale and zero apply.
+// AVX-512 BF16's dot-product instruction multiplies a broadcast input pair by the pairs of 16 outputs
+// at once, so accumulators hold outputs directly (no horizontal sums). Several rows share each weight
+// load. Every output is accumulated over the input pairs in the same order
 // whatever the number of rows, the row's place in the batch or the thread count, so results are
 // batch-invariant.
 #include <torch/extension.h>
@@ -49,20 +50,28 @@ struct Int8Tables {
   }
 };
 
-// One pair of inputs for the block's 32 outputs: two vectors of 16 outputs' pairs as bfloat16.
-inline void load_pairs(const uint16_t* w, __m512bh* v, const Int8Tables&) {
-  for (int j = 0; j < kVectors; ++j) v[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
-}
+// Pair loaders: one pair of inputs for the block's 32 outputs as two vectors of 16 outputs' pairs in
+// bfloat16. A block copies its loader once, so the int8 tables sit in registers while it streams.
+struct Bfloat16Pairs {
+  using Weight = uint16_t;
+  void operator()(const uint16_t* w, __m512bh* v) const {
+    for (int j = 0; j < kVectors; ++j) v[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
+  }
+};
 // int8 (64 bytes, in the order `pack` gives them): |q|'s bfloat16 bytes looked up, q's sign put back,
 // low and high bytes interleaved into 16-bit lanes; six instructions for 64 weights, all exact.
-inline void load_pairs(const int8_t* w, __m512bh* v, const Int8Tables& tables) {
-  const __m512i q = _mm512_loadu_si512(w), magnitude = _mm512_abs_epi8(q);
-  const __m512i low = _mm512_permutex2var_epi8(tables.low[0], magnitude, tables.low[1]);
-  const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tables.high[0], magnitude, tables.high[1]), q,
-                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // a | b & c
-  v[0] = (__m512bh)_mm512_unpacklo_epi8(low, high);
-  v[1] = (__m512bh)_mm512_unpackhi_epi8(low, high);
-}
+struct Int8Pairs {
+  using Weight = int8_t;
+  Int8Tables tables;
+  void operator()(const int8_t* w, __m512bh* v) const {
+    const __m512i q = _mm512_loadu_si512(w), magnitude = _mm512_abs_epi8(q);
+    const __m512i low = _mm512_permutex2var_epi8(tables.low[0], magnitude, tables.low[1]);
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tables.high[0], magnitude, tables.high[1]), q,
+                                                   _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // a | b & c
+    v[0] = (__m512bh)_mm512_unpacklo_epi8(low, high);
+    v[1] = (__m512bh)_mm512_unpackhi_epi8(low, high);
+  }
+};
 
 // f(std::integral_constant<int, R>{}) with R = rows (1 <= rows <= Max): the tile's row count as a
 // compile-time constant, so its accumulators stay in registers.
@@ -74,14 +83,14 @@ void with_rows(int rows, F&& f) {
   f(std::integral_constant<int, Max>{});
 }
 
-template <int Rows, typename W>
-void block(const W* w, const uint16_t* x, int64_t ldx, int64_t pairs, __m512* acc) {
-  static const Int8Tables shared;
-  const Int8Tables tables = shared;  // in registers for the whole block
+template <int Rows, typename Pairs>
+void block(const Pairs& shared, const typename Pairs::Weight* w, const uint16_t* x, int64_t ldx, int64_t pairs,
+           __m512* acc) {
+  const Pairs load = shared;
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[kVectors];
-    load_pairs(w + p * kVectors * 32, wv, tables);
+    load(w + p * kVectors * 32, wv);
     for (int r = 0; r < Rows; ++r) {
       __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + 2 * p));
       for (int j = 0; j < kVectors; ++j) acc[r * kVectors + j] = _mm512_dpbf16_ps(acc[r * kVectors + j], xv, wv[j]);
@@ -147,12 +156,12 @@ void run(int64_t rows, int64_t n, int64_t blocks, const float* scales, const flo
   });
 }
 
-template <typename W>
-void run_dense(const uint16_t* x, const W* w, int64_t rows, int64_t n, int64_t blocks, int64_t pairs,
-               const float* scales, const float* bias, uint16_t* y) {
+template <typename Pairs>
+void run_dense(const Pairs& load, const uint16_t* x, const typename Pairs::Weight* w, int64_t rows, int64_t n,
+               int64_t blocks, int64_t pairs, const float* scales, const float* bias, uint16_t* y) {
   run<kRowTile>(rows, n, blocks, scales, bias, y, [&](int64_t b, int64_t r0, int count, __m512* acc) {
     with_rows<kRowTile>(count, [&](auto tile) {
-      block<decltype(tile)::value>(w + b * pairs * kBlock * 2, x + r0 * 2 * pairs, 2 * pairs, pairs, acc);
+      block<decltype(tile)::value>(load, w + b * pairs * kBlock * 2, x + r0 * 2 * pairs, 2 * pairs, pairs, acc);
     });
   });
 }
@@ -190,7 +199,7 @@ torch::Tensor pack(const torch::Tensor& weight) {
   auto packed = padded.view({blocks, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
   if (weight.scalar_type() != torch::kChar) return packed;
   // Each pair's 64 bytes (vector, 128-bit lane, byte) -> (128-bit lane, vector, byte): the order in which
-  // unpacking low and high bytes gives the two vectors back (see load_pairs).
+  // unpacking low and high bytes gives the two vectors back (see Int8Pairs).
   return packed.view({blocks, k / 2, kVectors, 4, 8}).permute({0, 1, 3, 2, 4}).contiguous().view({blocks, k / 2, kBlock, 2});
 }
 
@@ -217,10 +226,13 @@ void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, i
   if (is_int4(packed))
     run_int4(x, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales->data_ptr()), rows, n, blocks,
              pairs, bias, y);
-  else if (packed.scalar_type() == torch::kChar)
-    run_dense(x, packed.data_ptr<int8_t>(), rows, n, blocks, pairs, scales->data_ptr<float>(), bias, y);
-  else
-    run_dense(x, reinterpret_cast<const uint16_t*>(packed.data_ptr()), rows, n, blocks, pairs, nullptr, bias, y);
+  else if (packed.scalar_type() == torch::kChar) {
+    static const Int8Pairs int8;
+    run_dense(int8, x, packed.data_ptr<int8_t>(), rows, n, blocks, pairs, scales->data_ptr<float>(), bias, y);
+  } else {
+    run_dense(Bfloat16Pairs{}, x, reinterpret_cast<const uint16_t*>(packed.data_ptr()), rows, n, blocks, pairs, nullptr,
+              bias, y);
+  }
 }
 
 void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
