@@ -123,19 +123,7 @@ class BlockedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The (out, in) bfloat16 weight the kernel multiplies by (a copy: for reading rows, not for steps)."""
-        if self.packed.dtype == torch.uint8:  # (blocks, pairs, 32 lanes): low nibbles the block's first 16 outputs
-            blocks, pairs, _ = self.packed.shape
-            halves = torch.stack([self.packed & 15, self.packed >> 4], 2).view(blocks, pairs, 2, 16, 2)
-            q = halves.permute(0, 2, 3, 1, 4).reshape(blocks * 32, pairs * 2)[: self._out].float()
-            sz = self.scales.permute(0, 3, 1, 2).reshape(blocks * 32, -1, 2)[: self._out].float()
-            groups = q.view(self._out, -1, INT4_GROUP)
-            return ((groups - 8) * sz[..., :1] + sz[..., 1:]).view(self._out, -1).bfloat16()
-        blocks, pairs, width, _ = self.packed.shape
-        packed = self.packed
-        if packed.dtype == torch.int8:  # each pair's bytes by (128-bit lane, vector, byte): see kernels/linear.cpp
-            packed = packed.view(blocks, pairs, 4, 2, 8).permute(0, 1, 3, 2, 4).reshape(blocks, pairs, width, 2)
-        dense = packed.permute(0, 2, 1, 3).reshape(blocks * width, pairs * 2)[: self._out, : self._in]
-        return dense if self.scales is None else (dense.float() * self.scales[:, None]).bfloat16()
+        return self._kernels.unpack(self.packed, self._out, self.scales)[:, : self._in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the input's dtype, computed in bfloat16 (as the quantized kernels do)."""

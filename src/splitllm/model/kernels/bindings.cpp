@@ -5,6 +5,7 @@
 
 torch::Tensor pack(const torch::Tensor& weight);
 std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros);
+torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& scales);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scales);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -15,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "Lay out an (N, K) bfloat16 or int8 weight in the linear kernel's blocks");
   m.def("pack_int4", &pack_int4, "Lay out (N, K) 4-bit values and (N, K / 32, 2) scales and zeros for the linear kernel");
+  m.def("unpack", &unpack, "The dense (N, K) bfloat16 weight a packed one stands for (scales applied)");
   m.def("linear", &linear, "x W^T (+ b) in bfloat16 with a packed weight (and its scales)", release());
   m.def("attention", &attention, "Masked attention of a few query rows over a float32 cache", release());
   py::class_<Shape>(m, "Shape")

@@ -256,6 +256,23 @@ void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::
               "linear: int8 scales must be float32 with one value per output");
 }
 
+torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& scales) {
+  const int64_t blocks = packed.size(0), k = packed.size(1) * 2;
+  check_linear(packed, n, k, c10::nullopt, scales);
+  if (is_int4(packed)) {  // (block, pair, 32 lanes): low nibbles the block's first 16 outputs
+    auto halves = torch::stack({packed.bitwise_and(15), packed.bitwise_right_shift(4)}, 2).view({blocks, k / 2, kVectors, 16, 2});
+    auto q = halves.permute({0, 2, 3, 1, 4}).reshape({blocks * kBlock, k}).narrow(0, 0, n).to(torch::kFloat);
+    auto sz = scales->permute({0, 3, 1, 2}).reshape({blocks * kBlock, k / kGroup, 2}).narrow(0, 0, n).to(torch::kFloat);
+    auto groups = q.view({n, k / kGroup, kGroup});
+    return ((groups - 8) * sz.narrow(2, 0, 1) + sz.narrow(2, 1, 1)).view({n, k}).to(torch::kBFloat16);
+  }
+  auto pairs = packed;
+  if (packed.scalar_type() == torch::kChar)  // undo pack's byte order: (128-bit lane, vector, byte) -> (vector, lane, byte)
+    pairs = packed.view({blocks, k / 2, 4, kVectors, 8}).permute({0, 1, 3, 2, 4}).reshape({blocks, k / 2, kBlock, 2});
+  auto dense = pairs.permute({0, 2, 1, 3}).reshape({blocks * kBlock, k}).narrow(0, 0, n);
+  return scales ? (dense.to(torch::kFloat) * scales->unsqueeze(1)).to(torch::kBFloat16) : dense;
+}
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scales) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous bfloat16 input");
