@@ -42,9 +42,11 @@ def test_server_holds_only_the_middle_layers(default_files, tensor_reads) -> Non
     assert not any(cfg.vocab_size in s for s in shapes)  # no embedding or LM head
     per_layer = sum(p.numel() for p in stage.layers[0].parameters())
     assert sum(p.numel() for p in stage.parameters()) == per_layer * len(middle)
-    with safe_open(default_files.path / "model.safetensors", framework="pt") as weights:
-        in_file = set(weights.keys())
-    assert set(names) == {n for n in in_file if n.startswith("model.layers.") and int(n.split(".")[2]) in middle}
+    in_files = set()
+    for file in default_files.weight_files:  # every shard the conversion wrote, whatever their layout
+        with safe_open(file, framework="pt") as weights:
+            in_files |= set(weights.keys())
+    assert set(names) == {n for n in in_files if n.startswith("model.layers.") and int(n.split(".")[2]) in middle}
 
 
 def test_server_reads_middle_biases_only(tiny_models, tensor_reads) -> None:
