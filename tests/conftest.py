@@ -32,7 +32,7 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.draft.model import DraftHead, head_config
-from splitllm.launch import ServerThread, free_port
+from splitllm.lab.launch import ServerThread, free_port
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 
 from splitllm.client.connection import ConnectionOptions, is_transient
 from splitllm.client.remote import RemoteMiddle
-from splitllm.launch import ServerProcess, ServerThread
+from splitllm.lab.launch import ServerProcess, ServerThread
 from splitllm.server.app import MiddleServer, ServerSettings
 from splitllm.server.auth import TokenTable
 
@@ -103,7 +103,7 @@ def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, lo
     local = local_model(tiny, HEAD, TAIL)
     prompt, want = expected(1)
     timeout = 2.0
-    args = ["--model", tiny, "--head", str(HEAD), "--tail", str(TAIL), "--auth-token-file", str(token_file),
+    args = ["--model", tiny, "--head", str(HEAD), "--tail", str(TAIL), "--exact", "--threads", "1", "--auth-token-file", str(token_file),
             "--handshake-timeout-s", str(timeout)]
     with ServerProcess(*args, timeout=120) as server:
         assert _generate(server.url, local, "alice", prompt) == want  # warm: first-step allocations done

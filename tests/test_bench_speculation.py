@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from splitllm.bench.speculation import markdown, run_speculation, summarize
-from splitllm.bench.workload import CATEGORIES, workload
+from splitllm.lab.bench.speculation import markdown, run_speculation, summarize
+from splitllm.lab.data.workload import CATEGORIES, workload
 
 
 def _step(accepted: int, ms: float, proposer: str = "") -> dict:

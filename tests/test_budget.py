@@ -10,7 +10,7 @@ from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.policy import NodeCost, SpecBudget
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, Linear, Link
-from splitllm.netem import LinkProfile, ProxyThread
+from splitllm.lab.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
 
 

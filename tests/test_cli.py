@@ -1,15 +1,18 @@
-"""The command line's vocabulary: decoding modes offered and checked up front, deprecated spellings."""
+"""The command line's vocabulary: decoding modes offered and checked up front, the precision each side
+runs chosen and said at start, every option's environment variable, and clear errors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import importlib.metadata
 import time
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
-from splitllm.cli import DEPRECATED, app, upgrade_argv
+from splitllm.cli import app
+from splitllm.commands.options import need_extra, resolve_precision
+from splitllm.model.precision import EXACT, fastest
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE
 
 
@@ -32,35 +35,53 @@ def test_an_unknown_mode_is_refused_before_anything_loads() -> None:
     assert time.perf_counter() - t0 < 5  # parsed and refused, not loaded
 
 
-def test_old_spellings_become_new_ones_with_a_notice() -> None:
-    notices: list[str] = []
-    argv = ["bench", "sweep", "--points", "0,80", "--per-category=2", "--quiet-deadline", "5", "--merge"]
-    assert upgrade_argv(argv, notices.append) == [
-        "bench", "sweep", "--links", "0,80", "--prompts-per-category=2", "--quiet-deadline-min", "5", "--merge",
-    ]
-    assert len(notices) == 3 and "--quiet-deadline-s" in notices[2]
-    served = upgrade_argv(["serve", "--wire-dtype", "float16", "--session-ttl", "9", "--port", "1"], notices.append)
-    assert served == ["serve", "--session-ttl-s", "9", "--port", "1"] and "ignored" in notices[3]
-    # Only where the old name meant it: `generate --wire-dtype` is current, `--rtt` is not a client option.
-    assert upgrade_argv(["generate", "x", "--wire-dtype", "bfloat16"], notices.append)[2] == "--wire-dtype"
-
-
-def test_every_new_spelling_is_an_option_of_its_command() -> None:
-    for (path, _old), new in DEPRECATED.items():
-        if new is None:
-            continue
-        hidden = new in ("--quiet-deadline-min",)
-        assert hidden or new in _help(list(path)), (path, new)
-
-
-def test_the_entry_point_upgrades_old_spellings() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "splitllm.cli", "netem", "--rtt", "5", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0 and "--rtt is deprecated; use --rtt-ms" in run.stderr and "--listen" in run.stdout
-
-
 @pytest.mark.parametrize("option", ["--slice-rows", "--slice-above", "--max-batch-rows", "--max-nodes-per-step"])
 def test_server_limits_below_one_are_refused_before_anything_loads(option: str) -> None:
     result = CliRunner().invoke(app, ["serve", option, "0", "--model", "/nonexistent"], env={"COLUMNS": "400"})
     assert result.exit_code == 2 and "must be at least 1" in result.output
+
+
+def test_the_default_precision_is_the_fastest_here_and_said_once(capsys: pytest.CaptureFixture[str]) -> None:
+    chosen = resolve_precision(None, None, "cpu", False, "precision")
+    assert chosen == fastest()
+    err = capsys.readouterr().err
+    assert err.count(chosen.name) == 1 and "the fastest here" in err and "--exact" in err
+
+
+def test_exact_is_float32_without_quantization_and_refuses_a_contradiction() -> None:
+    assert resolve_precision(None, None, "cpu", True, "precision") == EXACT
+    assert resolve_precision("float32", "none", "cpu", False, "precision") == EXACT
+    with pytest.raises(typer.BadParameter, match="--exact"):
+        resolve_precision("bfloat16", None, "cpu", True, "precision")
+
+
+def test_an_explicit_dtype_fills_the_rest_from_the_exact_mode() -> None:
+    assert resolve_precision("bfloat16", None, "cpu", False, "p").name == "bfloat16-none"
+    assert resolve_precision(None, "int8", "cpu", False, "p").name == "float32-int8"
+
+
+def test_every_option_reads_its_environment_variable() -> None:
+    text = _help(["serve"])
+    assert "SPLITLLM_SERVE_PORT" in text and "SPLITLLM_SERVE_THREADS" in text
+    result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent"], env={"SPLITLLM_SERVE_SLICE_ROWS": "0"})
+    assert result.exit_code == 2 and "must be at least 1" in result.output
+    assert "SPLITLLM_BENCH_SPECULATION_RTT_MS" in _help(["bench", "speculation"])
+
+
+def test_a_missing_extra_names_what_is_missing_and_the_install_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    need_extra("privacy")  # installed for the tests: nothing to say
+    assert capsys.readouterr().err == ""
+    real = importlib.metadata.distribution
+
+    def without_scipy(name: str) -> importlib.metadata.Distribution:
+        if name == "scipy":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", without_scipy)  # matplotlib stays: scipy must be named
+    with pytest.raises(typer.Exit):
+        need_extra("privacy")
+    err = capsys.readouterr().err
+    assert "scipy missing" in err and "pip install 'splitllm[privacy]'" in err

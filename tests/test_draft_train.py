@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from splitllm.client.local import LocalModel
-from splitllm.draft import data, store, train
+from splitllm.draft import store
+from splitllm.lab.training import data, train
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
@@ -99,8 +100,8 @@ def test_overlap_check_drops_sequences_sharing_an_ngram() -> None:
 
 @pytest.mark.slow
 def test_prompts_share_no_ngram_with_the_benchmarks(default_files) -> None:
-    from splitllm.bench.workload import workload
-    from splitllm.demo import DEMO_PROMPT
+    from splitllm.lab.data.workload import workload
+    from splitllm.lab.data.workload import DEMO_PROMPT
 
     tok = data.load_tokenizer(default_files)
     ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -123,7 +124,7 @@ def test_shipped_head_drafts_well_above_chance(default_files) -> None:
 
 
 def test_bad_settings_are_refused_before_any_work() -> None:
-    from splitllm.draft.build import DataSettings
+    from splitllm.lab.training.build import DataSettings
 
     with pytest.raises(ValueError, match="--epochs must be at least 1"):
         train.TrainSettings(epochs=0)

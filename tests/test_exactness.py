@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitllm.client.session import SplitClient
+from splitllm.model.precision import EXACT
 
 NEW_TOKENS = 64
 DEFAULT_SPLITS = [(1, 1), (2, 2), (4, 4), (8, 0)]
@@ -31,7 +32,7 @@ TINY_SPLITS = {
 @pytest.fixture(scope="module")
 def default_prompts() -> list[list[int]]:
     """The prompts as the client encodes them (chat template)."""
-    client = SplitClient(None, None, 1, 1)
+    client = SplitClient(None, None, 1, 1, precision=EXACT)
     return [client.encode_prompt(p) for p in DEFAULT_PROMPTS]
 
 
@@ -45,7 +46,7 @@ def default_reference(default_prompts, hf_greedy) -> list[list[int]]:
 @pytest.mark.parametrize(("head", "tail"), DEFAULT_SPLITS)
 def test_default_model_split_greedy_equals_transformers(head, tail, server, default_prompts, default_reference):
     url = server(None, head, tail).url
-    client = SplitClient(None, url, head, tail, wire_dtype="float32", max_context=256)
+    client = SplitClient(None, url, head, tail, wire_dtype="float32", max_context=256, precision=EXACT)
     for i, (ids, ref) in enumerate(zip(default_prompts, default_reference)):
         gen = client.generate(ids, NEW_TOKENS, decode="sequential")
         assert gen.ids == ref, f"prompt {i}: split {head}+{tail} diverges at token {_first_difference(gen.ids, ref)}"

@@ -16,9 +16,9 @@ from protocol_client import RawClient, greedy
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.session import SplitClient
-from splitllm.launch import ServerProcess, ServerThread
+from splitllm.lab.launch import ServerProcess, ServerThread
 from splitllm.model.weights import ModelFiles
-from splitllm.netem import LinkProfile, ProxyThread
+from splitllm.lab.netem import LinkProfile, ProxyThread
 from splitllm.server.app import MiddleServer, ServerSettings
 from splitllm.visibility import Visibility
 
@@ -124,7 +124,7 @@ def test_server_thread_restarted_on_the_same_port(tiny, local_model, solo) -> No
 
 def test_server_process_killed_and_restarted(tiny, local_model, solo, tmp_path) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    args = ("--model", tiny, "--head", str(HEAD), "--tail", str(TAIL))
+    args = ("--model", tiny, "--head", str(HEAD), "--tail", str(TAIL), "--exact", "--threads", "1")
     processes = [ServerProcess(*args, log_path=str(tmp_path / "server.log")).__enter__()]
 
     def kill_and_restart(count: int) -> None:

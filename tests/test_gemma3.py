@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from splitllm.bench.exactness import first_difference
+from splitllm.lab.bench.exactness import first_difference
 from splitllm.client.session import SplitClient
+from splitllm.model.precision import EXACT
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
@@ -43,7 +44,7 @@ def reference(prompts, hf_greedy) -> list[list[int]]:  # type: ignore[no-untyped
 
 @pytest.fixture(scope="module")
 def client():  # type: ignore[no-untyped-def]
-    return SplitClient(MODEL, None, 2, 2, max_context=256)
+    return SplitClient(MODEL, None, 2, 2, max_context=256, precision=EXACT)
 
 
 def test_gemma3_config() -> None:

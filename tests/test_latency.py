@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from splitllm.bench.sweep import ADAPTIVE, POINTS, Config, Run, fixed_configs
-from splitllm.bench.sweep_report import load_runs, write
+from splitllm.lab.bench.sweep import ADAPTIVE, POINTS, Config, Run, fixed_configs
+from splitllm.lab.bench.sweep_report import load_runs, write
 from splitllm.client.session import SplitClient
 from splitllm.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second
 from splitllm.stats import StepStats

@@ -160,7 +160,7 @@ def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-
     """The real model in a 16-bit or quantized precision on both sides still answers a factual question,
     and speculation gives the same tokens as sequential decoding in that precision."""
     precision = Precision(torch.bfloat16, quant)
-    client = SplitClient(None, None, 2, 2, dtype=precision)
+    client = SplitClient(None, None, 2, 2, precision=precision)
     assert client._middle().stage.precision == precision  # type: ignore[attr-defined]
     prompt = "Which city is the capital of France?"  # "What is ..." is a near-tie at the first token in 16 bits
     sequential = client.generate(prompt, 12, decode="sequential").ids
@@ -175,7 +175,7 @@ def _forward(ms: float, floor: float) -> dict:
 
 def test_runtime_report_checks_every_target() -> None:
     """The report's arithmetic on a made-up run: targets met, missed and not measured."""
-    from splitllm.bench.runtime import TARGETS, _met, markdown
+    from splitllm.lab.bench.runtime import TARGETS, _met, markdown
 
     step = {"total_ms": 20.0, "head_ms": 2.0, "server_ms": 10.0, "network_ms": 0.5, "tail_ms": 3.0}
     run = {"rtt_ms": 0.0, "tok_s": 50.0, "tokens_per_step": 1.0, "mean_step_ms": step, "others_cores": 0.0}
@@ -198,7 +198,7 @@ def test_runtime_report_checks_every_target() -> None:
 
 
 def test_quality_report_shows_every_setting_against_float32() -> None:
-    from splitllm.bench.quality import markdown
+    from splitllm.lab.bench.quality import markdown
 
     row = {"perplexity": 24.0, "kl_nats": 0.0, "top1_agreement": {"rate": 1.0}, "ppl_positions": 128}
     result = {"prompts": 4, "max_new_tokens": 8, "settings": {

@@ -16,13 +16,13 @@ from typer.testing import CliRunner
 
 from splitllm.cli import app
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
-from splitllm.privacy import defenses
-from splitllm.privacy.attacks.map_beam import fit, map_beam
-from splitllm.privacy.attacks.whitebox import LanguageModelPrior, invert
-from splitllm.privacy.checks import quick_checks
-from splitllm.privacy.rates import clopper_pearson
-from splitllm.privacy.report import DOCS, PUBLISHED, load, render_docs
-from splitllm.privacy.states import WIRE_DTYPE, PublicModel
+from splitllm.lab.privacy import defenses
+from splitllm.lab.privacy.attacks.map_beam import fit, map_beam
+from splitllm.lab.privacy.attacks.whitebox import LanguageModelPrior, invert
+from splitllm.lab.privacy.checks import quick_checks
+from splitllm.lab.rates import clopper_pearson
+from splitllm.lab.privacy.report import DOCS, PUBLISHED, load, render_docs
+from splitllm.lab.privacy.states import WIRE_DTYPE, PublicModel
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
@@ -134,8 +134,8 @@ def test_docs_tables_match_the_committed_report() -> None:
 def test_corpus_test_windows_share_no_ngram_or_person_with_training(default_files) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
-    from splitllm.privacy import synthetic
-    from splitllm.privacy.corpus import NGRAM, build_corpus, documents
+    from splitllm.lab.data import synthetic
+    from splitllm.lab.data.corpus import NGRAM, build_corpus, documents
 
     tokenizer = AutoTokenizer.from_pretrained(default_files.path)
     corpus = build_corpus(tokenizer, 128, 2048, 3072)

@@ -13,7 +13,7 @@ from protocol_client import greedy
 
 from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
-from splitllm.launch import free_port
+from splitllm.lab.launch import free_port
 from splitllm.server.app import ServerSettings
 
 ray = pytest.importorskip("ray")

@@ -42,7 +42,7 @@ from splitllm.client.connection import (
     read_token,
 )
 from splitllm.client.remote import RemoteMiddle
-from splitllm.launch import ServerThread
+from splitllm.lab.launch import ServerThread
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings
 from splitllm.server.auth import ANONYMOUS, TokenTable

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from splitllm import wire
 from splitllm.client.pipeline import SplitPipeline
 from splitllm.client.session import SplitClient
+from splitllm.model.precision import EXACT
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer, ServerSettings
@@ -200,7 +201,7 @@ def _with_id(message: bytes, rid: int) -> tuple[bytes, int | None]:
 
 def test_hostile_frames_leave_the_session_decoding_correctly(default_url, default_files, local_model, split_greedy):
     local = local_model(None, HEAD, TAIL)
-    prompt = SplitClient(None, None, HEAD, TAIL).encode_prompt(PROMPT)
+    prompt = SplitClient(None, None, HEAD, TAIL, precision=EXACT).encode_prompt(PROMPT)
     expected = split_greedy(local, default_url, prompt, 12)
     with RawClient(default_url) as raw, RawClient(default_url) as other:
         other_session = other.request(_open_header(default_files)).header["session"]
@@ -267,7 +268,7 @@ def test_server_settings_are_keyword_only() -> None:
 
 
 def test_concurrent_sessions_do_not_interfere(default_url) -> None:
-    client = SplitClient(None, default_url, HEAD, TAIL, wire_dtype="float32", max_context=256)
+    client = SplitClient(None, default_url, HEAD, TAIL, wire_dtype="float32", max_context=256, precision=EXACT)
     # The server batches concurrent steps, which rounds differently from solo steps (~1e-4); these
     # prompts' greedy top-2 logit gaps stay above 0.07 over the 20 tokens, so rounding cannot flip a token.
     texts = [

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitllm.bench.exactness import check_exactness
-from splitllm.bench.workload import workload
+from splitllm.lab.bench.exactness import check_exactness
+from splitllm.lab.data.workload import workload
 from splitllm.client.session import SplitClient
+from splitllm.model.precision import EXACT
 from splitllm.decoding.policy import DEFAULT_BUDGETS, StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 
@@ -20,7 +21,7 @@ from splitllm.decoding.speculative import SpeculativeDecoder
 def client():  # type: ignore[no-untyped-def]
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield SplitClient(None, max_context=512)
+    yield SplitClient(None, max_context=512, precision=EXACT)
     torch.set_num_threads(before)
 
 
@@ -51,7 +52,7 @@ def test_draft_mode_with_the_shipped_head_matches_sequential_over_a_server(serve
     """The shipped head drafts over a real server on loopback with a float32 wire: sequential's tokens,
     and the head's nodes get accepted."""
     url = server(None, 2, 2).url
-    remote = SplitClient(None, url, wire_dtype="float32", max_context=512)
+    remote = SplitClient(None, url, wire_dtype="float32", max_context=512, precision=EXACT)
     assert remote.local.draft_head is not None, "no draft head is shipped for the default model"
     prompt = "Explain in three sentences why the sky is blue."
     expected = remote.generate(prompt, 48).ids

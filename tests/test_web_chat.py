@@ -18,7 +18,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from splitllm.api.openai import create_app
 from splitllm.client.session import SplitClient
-from splitllm.netem import LinkProfile, ProxyThread
+from splitllm.lab.netem import LinkProfile, ProxyThread
 
 pytestmark = pytest.mark.slow
 QUESTION = "Name three colors."

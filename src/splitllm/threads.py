@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -10,3 +12,8 @@ def set_compute_threads(n: int) -> None:
     if n < 1:
         raise ValueError(f"threads must be at least 1, not {n}")
     torch.set_num_threads(n)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and `taskset` narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

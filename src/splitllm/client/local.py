@@ -32,7 +32,7 @@ class LocalCaches:
 class LocalModel:
     """Everything that never leaves the trusted device; reads none of the server's layers.
 
-    `precision` is the head and tail stages'; `head_precision` (default: the same) is the embedding's,
+    `precision` is the head and tail stages'; `lm_head_precision` (default: the same) is the embedding's,
     final norm's and LM head's, the client's biggest read.
     """
 
@@ -42,27 +42,27 @@ class LocalModel:
         head: int,
         tail: int,
         precision: Precision | torch.dtype = torch.float32,
-        head_precision: Precision | torch.dtype | None = None,
+        lm_head_precision: Precision | torch.dtype | None = None,
         draft_head: str | Path | None = None,
     ) -> None:
         cfg = files.config
         cfg.check_split(head, tail)
         self.precision = Precision.of(precision)
-        self.head_precision = self.precision if head_precision is None else Precision.of(head_precision)
+        self.lm_head_precision = self.precision if lm_head_precision is None else Precision.of(lm_head_precision)
         self.files, self.cfg, self.dtype = files, cfg, self.precision.dtype
         self.head_layers, self.tail_layers = head, tail
         self.middle_range = (head, cfg.num_layers - tail)
         embed_name = "model.embed_tokens.weight"
         head_name = embed_name if cfg.tie_word_embeddings or not files.has("lm_head.weight") else "lm_head.weight"
-        weights = StoredWeights(files, self.head_precision)
-        self.embed_weight = self.head_precision.dense(weights.dense([embed_name])[embed_name])
+        weights = StoredWeights(files, self.lm_head_precision)
+        self.embed_weight = self.lm_head_precision.dense(weights.dense([embed_name])[embed_name])
         self.norm = read_norm(weights, "model.norm.weight")
         # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as transformers does.
         scale = torch.tensor(cfg.embed_scale).to(self.embed_weight.device, self.embed_weight.dtype)
         self.embed_scale = scale if cfg.embed_scale != 1.0 else None
-        self._tied_dense = head_name == embed_name and self.head_precision.quant == "none"
+        self._tied_dense = head_name == embed_name and self.lm_head_precision.quant == "none"
         self.lm_head = (
-            self.head_precision.linear({"weight": self.embed_weight}) if self._tied_dense else weights.linear([head_name])
+            self.lm_head_precision.linear({"weight": self.embed_weight}) if self._tied_dense else weights.linear([head_name])
         )
         on_huge_pages([self.lm_head])  # the client's biggest read
         # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
@@ -89,7 +89,7 @@ class LocalModel:
         if self._tied_dense or isinstance(self.lm_head, (Linear, PackedLinear, BlockedLinear)):
             weight = self.embed_weight if self._tied_dense else self.lm_head.weight
             return weight[ids.to(weight.device)]
-        hp = self.head_precision
+        hp = self.lm_head_precision
         eye = torch.eye(self.cfg.hidden_size, dtype=hp.dtype, device=hp.torch_device)
         return self.lm_head(eye).T[ids.to(hp.torch_device)]
 
@@ -146,7 +146,7 @@ class LocalModel:
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm, in the LM head's precision: what the LM head multiplies."""
-        hp = self.head_precision
+        hp = self.lm_head_precision
         return rms_norm(hidden.to(hp.torch_device, hp.dtype), self.norm, self.cfg.rms_norm_eps)
 
     @cached_property

@@ -19,7 +19,7 @@ from splitllm.client.stopping import StopRule
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, Decoder, check_mode
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.step import StepOutput
-from splitllm.model.precision import Precision
+from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.stats import StepStats, mean_stats
@@ -70,7 +70,8 @@ class SplitClient:
     """Tokenizer and local layers of a split model, talking to a server (or an in-process middle).
 
     `server=None` runs the middle layers in this process: the same code path minus the network,
-    for tests and offline measurements. `draft_head`: a head folder from `splitllm draft train`
+    for tests and offline measurements. `precision` (default: the fastest here, `fastest()`) is the
+    client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `draft_head`: a head folder from `splitllm draft train`
     (default: the head shipped for this model, if any).
     """
 
@@ -82,15 +83,15 @@ class SplitClient:
         tail: int = 2,
         wire_dtype: str = "float16",
         max_context: int = 4096,
-        dtype: Precision | torch.dtype = torch.float32,
+        precision: Precision | torch.dtype | None = None,
         connection: ConnectionOptions | None = None,
-        head_precision: Precision | torch.dtype | None = None,
+        lm_head_precision: Precision | torch.dtype | None = None,
         draft_head: str | Path | None = None,
     ) -> None:
         self.files = ModelFiles(model)
         self.connection = connection  # TLS, token, reconnection deadline and fallback servers
-        self.precision = Precision.of(dtype)
-        self.local = LocalModel(self.files, head, tail, self.precision, head_precision, draft_head)
+        self.precision = fastest() if precision is None else Precision.of(precision)
+        self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, draft_head)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype, self.max_context = server, wire_dtype, max_context
         self.dtype = self.precision.dtype

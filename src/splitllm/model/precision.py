@@ -8,6 +8,8 @@ float64 exists for reference computations in tests.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,13 +21,9 @@ from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-# The fastest setting `splitllm bench runtime` measured on the CPU here that keeps float32's quality
-# (with splitllm's fused step, int8 is 1.8-2.1x faster than bfloat16 for one row and as fast for 8-32,
-# for +0.1% perplexity; int4 is 1.2x faster still for one row but costs 6%); the default of the demo
-# and the end-to-end benchmarks (the commands themselves default to the exact mode).
-FASTEST = "bfloat16-int8"
 QUANTS = ("none", "int8", "int4")
 DEVICES = ("cpu", "cuda", "mps")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +76,8 @@ class Precision:
         """The attention a layer of this precision runs: the CPU kernel for 16-bit compute where it runs
         (`attention.py`), else PyTorch's (always for the exact mode)."""
         kernels = cpu_kernels.load() if self.torch_device.type == "cpu" and not self.exact else None
+        if kernels is None and self.torch_device.type == "cpu" and self.dtype in _SIXTEEN_BIT:
+            _warn_without_kernels(self.name)
         if kernels is not None and KernelAttention.supports(head_dim, self.attention_dtype):
             return KernelAttention(kernels)
         return fused
@@ -111,3 +111,28 @@ class Precision:
 
     def dense(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.torch_device, self.dtype)
+
+
+EXACT = Precision()
+
+
+def fastest(device: str = "cpu") -> Precision:
+    """The fastest setting this machine runs well, what every command and `SplitClient` use unless told.
+
+    On a CPU where splitllm's kernels load: bfloat16 compute with int8 weights (`splitllm bench runtime`:
+    1.8-2.1x bfloat16's one-row step, +0.1% perplexity, `docs/precision.md`). Elsewhere the exact mode:
+    without the kernels a 16-bit row's bits depend on its batch, so speculation would no longer give
+    sequential decoding's output, and other devices are not verified.
+    """
+    if device == "cpu" and cpu_kernels.load() is not None:
+        return Precision(torch.bfloat16, "int8", device)
+    return Precision(device=device)
+
+
+@functools.cache
+def _warn_without_kernels(name: str) -> None:
+    """Said once per setting and process: the 16-bit settings are only bit-exact in splitllm's kernels."""
+    log.warning(
+        "%s runs in PyTorch's kernels (splitllm's do not run here): slower, and speculative decoding is not "
+        "bit-exact against sequential decoding (use --exact for that)", name,
+    )

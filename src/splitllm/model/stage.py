@@ -188,6 +188,8 @@ class Stage(nn.Module):
     @cached_property
     def _fused(self) -> FusedStep | None:
         """The fused step, built on first use (weights load after __init__); None where it does not apply."""
+        if self.precision.exact or self.precision.torch_device.type != "cpu":
+            return None  # the exact mode never compiles the kernels
         kernels = cpu_kernels.load()
         if kernels is None or not FusedStep.supports(self.cfg, self.layers, self.dtype):
             return None

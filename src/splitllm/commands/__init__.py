@@ -1,0 +1,10 @@
+"""The runtime's commands (serve, generate, chat, client-api): wiring over the public Python API only."""
+
+import typer
+
+from splitllm.commands import client, serve
+
+
+def register(app: typer.Typer) -> None:
+    serve.register(app)
+    client.register(app)

@@ -1,0 +1,140 @@
+"""The client's commands: `generate`, `chat` and `client-api`, over one set of model and connection options."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from splitllm.commands.options import (
+    COSTS, Decode, Head, Model, Tail, Threads, WireDtype, fail, reported, resolve_precision, sampling, set_threads,
+    with_options,
+)
+from splitllm.decoding.modes import DEFAULT_DECODE
+from splitllm.model.precision import Precision
+
+
+def client(
+    server: Annotated[Optional[str], typer.Option(help="ws(s)://host:port of a splitllm server; omit to run in-process")] = None,
+    model: Model = "default",
+    head: Head = 2,
+    tail: Tail = 2,
+    wire_dtype: WireDtype = "float16",
+    dtype: Annotated[Optional[str], typer.Option(help=f"compute dtype of the client's layers: float32, bfloat16 or float16 (default: the fastest here; {COSTS})")] = None,
+    quant: Annotated[Optional[str], typer.Option(help="weight-only quantization of the client's layers: none, int8 or int4 (default: the fastest here)")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or mps (only cpu is verified)")] = "cpu",
+    exact: Annotated[bool, typer.Option("--exact", help="float32 with the checkpoint's weights (also the in-process middle's): transformers' output, bit for bit")] = False,
+    lm_head_dtype: Annotated[Optional[str], typer.Option(help="compute dtype of embedding and LM head (default: the layers')")] = None,
+    lm_head_quant: Annotated[Optional[str], typer.Option(help="quantization of the LM head (default: the layers')")] = None,
+    threads: Threads = None,
+    token_file: Annotated[Optional[str], typer.Option(help="file holding the bearer token (default: $SPLITLLM_TOKEN)")] = None,
+    ca: Annotated[Optional[str], typer.Option(help="PEM CA bundle to verify a wss:// server (self-signed setups)")] = None,
+    insecure: Annotated[bool, typer.Option(help="skip wss:// certificate checks (tests only)")] = False,
+    client_cert: Annotated[Optional[str], typer.Option(help="PEM client certificate for mutual TLS")] = None,
+    client_key: Annotated[Optional[str], typer.Option(help="PEM key of --client-cert")] = None,
+    fallback: Annotated[Optional[list[str]], typer.Option(help="another server to fail over to (repeatable)")] = None,
+    reconnect_deadline_s: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
+    draft_head: Annotated[Optional[str], typer.Option(help="draft head folder (`splitllm draft train`); default: the shipped one")] = None,
+) -> Any:
+    """The SplitClient that the model and connection options of every client command describe."""
+    from splitllm.client.connection import ConnectionOptions, read_token
+    from splitllm.client.session import SplitClient
+
+    set_threads(threads)
+    options = ConnectionOptions(
+        token=read_token(token_file), ca_file=ca, insecure=insecure, client_cert=client_cert, client_key=client_key,
+        fallbacks=tuple(fallback or ()), deadline_s=reconnect_deadline_s,
+    )
+    layers = resolve_precision(dtype, quant, device, exact, "client precision")
+    lm_head = None
+    if lm_head_dtype or lm_head_quant:
+        lm_head = Precision.parse(
+            lm_head_dtype or str(layers.dtype).removeprefix("torch."), lm_head_quant or layers.quant, device
+        )
+    return SplitClient(
+        model, server, head, tail, wire_dtype, precision=layers, lm_head_precision=lm_head, connection=options,
+        draft_head=draft_head,
+    )
+
+
+def generate(
+    client: Any,
+    sampling: Any,
+    prompt: str,
+    max_new_tokens: int = 128,
+    decode: Decode = DEFAULT_DECODE,
+    stop: Annotated[Optional[list[str]], typer.Option(help="end the answer before this text (repeatable)")] = None,
+    raw: Annotated[bool, typer.Option(help="skip the chat template")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
+) -> None:
+    """Generate text, streaming it, then a one-line summary of where the time went."""
+    from splitllm.client.remote import ServerError
+
+    gen = None
+    printed = ""
+    try:
+        for gen, _ in client.stream(prompt, max_new_tokens, decode, not raw, sampling, stop or ()):
+            if not as_json:
+                sys.stdout.write(gen.text[len(printed) :])
+                sys.stdout.flush()
+                printed = gen.text
+    except (ValueError, ServerError, OSError) as exc:
+        typer.echo("", err=True)
+        fail(exc, code=1)
+    assert gen is not None
+    summary = gen.summary()
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    m = summary["mean_step"]
+    typer.echo(
+        f"\n[{summary['new_tokens']} tokens, {summary['tokens_per_second']:.2f} tok/s, "
+        f"{summary['tokens_per_step']:.2f} tok/step; mean step {m.get('total_ms', 0):.1f} ms = "
+        f"client {m.get('client_ms', 0):.1f} + network {m.get('network_ms', 0):.1f} + "
+        f"server {m.get('server_ms', 0):.1f}]",
+        err=True,
+    )
+
+
+def chat(
+    client: Any,
+    sampling: Any,
+    decode: Decode = DEFAULT_DECODE,
+    max_new_tokens: Annotated[int, typer.Option(help="longest answer, in tokens")] = 256,
+    system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
+) -> None:
+    """Chat in the terminal; every turn reuses the KV cache of the conversation so far."""
+    import contextlib
+
+    from splitllm.chat import run_chat
+
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    with reported(ValueError):  # a base model has no chat template
+        run_chat(client, decode, sampling, max_new_tokens, system)
+
+
+def client_api(
+    client: Any,
+    host: Annotated[str, typer.Option(help="address to listen on (keep it on the trusted device)")] = "127.0.0.1",
+    port: int = 8000,
+    decode: Decode = DEFAULT_DECODE,
+    served_model_name: Annotated[Optional[str], typer.Option(help="the model id clients see")] = None,
+) -> None:
+    """A local web chat at / and an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
+    /v1/models) over the split; a request's 'decode' overrides --decode."""
+    import uvicorn
+
+    from splitllm.api.openai import create_app
+
+    where = client.server or "in-process middle"
+    typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})", err=True)
+    uvicorn.run(create_app(client, served_model_name, decode), host=host, port=port, log_level="warning")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(with_options(client=client, sampling=sampling)(generate))
+    app.command("chat")(with_options(client=client, sampling=sampling)(chat))
+    app.command("client-api")(with_options(client=client)(client_api))

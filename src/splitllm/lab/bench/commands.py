@@ -1,0 +1,216 @@
+"""`splitllm bench ...`: each benchmark's options, then its run, its printed table and its files."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from splitllm.commands.options import (
+    Head, Model, RttMs, Setting, Tail, fail, need_extra, numbers, parse_setting, sampling, with_options,
+)
+from splitllm.decoding.modes import DECODERS
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks over the real client, server and WAN proxy.")
+
+
+def _progress(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+def _command() -> str:
+    """The command line that reproduces a report, recorded in it."""
+    return shlex.join(["splitllm", *sys.argv[1:]])
+
+
+@app.command("runtime")
+def runtime(
+    out: Annotated[str, typer.Option(help="folder for runtime.json and runtime.md")] = "results",
+    head: Head = 2,
+    tail: Tail = 2,
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for decoding (1-8)")] = 1,
+    dtype_prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for the wire dtype check")] = 2,
+    max_new_tokens: int = 64,
+    rtt_ms: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
+    wire_dtype: Annotated[str, typer.Option(help="wire dtype of the decoding runs")] = "float16",
+    settings: Annotated[Optional[str], typer.Option(help="comma-separated dtype-quant settings (default: all measured)")] = None,
+    fastest: Annotated[Optional[str], typer.Option(help="the setting decoded end to end next to float32-none (default: the fastest here)")] = None,
+    threads: Annotated[str, typer.Option(help="comma-separated thread counts of the server forward")] = "1,2",
+) -> None:
+    """Server forward per precision vs the memory-bandwidth floor, client step, loads, RSS, decoding, wire dtypes."""
+    from splitllm.lab.bench.runtime import SETTINGS, markdown, run_runtime
+
+    path = Path(out, "runtime.json")
+    result = run_runtime(
+        str(path), head, tail, prompts_per_category, max_new_tokens, numbers(rtt_ms, float), wire_dtype,
+        dtype_prompts_per_category, tuple(settings.split(",")) if settings else SETTINGS, fastest, numbers(threads, int),
+    )
+    typer.echo(markdown(result))
+    typer.echo(f"wrote {path}", err=True)
+
+
+@app.command("quality")
+def quality(
+    out: Annotated[str, typer.Option(help="folder for quality.json and quality.md")] = "results",
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (8: the 32-prompt suite)")] = 8,
+    max_new_tokens: int = 128,
+    settings: Annotated[str, typer.Option(help="comma-separated dtype-quant settings to compare with float32-none")] = (
+        "bfloat16-none,bfloat16-int8,bfloat16-int4"
+    ),
+    ppl_positions: Annotated[int, typer.Option(help="held-out text positions for perplexity")] = 3072,
+) -> None:
+    """Greedy agreement with float32 and perplexity on held-out text, per precision."""
+    from splitllm.lab.bench.quality import markdown, run_quality
+
+    typer.echo(markdown(run_quality(tuple(settings.split(",")), prompts_per_category, max_new_tokens, ppl_positions, out)))
+
+
+@app.command("streaming")
+def streaming(
+    max_new_tokens: Annotated[int, typer.Option(help="length of the answer streamed")] = 2000,
+    window: Annotated[int, typer.Option(help="steps compared at each end")] = 100,
+    out: Annotated[str, typer.Option(help="folder for streaming.json and streaming.md")] = "results",
+) -> None:
+    """The client's per-step bookkeeping (stop strings, detokenizing) at the first and last tokens of a long answer."""
+    from splitllm.lab.bench.streaming import run_streaming
+
+    typer.echo(run_streaming(out, max_new_tokens, window)["markdown"])
+
+
+@app.command("sweep")
+def sweep(
+    out: Annotated[str, typer.Option(help="folder for steps.json, sweep.json, sweep.md and the plots")] = "results/sweep",
+    links: Annotated[str, typer.Option(help="comma-separated links: RTT ms, or RTT@Mbit/s for a bandwidth cap")] = "0,20,40,80,120,200,80@20",
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category")] = 1,
+    max_new_tokens: int = 64,
+    profile: Annotated[Optional[str], typer.Option(help="auto profile to use instead of calibrating one")] = None,
+    merge: Annotated[bool, typer.Option(help="keep OUT/steps.json's runs at links not measured now")] = False,
+    reanalyze: Annotated[bool, typer.Option(help="measure nothing: rebuild the report from OUT/steps.json")] = False,
+    max_other_cores: Annotated[
+        float, typer.Option(help="wait for, and redo generations until, others use fewer cores (0: never)")
+    ] = 0.3,
+    quiet_deadline_s: Annotated[
+        float, typer.Option(help="seconds to wait for quiet moments; then what is left runs regardless")
+    ] = 3600.0,
+    setting: Setting = None,
+) -> None:
+    """Tokens per second against RTT for every mode: measured, predicted (cross-validated), plotted."""
+    from splitllm.lab.bench.sweep import Quiet
+    from splitllm.lab.bench.sweep_report import sweep as run_sweep
+
+    need_extra("bench")
+    quiet = Quiet(max_other_cores, quiet_deadline_s)
+    summary = run_sweep(out, links, prompts_per_category, max_new_tokens, profile, merge, reanalyze, _command(), quiet,
+                        parse_setting(setting))
+    typer.echo(summary["markdown"])
+    typer.echo(f"overall MAPE {100 * summary['mape']['overall']:.2f}%; plots: {', '.join(summary['plots'])}", err=True)
+
+
+def speculation(
+    sampling: Any,
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 3,
+    max_new_tokens: int = 200,
+    rtt_ms: RttMs = 80.0,
+    decode: Annotated[
+        str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget)")
+    ] = "sequential,lookup,lookahead,draft,auto,auto-static",
+    out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
+    wire_dtype: Annotated[str, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",
+    draft_head: Annotated[Optional[str], typer.Option(help="draft head folder (default: the shipped one)")] = None,
+    setting: Setting = None,
+) -> None:
+    """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
+    from splitllm.lab.bench.speculation import EXTRA_DECODERS, run_speculation
+
+    modes = tuple(m.strip() for m in decode.split(",") if m.strip())
+    unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
+    if unknown:
+        raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
+    result = run_speculation(
+        prompts_per_category, max_new_tokens, rtt_ms, modes, out, progress=_progress, sampling=sampling,
+        wire_dtype=wire_dtype, draft_head=draft_head, precision=parse_setting(setting),
+    )
+    typer.echo(result["markdown"])
+
+
+app.command("speculation")(with_options(sampling=sampling)(speculation))
+
+
+@app.command("exactness")
+def exactness(
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
+    max_new_tokens: int = 128,
+    out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
+    model: Model = "default",
+    setting: Annotated[str, typer.Option(help="dtype-quant of both sides (speculation against sequential in it)")] = (
+        "float32-none"
+    ),
+) -> None:
+    """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
+    from splitllm.lab.bench.exactness import NEAR_TIE, run_exactness
+
+    report = run_exactness(prompts_per_category, max_new_tokens, out, model, parse_setting(setting))
+    typer.echo(report.markdown())
+    if not report.explained:
+        fail(f"a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", code=1)
+
+
+@app.command("load")
+def load(
+    clients: Annotated[str, typer.Option(help="comma-separated concurrent client counts (threads sharing one client model)")] = "1,4,16,64",
+    batch_window_ms: Annotated[str, typer.Option(help="comma-separated batching windows, one server each; 0: off")] = "0,2",
+    ray_replicas: Annotated[str, typer.Option(help="comma-separated Ray Serve replica counts, one deployment each (batching on); empty: none")] = "1,2",
+    max_new_tokens: int = 32,
+    rtt_ms: RttMs = 80.0,
+    prompts: Annotated[int, typer.Option(help="distinct workload prompts, cycled over the clients")] = 8,
+    max_context: Annotated[int, typer.Option(help="longest session, in tokens")] = 256,
+    max_kv_gib: Annotated[float, typer.Option(help="the server's KV memory bound, GiB")] = 1.0,
+    clients_compute: Annotated[
+        str, typer.Option(help="device: clients replay solo runs, their compute a pause (own devices); real: all compute here")
+    ] = "device",
+    out: Annotated[str, typer.Option(help="folder for load.json, load.md and load.png")] = "results/load",
+    prefill: Annotated[
+        int, typer.Option(help="instead: the largest --clients decoders alone, then with one prompt of this many positions")
+    ] = 0,
+    max_nodes_per_step: Annotated[int, typer.Option(help="the server's positions per step (--prefill runs)")] = 256,
+    max_batch_rows: Annotated[int, typer.Option(help="the server's positions per shared forward (--prefill runs)")] = 256,
+    slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 16,
+) -> None:
+    """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
+    from splitllm.lab.bench.load import LoadSettings, ServerKind, prefill_markdown, run_load, run_prefill
+
+    need_extra("bench")
+    counts, windows, replicas = numbers(clients, int), numbers(batch_window_ms, float), numbers(ray_replicas, int)
+    if clients_compute not in ("device", "real"):
+        raise typer.BadParameter("--clients-compute is device or real")
+    if not counts or min(counts) < 1 or any(r < 1 for r in replicas) or any(w < 0 for w in windows):
+        raise typer.BadParameter("client and replica counts are at least 1, windows at least 0")
+    if replicas:
+        need_extra("ray")
+    on = max(windows, default=2.0) or 2.0
+    settings = LoadSettings(
+        max_new_tokens=max_new_tokens, rtt_ms=rtt_ms, prompts=prompts, context=max_context, max_kv_gib=max_kv_gib,
+        clients_compute="device" if prefill > 0 else clients_compute,
+    )
+    if prefill > 0:
+        serve_args = [
+            "--max-nodes-per-step", str(max_nodes_per_step), "--max-batch-rows", str(max_batch_rows),
+            "--slice-rows", str(slice_rows),
+        ]
+        result = run_prefill(max(counts), prefill, settings, on, serve_args, out, _command(), progress=_progress)
+        typer.echo(prefill_markdown(result))
+        typer.echo(f"wrote {out}/prefill.json, prefill.md", err=True)
+        rows = (result["alone"], result["with_prefill"])
+        if not result["prefill_ok"] or any(r["errors"] or r["correct_clients"] != r["clients"] for r in rows):
+            raise typer.Exit(1)
+        return
+    kinds = [ServerKind(w) for w in windows] + [ServerKind(on, r) for r in replicas]
+    result = run_load(counts, kinds, settings, out, _command(), progress=_progress)
+    typer.echo(Path(out, "load.md").read_text())
+    typer.echo(f"wrote {out}/load.json, load.md, load.png", err=True)
+    failed = [r for r in result["rows"] if r["errors"] or r["correct_clients"] != r["clients"]]
+    if failed or not result["kv_within_bound"]:
+        raise typer.Exit(1)

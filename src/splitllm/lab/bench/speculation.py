@@ -1,0 +1,234 @@
+"""`splitllm bench speculation`: tokens per round trip and speed of each decoding mode over an emulated WAN.
+
+A real server subprocess sits behind the WAN proxy; for every prompt the modes run back to back
+(sequential first), so a disturbance of the shared machine hits them alike and speedups are ratios
+measured in the same run. Decode-phase numbers exclude the prefill step, as `Generation` does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+from splitllm.lab.bench.exactness import first_difference, top2_gap
+from splitllm.lab.data.workload import CATEGORIES, workload
+from splitllm.client.session import SplitClient
+from splitllm.decoding.sampling import SamplingParams
+from splitllm.decoding.speculative import SpeculativeDecoder
+from splitllm.lab.launch import ServerProcess
+from splitllm.model.precision import Precision, fastest
+from splitllm.model.stage import Stage
+from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.threads import set_compute_threads
+
+MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
+# Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
+# adaptive policy, to show what adapting to the link adds.
+EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {"auto-static": lambda: SpeculativeDecoder("auto")}
+
+
+@dataclass
+class Tally:
+    """Decode-phase totals of one mode over some prompts."""
+
+    prompts: int = 0
+    identical: int = 0
+    tokens: int = 0
+    steps: int = 0
+    ms: float = 0.0
+    nodes: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    won: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> steps its draft won
+    drafted: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> draft tokens accepted
+    sources: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # node sources -> draft tokens accepted
+    draft_ms: float = 0.0  # the draft head's time (part of the client's critical path)
+
+    def add(self, run: dict, identical: bool) -> None:
+        self.prompts += 1
+        self.identical += identical
+        for s in run["steps"][1:]:
+            self.tokens += s["accepted"]
+            self.steps += 1
+            self.ms += s["total_ms"]
+            self.nodes += s["nodes"]
+            self.bytes_up += s["bytes_up"]
+            self.bytes_down += s["bytes_down"]
+            if s["proposer"]:
+                self.won[s["proposer"]] += 1
+                self.drafted[s["proposer"]] += s["accepted"] - 1
+            for source, n in s.get("sources", {}).items():
+                self.sources[source] += n
+            self.draft_ms += s.get("draft_ms", 0.0)
+
+    def summary(self, sequential: Tally | None) -> dict:
+        tps = self.tokens / self.ms * 1000 if self.ms else 0.0
+        base = sequential.tokens / sequential.ms * 1000 if sequential and sequential.ms else 0.0
+        per_step = lambda x: x / self.steps if self.steps else 0.0  # noqa: E731
+        return {
+            "prompts": self.prompts,
+            "identical": self.identical,
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "tokens_per_step": per_step(self.tokens),
+            "tokens_per_second": tps,
+            "speedup": tps / base if base else 0.0,
+            "mean_step_ms": per_step(self.ms),
+            "nodes_per_step": per_step(self.nodes),
+            "bytes_up_per_step": per_step(self.bytes_up),
+            "bytes_down_per_step": per_step(self.bytes_down),
+            "draft_ms_per_step": per_step(self.draft_ms),
+            "proposers": {
+                p: {"steps_won": self.won[p], "draft_tokens_accepted": self.drafted[p]} for p in sorted(self.won)
+            },
+            # share of all emitted tokens that were draft tokens of nodes with these sources ("a+b": both)
+            "sources": {
+                src: {"draft_tokens_accepted": n, "share": n / self.tokens if self.tokens else 0.0}
+                for src, n in sorted(self.sources.items())
+            },
+        }
+
+
+def measure(
+    client: SplitClient, prompts: Sequence[tuple[str, str]], max_new_tokens: int, modes: Sequence[str],
+    progress: Callable[[str], None] = lambda _: None, sampling: SamplingParams | None = None,
+) -> list[dict]:
+    """One record per (prompt, mode): ids and per-step stats, modes back to back for each prompt."""
+    runs = []
+    for i, (category, text) in enumerate(prompts):
+        for mode in modes:
+            decoder = EXTRA_DECODERS[mode]() if mode in EXTRA_DECODERS else mode
+            gen = client.generate(text, max_new_tokens, decode=decoder, sampling=sampling)
+            steps = [s.as_dict() for s in gen.steps]
+            runs.append({"prompt": i, "category": category, "mode": mode, "ids": gen.ids, "steps": steps})
+            progress(f"{category} #{i} {mode}: {len(gen.ids)} tokens, {gen.tokens_per_step:.2f} tok/step, "
+                     f"{gen.tokens_per_second:.2f} tok/s")
+    return runs
+
+
+def divergences(client: SplitClient, prompts: Sequence[tuple[str, str]], runs: Sequence[dict]) -> list[dict]:
+    """Where each run that differs from sequential first differs, with the model's top-2 logit gap there
+    (recomputed in float32 without the wire): near-ties are rounding, anything else would be a bug."""
+    middle = Stage.load(client.files, *client.local.middle_range, client.precision)
+    reference = {r["prompt"]: r["ids"] for r in runs if r["mode"] == "sequential"}
+    found = []
+    for r in runs:
+        i = first_difference(reference[r["prompt"]], r["ids"])
+        if i is not None:
+            prefix = client.encode_prompt(prompts[r["prompt"]][1]) + reference[r["prompt"]][:i]
+            found.append({"prompt": r["prompt"], "mode": r["mode"], "index": i,
+                          "gap": top2_gap(client.local, middle, prefix)})
+    return found
+
+
+def summarize(runs: Sequence[dict], modes: Sequence[str]) -> dict:
+    """Per category and overall, per mode; identical = same ids as sequential on that prompt."""
+    reference = {r["prompt"]: r["ids"] for r in runs if r["mode"] == "sequential"}
+    groups: dict[str, dict[str, Tally]] = defaultdict(lambda: defaultdict(Tally))
+    for r in runs:
+        same = r["ids"] == reference.get(r["prompt"])
+        for group in (r["category"], "overall"):
+            groups[group][r["mode"]].add(r, same)
+    order = [c for c in CATEGORIES if c in groups] + ["overall"]
+    return {g: {m: groups[g][m].summary(groups[g].get("sequential")) for m in modes if m in groups[g]} for g in order}
+
+
+def markdown(summary: dict, settings: dict) -> str:
+    lines = [
+        f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, default model split "
+        f"{settings['head']}+{settings['tail']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
+        f"{settings['prompts_per_category']} prompts per category, one thread each side, "
+        f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
+        f"{', draft head ' + settings['draft_head'] if settings.get('draft_head') else ''}.",
+        "",
+        "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
+        "| draft ms/step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for group, modes in summary.items():
+        for mode, s in modes.items():
+            lines.append(
+                f"| {group} | {mode} | {s['tokens_per_step']:.2f} | {s['tokens_per_second']:.2f} | "
+                f"{s['speedup']:.2f}x | {s['identical']}/{s['prompts']} | {s['nodes_per_step']:.1f} | "
+                f"{s['bytes_up_per_step']:.0f} | {s.get('draft_ms_per_step', 0.0):.1f} |"
+            )
+    lines += [
+        "",
+        "Accepted draft tokens by proposer (overall):",
+        "",
+        "| mode | proposer | steps won | draft tokens accepted | share of tokens |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for mode, s in summary["overall"].items():
+        for proposer, p in s["proposers"].items():
+            share = p["draft_tokens_accepted"] / s["tokens"] if s["tokens"] else 0.0
+            lines.append(f"| {mode} | {proposer} | {p['steps_won']} | {p['draft_tokens_accepted']} | {share:.1%} |")
+    lines += [
+        "",
+        "Share of emitted tokens that were accepted draft tokens, by the sources of their tree node "
+        "(a+b: both proposed it; the rest of the tokens are each step's bonus token):",
+        "",
+        "| category | mode | source | draft tokens accepted | share of tokens |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for group, modes in summary.items():
+        for mode, s in modes.items():
+            for source, p in s.get("sources", {}).items():
+                lines.append(f"| {group} | {mode} | {source} | {p['draft_tokens_accepted']} | {p['share']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_speculation(
+    prompts_per_category: int = 3,
+    max_new_tokens: int = 200,
+    rtt_ms: float = 80.0,
+    modes: Sequence[str] = MODES,
+    out: str | Path = "results",
+    head: int = 2,
+    tail: int = 2,
+    progress: Callable[[str], None] = lambda _: None,
+    sampling: SamplingParams | None = None,
+    wire_dtype: str = "float32",
+    draft_head: str | None = None,
+    precision: Precision | None = None,
+) -> dict:
+    """The benchmark end to end, both sides in `precision`; writes OUT/speculation.json and OUT/speculation.md.
+
+    `draft_head`: a head folder (default: the one shipped for the model); without any head the
+    `draft` mode is left out and `auto` drafts with n-gram sources only.
+    """
+    if "sequential" not in modes:
+        modes = ("sequential", *modes)
+    set_compute_threads(1)
+    precision = precision or fastest()
+    client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, draft_head=draft_head)
+    if client.local.draft_head is None and "draft" in modes:
+        progress("no draft head for this model: the draft mode is left out")
+        modes = tuple(m for m in modes if m != "draft")
+    prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
+    settings = {"rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens, "prompts_per_category": prompts_per_category,
+                "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
+                "wire_dtype": wire_dtype, "draft_head": draft_head or ("shipped" if client.local.draft_head else ""),
+                "precision": precision.name}
+    with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args()) as server:
+        with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
+            client.server = f"ws://127.0.0.1:{proxy.port}"
+            client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
+            runs = measure(client, prompts, max_new_tokens, modes, progress, sampling)
+    summary = summarize(runs, modes)
+    diverged = divergences(client, prompts, runs) if not (sampling and sampling.do_sample) else []
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    report = markdown(summary, settings)
+    if diverged:
+        report += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix):\n\n"
+        report += "| prompt | mode | at token | top-2 gap |\n| --- | --- | --- | --- |\n"
+        report += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
+    data = {"settings": settings, "summary": summary, "divergences": diverged, "runs": runs}
+    (folder / "speculation.json").write_text(json.dumps(data))
+    (folder / "speculation.md").write_text(report)
+    return {"summary": summary, "markdown": report}

@@ -1,0 +1,2 @@
+"""Text the lab's parts share, so their numbers compare and training never sees an evaluation prompt:
+the benchmark workload, the privacy corpus and its generated chat and personal-data passages."""

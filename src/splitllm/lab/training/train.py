@@ -1,0 +1,291 @@
+"""Training a draft head on the target's features: EAGLE-1 losses with unrolled deeper steps.
+
+Pass 0 feeds real features: row t takes (f_t, e(x_{t+1})) at position t and guesses f_{t+1}. Pass k
+feeds pass k-1's guesses back, as the proposer does when it drafts k tokens deep: row t takes (the
+guess of f_t, e(g_t)) where g_t is the target's greedy token after position t, and attends to the real
+entries of positions <= t-k plus the one guess per deeper pass on its own chain (training-time test,
+as in HASS/EAGLE-3). Every pass is scored against the real f_{t+1} (smooth-L1) and the target's
+next-token distribution restricted to the draft vocabulary (cross-entropy). The head's decoder layer
+starts as a copy of the target's last layer, and `fc` as the identity on the feature half.
+
+Validation on held-out sequences measures greedy acceptance per depth: the share of chains where the
+depth-k draft equals the target's greedy token, given the first k-1 were accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitllm.client.local import LocalModel
+from splitllm.lab.training.data import Features
+from splitllm.draft.model import DraftHead, head_config
+from splitllm.model.blocks import Segment, rms_norm
+from splitllm.model.stage import Stage
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    vocab: int = 8192  # draft vocabulary: the most frequent target tokens of the data
+    epochs: int = 6
+    passes: int = 3  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
+    batch_tokens: int = 512
+    lr: float = 1e-3
+    feature_weight: float = 1.0
+    token_weight: float = 1.0
+    scale_features: bool = True  # feature loss on features divided by their RMS over the data
+    pass_decay: float = 0.8  # loss weight of pass k is decay**k
+    validation_share: float = 0.06
+    validation_depth: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "epochs", "passes", "batch_tokens", "validation_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.validation_share < 1:
+            raise ValueError("the validation share must lie in [0, 1)")
+
+
+@dataclass
+class Sequence_:
+    """One training sequence: tokens, real features, the target's greedy next tokens and vocab labels."""
+
+    ids: torch.Tensor  # (T,)
+    feats: torch.Tensor  # (T, d)
+    greedy: torch.Tensor | None = None  # (T,) target's greedy token after each position (validation only)
+
+
+class Target:
+    """The client's own pieces the head is trained against: embedding, final norm, LM head."""
+
+    def __init__(self, local: LocalModel) -> None:
+        self.embed = local.input_table()  # scaled as layer 0 sees it, for families that scale it
+        self.norm = local.norm
+        self.lm_head = local.lm_head.weight
+        self.eps = local.cfg.rms_norm_eps
+        self.softcap = local.cfg.final_logit_softcap
+
+    @torch.no_grad()
+    def greedy(self, feats: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+        return torch.cat([(rms_norm(f, self.norm, self.eps) @ self.lm_head.T).argmax(-1) for f in feats.split(chunk)])
+
+    def draft_logits(self, feats: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (`rows` = the LM head's rows for it), soft-capped as the target's."""
+        logits = rms_norm(feats, self.norm, self.eps) @ rows.T
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+
+def draft_vocabulary(data: Sequence[Sequence_], size: int, vocab_size: int) -> list[int]:
+    """The `size` most frequent tokens of the data (mostly the target's own answers), most frequent first,
+    then the lowest unseen ids (a BPE vocabulary lists its common pieces first)."""
+    counts: Counter[int] = Counter()
+    for s in data:
+        counts.update(s.ids.tolist())
+    ids = [t for t, _ in counts.most_common(size)]
+    seen = set(ids)
+    ids += [t for t in range(vocab_size) if t not in seen][: max(0, min(size, vocab_size) - len(ids))]
+    return ids
+
+
+def _visibility(n: int, k: int) -> torch.Tensor:
+    """(1, 1, n, (k+1) n) additive mask of pass k: real entries <= i-k, then one guess per pass on row i's chain."""
+    i = torch.arange(n)[:, None]
+    c = torch.arange(n)[None, :]
+    blocks = [c <= i - k] + [c == i - k + j for j in range(1, k + 1)]
+    visible = torch.cat(blocks, dim=1)
+    mask = torch.zeros(visible.shape)
+    mask.masked_fill_(~visible, float("-inf"))
+    return mask[None, None]
+
+
+def unrolled(
+    head: DraftHead, target: Target, batch: Sequence[Sequence_], passes: int, greedy: bool = False
+) -> list[torch.Tensor]:
+    """Predicted features of every pass, rows of all sequences stacked: [(rows, d)] * passes.
+
+    Row t of a sequence of length T (t < T-1) guesses f_{t+1}; pass k's rows t < k have no full chain.
+    Deeper passes take the token x_{t+1} of the data (teacher forcing: the answers are the target's own
+    greedy choices), or with `greedy` the target's greedy token, as greedy drafting meets it.
+    """
+    layer, rotary = head.stage.layers[0], head.stage.rotaries[0]
+    cfg = head.cfg
+    lens = [int(s.ids.numel()) - 1 for s in batch]
+    feats_in = torch.cat([s.feats[:-1] for s in batch])
+    tokens = torch.cat([s.ids[1:] for s in batch])
+    deep_tokens = torch.cat([s.greedy[:-1] for s in batch]) if greedy else tokens
+    rope = [rotary(torch.arange(n), torch.float32) for n in lens]
+    kv = [
+        (torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim), torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim))
+        for _ in lens
+    ]
+    outs: list[torch.Tensor] = []
+    for k in range(passes):
+        if k:
+            prev = outs[-1]
+            shifted = torch.cat([torch.cat([f[:1], p[:-1]]) for f, p in zip(feats_in.split(lens), prev.split(lens))])
+            x = head.fuse(shifted, target.embed[deep_tokens])
+        else:
+            x = head.fuse(feats_in, target.embed[tokens])
+        segments, bufs, row = [], [], 0
+        for n, (cos, sin), (kc, vc) in zip(lens, rope, kv):
+            pad = torch.zeros(1, cfg.num_kv_heads, n, cfg.head_dim)
+            bufs.append((torch.cat([kc, pad], dim=2), torch.cat([vc, pad], dim=2)))
+            segments.append(Segment(slice(row, row + n), cos, sin, _visibility(n, k), k * n))
+            row += n
+        outs.append(layer(x[None], segments, bufs)[0])
+        kv = bufs
+    return outs
+
+
+def _labels(batch: Sequence[Sequence_], target: Target, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row t: the real f_{t+1} and the target's draft-vocabulary distribution of x_{t+2}."""
+    feats = torch.cat([s.feats[1:] for s in batch])
+    with torch.no_grad():
+        probs = F.softmax(target.draft_logits(feats, rows), dim=-1)
+    return feats, probs
+
+
+def _valid_rows(batch: Sequence[Sequence_], k: int) -> torch.Tensor:
+    return torch.cat([torch.arange(int(s.ids.numel()) - 1) >= k for s in batch])
+
+
+def batches(data: Sequence[Sequence_], tokens: int, rng: random.Random) -> list[list[Sequence_]]:
+    order = list(data)
+    rng.shuffle(order)
+    out, cur, size = [], [], 0
+    for s in order:
+        if cur and size + s.ids.numel() > tokens:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(s)
+        size += int(s.ids.numel())
+    return out + ([cur] if cur else [])
+
+
+def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
+    """Training sequences; with `target`, also its greedy tokens (a full LM-head pass: validation only)."""
+    return [
+        Sequence_(ids, f, target.greedy(f) if target else None)
+        for ids, f in zip(feats.ids, feats.features)
+        if ids.numel() > 2
+    ]
+
+
+def new_head(local: LocalModel, vocab: Sequence[int]) -> DraftHead:
+    """A head whose layer starts as the target's last layer and whose fc passes the feature through."""
+    cfg = local.cfg
+    head = DraftHead(head_config(cfg), vocab)
+    last = cfg.num_layers - 1
+    head.stage.load_state_dict(Stage.load(local.files, last, last + 1, torch.float32).state_dict())
+    d = cfg.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :d] = torch.eye(d)
+        head.fc.weight[:, d:].normal_(0, 0.02)
+        head.fc.bias.zero_()
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head
+
+
+@dataclass
+class Validation:
+    acceptance: list[float]  # per depth: P(depth k accepted | depths < k accepted)
+    reached: list[int]  # chains that reached each depth
+    mean_accepted: float  # expected accepted draft tokens per chain (greedy, one chain)
+    positions: int
+
+
+@torch.no_grad()
+def validate(head: DraftHead, target: Target, data: Sequence[Sequence_], depth: int, tokens: int = 2048) -> Validation:
+    vocab_index = _vocab_index(head, target)
+    rows = target.lm_head[head.vocab]
+    reached = [0] * (depth + 1)
+    total_accepted = 0
+    for batch in batches(data, tokens, random.Random(0)):
+        outs = unrolled(head, target, batch, depth, greedy=True)
+        greedy = vocab_index[torch.cat([s.greedy[1:] for s in batch])]  # -1: outside the draft vocabulary
+        hits = torch.stack([target.draft_logits(o, rows).argmax(-1) == greedy for o in outs])  # (depth, rows)
+        lens = [int(s.ids.numel()) - 1 for s in batch]
+        for h in hits.split(lens, dim=1):
+            n = h.shape[1]
+            bases = n - depth
+            if bases <= 0:
+                continue
+            # chain from base b: pass j at row b + j
+            chain = torch.stack([h[j, j : j + bases] for j in range(depth)])  # (depth, bases)
+            run = chain.int().cumprod(0)
+            reached[0] += bases
+            for j in range(depth):
+                reached[j + 1] += int(run[j].sum())
+            total_accepted += int(run.sum())
+    acceptance = [reached[j + 1] / reached[j] if reached[j] else 0.0 for j in range(depth)]
+    return Validation(acceptance, reached, total_accepted / max(reached[0], 1), reached[0])
+
+
+def feature_rms(data: Sequence[Sequence_]) -> float:
+    """Root mean square of the target's features: their scale (tens, with outlier dimensions in the thousands)."""
+    total = sum(float(s.feats.pow(2).sum()) for s in data)
+    return math.sqrt(total / max(sum(s.feats.numel() for s in data), 1))
+
+
+def _vocab_index(head: DraftHead, target: Target) -> torch.Tensor:
+    index = torch.full((target.lm_head.shape[0],), -1, dtype=torch.long)
+    index[head.vocab] = torch.arange(head.vocab.numel())
+    return index
+
+
+def train(
+    head: DraftHead,
+    target: Target,
+    data: Sequence[Sequence_],
+    settings: TrainSettings,
+    progress: Callable[[int, float], None] | None = None,
+) -> dict:
+    """Train in place; returns the loss history. `progress(tokens, loss)` after every step."""
+    rng = random.Random(settings.seed)
+    torch.manual_seed(settings.seed)
+    rows = target.lm_head[head.vocab]
+    scale = feature_rms(data) if settings.scale_features else 1.0
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    plan = [batches(data, settings.batch_tokens, rng) for _ in range(settings.epochs)]
+    steps = sum(map(len, plan))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min((i + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(i / steps, 1.0))))
+    )
+    history: list[float] = []
+    head.train()
+    for epoch in plan:
+        for batch in epoch:
+            feats, probs = _labels(batch, target, rows)
+            outs = unrolled(head, target, batch, settings.passes)
+            loss = torch.zeros(())
+            for k, pred in enumerate(outs):
+                ok = _valid_rows(batch, k)
+                feat_loss = F.smooth_l1_loss(pred[ok] / scale, feats[ok] / scale)
+                logp = F.log_softmax(target.draft_logits(pred[ok], rows), dim=-1)
+                token_loss = -(probs[ok] * logp).sum(-1).mean()
+                w = settings.pass_decay**k
+                loss = loss + w * (settings.feature_weight * feat_loss + settings.token_weight * token_loss)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            history.append(loss.item())
+            if progress:
+                progress(sum(int(s.ids.numel()) for s in batch), history[-1])
+    head.eval()
+    for p in head.parameters():
+        p.requires_grad_(False)
+    return {"steps": steps, "first_loss": history[0] if history else None, "last_loss": history[-1] if history else None,
+            "settings": asdict(settings)}

@@ -1,0 +1,60 @@
+"""Fast by default: every side runs the fastest setting this machine runs well unless told otherwise,
+the exact mode never compiles the CPU kernels, and a 16-bit setting without them says what it costs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from splitllm.model import cpu_kernels, precision
+from splitllm.model.precision import EXACT, Precision, fastest
+
+
+def test_the_fastest_setting_follows_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_kernels = cpu_kernels.load() is not None
+    assert fastest() == (Precision(torch.bfloat16, "int8") if with_kernels else EXACT)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # a CPU without AVX-512 BF16 and VBMI, or no compiler
+    assert fastest() == EXACT
+    assert fastest("cuda") == Precision(device="cuda")  # unverified devices keep the exact mode
+
+
+def test_sixteen_bit_without_the_kernels_warns_once_that_speculation_is_not_bit_exact(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    precision._warn_without_kernels.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=precision.__name__):
+        for _ in range(3):
+            Precision(torch.bfloat16, "int8").attention(64)
+        EXACT.attention(64)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "bfloat16-int8" in warnings[0] and "not bit-exact" in warnings[0]
+
+
+def test_the_exact_mode_never_compiles_the_kernels(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A fresh process loads both sides in the exact mode and decodes, with an empty extension cache:
+    the kernels are neither built nor imported."""
+    code = f"""
+import sys
+from splitllm.client.local import LocalModel
+from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.decoding.sequential import decode_sequential
+from splitllm.model.precision import EXACT
+from splitllm.model.stage import Stage
+from splitllm.model.weights import ModelFiles
+files = ModelFiles({str(tiny_models["mistral"])!r})
+local = LocalModel(files, 1, 1, EXACT)
+middle = Stage.load(files, 1, files.config.num_layers - 1, EXACT)
+steps = list(decode_sequential(SplitPipeline(local, LocalMiddle(middle, 64), 64), [1, 2, 3, 4], 4, frozenset()))
+print(len(steps), "splitllm_cpu_kernels" in sys.modules)
+"""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["4", "False"]
+    assert not (tmp_path / "extensions").exists()
