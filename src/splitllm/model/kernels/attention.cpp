@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -104,8 +105,6 @@ void attend(const Rows& rows, const float* k, const float* v, int64_t key_stride
 
 }  // namespace
 
-// Queries (H, n, D) contiguous; one head's keys and values at k + g * head_stride, key j at
-// + j * key_stride; additive mask rows (n, length) `mask_row` apart, or none. Writes (n, H * D).
 void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
                     int64_t heads, int64_t kv_heads, int64_t n, int64_t length, int64_t dim, const float* mp,
                     int64_t mask_row, float scale, float* op) {

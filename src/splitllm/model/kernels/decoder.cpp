@@ -14,16 +14,8 @@
 #include <cmath>
 #include <vector>
 
-#include "decoder.h"
+#include "kernels.h"
 #include "simd.h"
-
-void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
-                 const c10::optional<torch::Tensor>& scales, uint16_t* y);
-void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
-                  const c10::optional<torch::Tensor>& scales);
-void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
-                    int64_t heads, int64_t kv_heads, int64_t n, int64_t length, int64_t dim, const float* mp,
-                    int64_t mask_row, float scale, float* op);
 
 namespace {
 

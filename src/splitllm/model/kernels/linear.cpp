@@ -20,6 +20,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
