@@ -74,6 +74,14 @@ struct Int8Pairs {
   }
 };
 
+// A row's pair of bfloat16 inputs at p in every 32-bit lane (copied out as one int32: reading uint16
+// data through an int32 pointer would break strict aliasing; the copy compiles to the same broadcast).
+inline __m512bh broadcast_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 // f(std::integral_constant<int, R>{}) with R = rows (1 <= rows <= Max): the tile's row count as a
 // compile-time constant, so its accumulators stay in registers.
 template <int Max, typename F>
@@ -93,7 +101,7 @@ void block(const Pairs& shared, const typename Pairs::Weight* w, const uint16_t*
     __m512bh wv[kVectors];
     load(w + p * kVectors * 32, wv);
     for (int r = 0; r < Rows; ++r) {
-      __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + 2 * p));
+      const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
       for (int j = 0; j < kVectors; ++j) acc[r * kVectors + j] = _mm512_dpbf16_ps(acc[r * kVectors + j], xv, wv[j]);
     }
   }
@@ -115,7 +123,7 @@ void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
       const __m512bh wv[kVectors] = {(__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA),  // a & b | c
                                      (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent)};
       for (int r = 0; r < Rows; ++r) {
-        __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + 2 * p));
+        const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
         for (int j = 0; j < kVectors; ++j) dot[r * kVectors + j] = _mm512_dpbf16_ps(dot[r * kVectors + j], xv, wv[j]);
       }
     }
