@@ -21,34 +21,44 @@ namespace {
 
 const float* data_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
 
+// rsqrt(mean(x^2) + eps) over one row.
+template <typename In>
+float inverse_rms(const In* x, int64_t size, float eps) {
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < size; i += 16) {
+    const __m512 v = load(x + i, lanes(size - i));
+    total = _mm512_fmadd_ps(v, v, total);
+  }
+  return 1.0f / std::sqrt(_mm512_reduce_add_ps(total) / static_cast<float>(size) + eps);
+}
+
+// Lanes [i, i + 16) of a row normed by w with the row's inverse_rms `inv` (w null: the row as it is).
+template <typename In>
+__m512 normed(const In* x, int64_t i, __mmask16 m, const float* w, float inv) {
+  const __m512 v = load(x + i, m);
+  return w ? _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), load(w + i, m)) : v;
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * w over one row (w null: y = x), in float32, rounded once on store.
 template <typename In, typename Out>
 void norm_row(const In* x, int64_t size, const float* w, float eps, Out* y) {
-  float inv = 1.0f;
-  if (w) {
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < size; i += 16) {
-      const __m512 v = load(x + i, lanes(size - i));
-      total = _mm512_fmadd_ps(v, v, total);
-    }
-    inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(total) / static_cast<float>(size) + eps);
-  }
+  const float inv = w ? inverse_rms(x, size, eps) : 1.0f;
   for (int64_t i = 0; i < size; i += 16) {
     const __mmask16 m = lanes(size - i);
-    __m512 v = load(x + i, m);
-    if (w) v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), load(w + i, m));
-    store(y + i, v, m);
+    store(y + i, normed(x, i, m, w, inv), m);
   }
 }
 
-// One head (dim a multiple of 32): x * cos + rotate_half(x) * signed_sin, rotate-half's sign folded
-// into the table as in blocks.py.
-inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+// One head in place (dim a multiple of 32): x * cos + rotate_half(x) * signed_sin, rotate-half's sign
+// folded into the table as in blocks.py; each lane i pairs with i +- dim / 2, so both halves are loaded
+// before either is stored.
+inline void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
   const int64_t half = dim / 2;
-  for (int64_t i = 0; i < dim; i += 16) {
-    const __m512 swapped = _mm512_loadu_ps(x + (i < half ? i + half : i - half));
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(cos + i),
-                                              _mm512_mul_ps(swapped, _mm512_loadu_ps(sin + i))));
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + half + i);
+    _mm512_storeu_ps(x + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(cos + i), _mm512_mul_ps(b, _mm512_loadu_ps(sin + i))));
+    _mm512_storeu_ps(x + half + i,
+                     _mm512_fmadd_ps(b, _mm512_loadu_ps(cos + half + i), _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + i))));
   }
 }
 
@@ -80,11 +90,11 @@ void each_row(int64_t rows, F&& f) {
 // x[r] = bf16(x[r] + norm(add[r])), the residual update (no norm unless Gemma's sandwich norms).
 void add_rows(uint16_t* x, const uint16_t* add, int64_t rows, int64_t size, const float* w, float eps) {
   each_row(rows, [&](int64_t r) {
-    std::vector<float> row(size);
-    norm_row(add + r * size, size, w, eps, row.data());
+    const uint16_t* a = add + r * size;
+    const float inv = w ? inverse_rms(a, size, eps) : 1.0f;
     for (int64_t i = 0; i < size; i += 16) {
       const __mmask16 m = lanes(size - i);
-      store(x + r * size + i, _mm512_add_ps(load(x + r * size + i, m), load(row.data() + i, m)), m);
+      store(x + r * size + i, _mm512_add_ps(load(x + r * size + i, m), normed(a, i, m, w, inv)), m);
     }
   });
 }
@@ -168,13 +178,12 @@ void place(const Shape& shape, const Layer& layer, const Sequence& s, int64_t in
   float* v_layer = entries(s.v, index);
   const float eps = static_cast<float>(shape.eps);
   each_row(s.count, [&](int64_t i) {
-    std::vector<float> head(dim);
     const uint16_t* src = qkv + (s.row + i) * width;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      norm_row(src + h * dim, dim, ptr(h < heads ? layer.q_norm : layer.k_norm), eps, head.data());
       float* out = h < heads ? queries + (h * s.count + i) * dim
                              : k_layer + (h - heads) * head_stride + (s.offset + i) * key_stride;
-      rotate(head.data(), cos + i * dim, sin + i * dim, dim, out);
+      norm_row(src + h * dim, dim, ptr(h < heads ? layer.q_norm : layer.k_norm), eps, out);
+      rotate(out, cos + i * dim, sin + i * dim, dim);
     }
     for (int64_t g = 0; g < kv_heads; ++g)
       norm_row(src + (heads + kv_heads + g) * dim, dim, nullptr, eps, v_layer + g * head_stride + (s.offset + i) * key_stride);
