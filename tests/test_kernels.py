@@ -5,6 +5,9 @@ masked, or after its ancestors were committed."""
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,27 @@ KERNELS = cpu_kernels.load()
 def test_kernels_build_wherever_the_cpu_runs_them() -> None:
     """A missing compiler must fail here, not fall back silently to the slower kernels."""
     assert (KERNELS is not None) == cpu_kernels.cpu_has_instructions()
+
+
+@pytest.mark.parametrize(
+    ("missing", "said"),
+    [("instructions", "the CPU lacks AVX-512 BF16 or VBMI"), ("compiler", "no C++ compiler (/nowhere/c++)"),
+     ("build", "the build failed: kernels/linear.cpp:9:1: error: 'x' was not declared")],
+)
+def test_each_fallback_says_why_in_one_line(missing, said, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """`load` is cached, so each reason is logged once per process; here it runs uncached and builds nothing."""
+    from torch.utils import cpp_extension
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"Error building extension: [1/4] c++ ...\n{said.split(': ', 1)[1]}\nninja: build stopped")
+
+    monkeypatch.setattr(cpu_kernels, "cpu_has_instructions", lambda: missing != "instructions")
+    compiler = "/nowhere/c++" if missing == "compiler" else sys.executable  # any executable stands in for one
+    monkeypatch.setattr(cpp_extension, "get_cxx_compiler", lambda: compiler)
+    monkeypatch.setattr(cpp_extension, "load", fails)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load.__wrapped__() is None
+    assert [r.getMessage() for r in caplog.records] == [f"CPU kernels unavailable, using PyTorch's: {said}"]
 
 
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU lacks AVX-512 BF16 or VBMI (the kernels do not run here)")
