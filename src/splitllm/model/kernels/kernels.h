@@ -7,6 +7,11 @@
 #include <tuple>
 #include <vector>
 
+// Whether t can be read through a raw pointer as `type`: defined, in CPU memory, of that dtype.
+inline bool is_cpu(const torch::Tensor& t, torch::ScalarType type) {
+  return t.defined() && t.device().is_cpu() && t.scalar_type() == type;
+}
+
 // linear.cpp: weights packed in blocks of 32 outputs, and y = x W^T (+ b) with them.
 torch::Tensor pack(const torch::Tensor& weight);
 std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros);

@@ -246,13 +246,14 @@ void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, i
 
 void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
                   const c10::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(bias == c10::nullopt || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n),
+  TORCH_CHECK(!bias || (is_cpu(*bias, torch::kFloat) && bias->is_contiguous() && bias->numel() == n),
               "linear: the bias must be float32 with one value per output");
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() >= 2 && packed.size(1) * 2 == k && packed.size(0) * kBlock >= n,
-              "linear: input width ", k, " does not match the packed weight");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() >= 2 && packed.size(1) * 2 == k &&
+              n >= 0 && packed.size(0) * kBlock >= n,
+              "linear: input width ", k, " and ", n, " outputs do not match the packed weight");
   if (is_int4(packed)) {
     TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && k % kGroup == 0, "linear: int4 weight not packed");
-    TORCH_CHECK(scales && scales->scalar_type() == torch::kBFloat16 && scales->is_contiguous() &&
+    TORCH_CHECK(scales && is_cpu(*scales, torch::kBFloat16) && scales->is_contiguous() &&
                 scales->sizes() == torch::IntArrayRef({packed.size(0), k / kGroup, 2, kBlock}),
                 "linear: int4 weights need packed bfloat16 scales and zeros (pack_int4)");
     return;
@@ -261,7 +262,7 @@ void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::
   const bool int8 = packed.scalar_type() == torch::kChar;
   TORCH_CHECK(int8 || packed.scalar_type() == torch::kBFloat16, "linear: bfloat16, int8 or int4 weights");
   TORCH_CHECK(int8 == scales.has_value(), "linear: int8 weights need scales, bfloat16 weights none");
-  TORCH_CHECK(!scales || (scales->scalar_type() == torch::kFloat && scales->is_contiguous() && scales->numel() == n),
+  TORCH_CHECK(!scales || (is_cpu(*scales, torch::kFloat) && scales->is_contiguous() && scales->numel() == n),
               "linear: int8 scales must be float32 with one value per output");
 }
 
@@ -284,7 +285,7 @@ torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous bfloat16 input");
+  TORCH_CHECK(is_cpu(x, torch::kBFloat16) && x.is_contiguous() && x.dim() >= 1, "linear: a contiguous bfloat16 input on the CPU");
   const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;
   check_linear(packed, n, k, bias, scales);
   auto sizes = x.sizes().vec();
