@@ -5,6 +5,9 @@ masked, or after its ancestors were committed."""
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,27 @@ KERNELS = cpu_kernels.load()
 def test_kernels_build_wherever_the_cpu_runs_them() -> None:
     """A missing compiler must fail here, not fall back silently to the slower kernels."""
     assert (KERNELS is not None) == cpu_kernels.cpu_has_instructions()
+
+
+@pytest.mark.parametrize(
+    ("missing", "said"),
+    [("instructions", "the CPU lacks AVX-512 BF16 or VBMI"), ("compiler", "no C++ compiler (/nowhere/c++)"),
+     ("build", "the build failed: kernels/linear.cpp:9:1: error: 'x' was not declared")],
+)
+def test_each_fallback_says_why_in_one_line(missing, said, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """`load` is cached, so each reason is logged once per process; here it runs uncached and builds nothing."""
+    from torch.utils import cpp_extension
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"Error building extension: [1/4] c++ ...\n{said.split(': ', 1)[1]}\nninja: build stopped")
+
+    monkeypatch.setattr(cpu_kernels, "cpu_has_instructions", lambda: missing != "instructions")
+    compiler = "/nowhere/c++" if missing == "compiler" else sys.executable  # any executable stands in for one
+    monkeypatch.setattr(cpp_extension, "get_cxx_compiler", lambda: compiler)
+    monkeypatch.setattr(cpp_extension, "load", fails)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load.__wrapped__() is None
+    assert [r.getMessage() for r in caplog.records] == [f"CPU kernels unavailable, using PyTorch's: {said}"]
 
 
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU lacks AVX-512 BF16 or VBMI (the kernels do not run here)")
@@ -64,6 +88,28 @@ def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, 
     assert linear(x.float()).dtype == torch.float32  # the input's dtype back, computed in bfloat16
 
 
+@needs_kernels
+def test_linear_kernel_rejects_what_does_not_fit() -> None:
+    """A malformed call raises instead of reading past its tensors."""
+    packed = KERNELS.pack(torch.zeros(40, 64, dtype=torch.bfloat16))  # two blocks of 32 outputs
+    int8 = KERNELS.pack(torch.zeros(40, 64, dtype=torch.int8))
+    int4, sz = KERNELS.pack_int4(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40, 2, 2, dtype=torch.bfloat16))
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    for args, said in [
+        ((x[:, :62].contiguous(), packed, 40, None, None), "input width 62 and 40 outputs"),
+        ((x, packed, 65, None, None), "input width 64 and 65 outputs"),
+        ((x.float(), packed, 40, None, None), "bfloat16 input"),
+        ((x[0, 0], packed, 40, None, None), "bfloat16 input"),
+        ((x, packed, 40, torch.zeros(39), None), "one value per output"),
+        ((x, packed, 40, None, torch.ones(40)), "bfloat16 weights none"),
+        ((x, int8, 40, None, torch.ones(39)), "one value per output"),
+        ((x, int4, 40, None, sz[:1].contiguous()), "scales and zeros"),
+    ]:
+        with pytest.raises(RuntimeError, match=said):
+            KERNELS.linear(*args)
+    assert KERNELS.linear(x, int4, 40, None, sz).shape == (3, 40)
+
+
 def _cache(heads: int, length: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of a larger cache buffer, as a layer's cache is."""
     gen = torch.Generator().manual_seed(seed)
@@ -83,6 +129,30 @@ def test_attention_kernel_matches_pytorch(heads, kv_heads, dim, n) -> None:  # t
         out = KernelAttention(KERNELS)(q, k, v, m, 0.2)
         assert out.shape == (1, n, heads * dim)
         assert torch.allclose(out, fused(q, k, v, m, 0.2), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_attention_kernel_rejects_what_does_not_fit() -> None:
+    """A malformed call raises instead of reading past its tensors (values shorter or with fewer heads
+    than the keys, a batch, heads that do not group, a mask of another size)."""
+    k, v = _cache(3, 10, 64, seed=8)
+    q, mask = torch.randn(1, 6, 2, 64), torch.zeros(1, 1, 2, 10)
+    for args, said in [
+        ((q, k, v[:, :, :9], mask), "must have one shape and layout"),
+        ((q, k, v[:, :1], mask), "must have one shape and layout"),
+        ((q, k, v.contiguous(), mask), "must have one shape and layout"),
+        ((q, torch.cat([k, k]), torch.cat([v, v]), mask), r"\(1, kv heads, length, head size\)"),
+        ((torch.cat([q, q]), k, v, mask), r"queries \(1, heads, n, head size\)"),
+        ((q.double(), k, v, mask), "float32 queries"),
+        ((q[:, :4], k, v, mask), "4 query heads are not a multiple of 3"),
+        ((q, k[:, :0], v[:, :0], mask), "not a multiple of 0"),
+        ((q[..., :32], k[..., :32], v[..., :32], mask), "positive multiple of 64"),
+        ((q, k, v, mask[..., :9]), r"mask must be float32 \(n, length\) = \(2, 10\)"),
+        ((q, k, v, torch.zeros(0, 2, 10)), "mask must be"),
+    ]:
+        with pytest.raises(RuntimeError, match=said):
+            KERNELS.attention(*args, 0.125)
+    assert KERNELS.attention(q, k, v, mask, 0.125).shape == (1, 2, 6 * 64)
 
 
 @needs_kernels
@@ -196,6 +266,17 @@ def test_fused_step_rejects_what_does_not_fit() -> None:
     fits = KERNELS.Sequence(row=0, count=3, offset=1, k=cache, v=cache, cos=[table], sin=[table], masks=[None])
     with pytest.raises(RuntimeError, match="cover every row"):
         KERNELS.decode(shape, [layer], torch.zeros(4, 64, dtype=torch.bfloat16), [fits])
+    wider = KERNELS.Shape(hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=64, eps=1e-5, scale=0.125, gelu=False)
+    with pytest.raises(RuntimeError, match="projection shapes"):  # a layer built for another shape
+        KERNELS.decode(wider, [layer], torch.zeros(3, 128, dtype=torch.bfloat16), [fits])
+    for k, v, masks, said in [
+        (cache, torch.zeros(1, 1, 1, 6, 64), [None], "of one shape"),  # values laid out unlike keys
+        (cache[:, :0], cache[:, :0], [None], "key and value caches"),
+        (cache, cache, [torch.zeros(0, 3, 4)], "masks must be"),
+    ]:
+        malformed = KERNELS.Sequence(row=0, count=3, offset=1, k=k, v=v, cos=[table], sin=[table], masks=masks)
+        with pytest.raises(RuntimeError, match=said):
+            KERNELS.decode(shape, [layer], torch.zeros(3, 64, dtype=torch.bfloat16), [malformed])
     assert KERNELS.decode(shape, [layer], torch.zeros(3, 64, dtype=torch.bfloat16), [fits]).shape == (3, 64)
 
 

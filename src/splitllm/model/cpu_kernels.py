@@ -6,8 +6,9 @@ the cache at the bandwidth, and run a stage's whole step without a framework cal
 operations (see docs/precision.md). Both give a row the same bits whatever else is in
 its batch, so speculation stays exact against sequential decoding. They are built with the system's
 C++ compiler through `torch.utils.cpp_extension` into PyTorch's extension cache (about 30 s, once per
-machine and source version; `TORCH_EXTENSIONS_DIR` moves it); where the CPU lacks the instructions
-or the build fails, `load()` returns None and callers use PyTorch's kernels.
+machine and source version; `TORCH_EXTENSIONS_DIR` moves it); where the CPU lacks the instructions,
+there is no compiler or the build fails, `load()` says why in one log line and returns None, and
+callers use PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import functools
 import logging
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("bindings.cpp", "linear.cpp", "attention.cpp", "decoder.cpp")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp"]
+# A definition that matches no declaration in kernels.h fails the build (it would load as a missing symbol).
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp", "-Werror=missing-declarations"]
 
 
 def cpu_has_instructions() -> bool:
@@ -36,15 +39,26 @@ def cpu_has_instructions() -> bool:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled kernels, or None where it cannot run here (said once in the log)."""
-    if not cpu_has_instructions():
-        return None
+    """The compiled kernels, or None where they cannot run here (cached, so the reason is logged once per process)."""
     from torch.utils import cpp_extension
 
-    try:
-        return cpp_extension.load(
-            "splitllm_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
-        )
-    except Exception as err:  # no compiler, no ninja, a compiler without these instructions
-        log.warning("CPU kernels unavailable, using PyTorch's: %s", (str(err).strip().splitlines() or [""])[-1])
-        return None
+    compiler = cpp_extension.get_cxx_compiler()
+    if not cpu_has_instructions():
+        reason = "the CPU lacks AVX-512 BF16 or VBMI"
+    elif shutil.which(compiler) is None:
+        reason = f"no C++ compiler ({compiler})"
+    else:
+        try:
+            return cpp_extension.load(
+                "splitllm_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+            )
+        except Exception as err:  # no ninja, a compiler without these instructions, a compile error
+            reason = f"the build failed: {_gist(err)}"
+    log.warning("CPU kernels unavailable, using PyTorch's: %s", reason)
+    return None
+
+
+def _gist(err: Exception) -> str:
+    """The line of a failed build that says what went wrong: the first compiler error, else the message's last line."""
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    return next((line.strip() for line in lines if "error:" in line), lines[-1])

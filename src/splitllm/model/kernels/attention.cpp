@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -104,8 +105,6 @@ void attend(const Rows& rows, const float* k, const float* v, int64_t key_stride
 
 }  // namespace
 
-// Queries (H, n, D) contiguous; one head's keys and values at k + g * head_stride, key j at
-// + j * key_stride; additive mask rows (n, length) `mask_row` apart, or none. Writes (n, H * D).
 void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
                     int64_t heads, int64_t kv_heads, int64_t n, int64_t length, int64_t dim, const float* mp,
                     int64_t mask_row, float scale, float* op) {
@@ -140,16 +139,22 @@ void attention_rows(const float* qp, const float* kp, const float* vp, int64_t h
 // Returns (1, n, H * D) float32: the heads side by side, as the output projection takes them.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
-              "attention: float32 queries, keys and values");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1, "attention: 4-D tensors, batch 1");
+  TORCH_CHECK(is_cpu(q, torch::kFloat) && is_cpu(k, torch::kFloat) && is_cpu(v, torch::kFloat),
+              "attention: float32 queries, keys and values on the CPU");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1,
+              "attention: queries (1, heads, n, head size), keys and values (1, kv heads, length, head size); got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   const int64_t heads = q.size(1), n = q.size(2), dim = q.size(3), kv_heads = k.size(1), length = k.size(2);
-  TORCH_CHECK(dim % 64 == 0 && k.size(3) == dim && v.size(3) == dim && k.stride(3) == 1 && v.stride(3) == 1 &&
-              k.stride(2) == v.stride(2) && k.stride(1) == v.stride(1) && v.size(2) == length,
-              "attention: head size a multiple of 64, keys and values of one layout");
-  TORCH_CHECK(heads % kv_heads == 0, "attention: query heads must be a multiple of key/value heads");
-  TORCH_CHECK(!mask || (mask->scalar_type() == torch::kFloat && mask->size(-2) == n && mask->size(-1) == length &&
-                        mask->stride(-1) == 1), "attention: mask must be float32 (n, L)");
+  TORCH_CHECK(v.sizes() == k.sizes() && k.stride(1) == v.stride(1) && k.stride(2) == v.stride(2) && k.stride(3) == 1 &&
+              v.stride(3) == 1, "attention: keys ", k.sizes(), " and values ", v.sizes(),
+              " must have one shape and layout, unit stride along the head size");
+  TORCH_CHECK(dim > 0 && dim % 64 == 0 && k.size(3) == dim, "attention: the head size (", dim, " for queries, ", k.size(3),
+              " for keys) must be one positive multiple of 64");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "attention: ", heads, " query heads are not a multiple of ", kv_heads,
+              " key/value heads");
+  TORCH_CHECK(!mask || (is_cpu(*mask, torch::kFloat) && mask->dim() >= 2 && mask->numel() == n * length &&
+                        mask->size(-2) == n && mask->size(-1) == length && mask->stride(-1) == 1),
+              "attention: the mask must be float32 (n, length) = (", n, ", ", length, "), unit stride along keys");
   auto qc = q.contiguous();
   auto out = torch::empty({1, n, heads * dim}, q.options());
   attention_rows(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(1), k.stride(2), heads, kv_heads,

@@ -1,15 +1,7 @@
 // The CPU kernels as one Python module (see splitllm/model/cpu_kernels.py).
 #include <torch/extension.h>
 
-#include "decoder.h"
-
-torch::Tensor pack(const torch::Tensor& weight);
-std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros);
-torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& scales);
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& scales);
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask, double scale);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;

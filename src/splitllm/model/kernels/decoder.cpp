@@ -14,49 +14,51 @@
 #include <cmath>
 #include <vector>
 
-#include "decoder.h"
+#include "kernels.h"
 #include "simd.h"
-
-void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
-                 const c10::optional<torch::Tensor>& scales, uint16_t* y);
-void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
-                  const c10::optional<torch::Tensor>& scales);
-void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
-                    int64_t heads, int64_t kv_heads, int64_t n, int64_t length, int64_t dim, const float* mp,
-                    int64_t mask_row, float scale, float* op);
 
 namespace {
 
 const float* data_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
 
+// rsqrt(mean(x^2) + eps) over one row.
+template <typename In>
+float inverse_rms(const In* x, int64_t size, float eps) {
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < size; i += 16) {
+    const __m512 v = load(x + i, lanes(size - i));
+    total = _mm512_fmadd_ps(v, v, total);
+  }
+  return 1.0f / std::sqrt(_mm512_reduce_add_ps(total) / static_cast<float>(size) + eps);
+}
+
+// Lanes [i, i + 16) of a row normed by w with the row's inverse_rms `inv` (w null: the row as it is).
+template <typename In>
+__m512 normed(const In* x, int64_t i, __mmask16 m, const float* w, float inv) {
+  const __m512 v = load(x + i, m);
+  return w ? _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), load(w + i, m)) : v;
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * w over one row (w null: y = x), in float32, rounded once on store.
 template <typename In, typename Out>
 void norm_row(const In* x, int64_t size, const float* w, float eps, Out* y) {
-  float inv = 1.0f;
-  if (w) {
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < size; i += 16) {
-      const __m512 v = load(x + i, lanes(size - i));
-      total = _mm512_fmadd_ps(v, v, total);
-    }
-    inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(total) / static_cast<float>(size) + eps);
-  }
+  const float inv = w ? inverse_rms(x, size, eps) : 1.0f;
   for (int64_t i = 0; i < size; i += 16) {
     const __mmask16 m = lanes(size - i);
-    __m512 v = load(x + i, m);
-    if (w) v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), load(w + i, m));
-    store(y + i, v, m);
+    store(y + i, normed(x, i, m, w, inv), m);
   }
 }
 
-// One head (dim a multiple of 32): x * cos + rotate_half(x) * signed_sin, rotate-half's sign folded
-// into the table as in blocks.py.
-inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+// One head in place (dim a multiple of 32): x * cos + rotate_half(x) * signed_sin, rotate-half's sign
+// folded into the table as in blocks.py; each lane i pairs with i +- dim / 2, so both halves are loaded
+// before either is stored.
+inline void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
   const int64_t half = dim / 2;
-  for (int64_t i = 0; i < dim; i += 16) {
-    const __m512 swapped = _mm512_loadu_ps(x + (i < half ? i + half : i - half));
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(cos + i),
-                                              _mm512_mul_ps(swapped, _mm512_loadu_ps(sin + i))));
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + half + i);
+    _mm512_storeu_ps(x + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(cos + i), _mm512_mul_ps(b, _mm512_loadu_ps(sin + i))));
+    _mm512_storeu_ps(x + half + i,
+                     _mm512_fmadd_ps(b, _mm512_loadu_ps(cos + half + i), _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + i))));
   }
 }
 
@@ -88,11 +90,11 @@ void each_row(int64_t rows, F&& f) {
 // x[r] = bf16(x[r] + norm(add[r])), the residual update (no norm unless Gemma's sandwich norms).
 void add_rows(uint16_t* x, const uint16_t* add, int64_t rows, int64_t size, const float* w, float eps) {
   each_row(rows, [&](int64_t r) {
-    std::vector<float> row(size);
-    norm_row(add + r * size, size, w, eps, row.data());
+    const uint16_t* a = add + r * size;
+    const float inv = w ? inverse_rms(a, size, eps) : 1.0f;
     for (int64_t i = 0; i < size; i += 16) {
       const __mmask16 m = lanes(size - i);
-      store(x + r * size + i, _mm512_add_ps(load(x + r * size + i, m), load(row.data() + i, m)), m);
+      store(x + r * size + i, _mm512_add_ps(load(x + r * size + i, m), normed(a, i, m, w, inv)), m);
     }
   });
 }
@@ -112,13 +114,32 @@ Projection::Projection(torch::Tensor packed_, int64_t outputs_, c10::optional<to
 
 namespace {
 
-torch::Tensor float_norm(const c10::optional<torch::Tensor>& w, int64_t size, const char* name) {
-  if (!w) return {};
-  TORCH_CHECK(w->dim() == 1 && w->numel() == size, "decoder: ", name, " norm weight must have ", size, " values");
-  return w->to(torch::kFloat).contiguous();
+torch::Tensor float_norm(const c10::optional<torch::Tensor>& w) {
+  return w ? w->to(torch::kCPU, torch::kFloat).contiguous() : torch::Tensor();
 }
 
 const float* ptr(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// That a layer's projections and norms have the sizes `shape` gives: it sizes the step's buffers and
+// loops, so a layer built for another shape would be run out of bounds.
+void check_layer(const Shape& shape, const Layer& layer) {
+  const int64_t d = shape.hidden, q = shape.heads * shape.head_dim, kv = shape.kv_heads * shape.head_dim;
+  const Projection &qkv = layer.qkv, &o = layer.o, &gate_up = layer.gate_up, &down = layer.down;
+  TORCH_CHECK(qkv.inputs == d && qkv.outputs == q + 2 * kv && o.inputs == q && o.outputs == d && gate_up.inputs == d &&
+              gate_up.outputs == 2 * shape.intermediate && down.inputs == shape.intermediate && down.outputs == d,
+              "decoder: projection shapes do not match the layer's shape (hidden ", d, ", heads ", shape.heads,
+              ", kv heads ", shape.kv_heads, ", head size ", shape.head_dim, ", intermediate ", shape.intermediate, ")");
+  const struct {
+    const torch::Tensor& w;
+    int64_t size;
+    const char* name;
+  } norms[] = {{layer.input_norm, d, "input"}, {layer.post_norm, d, "post-attention"},
+               {layer.q_norm, shape.head_dim, "query"}, {layer.k_norm, shape.head_dim, "key"},
+               {layer.attn_out_norm, d, "attention-output"}, {layer.mlp_out_norm, d, "MLP-output"}};
+  for (const auto& norm : norms)
+    TORCH_CHECK(!norm.w.defined() || (norm.w.dim() == 1 && norm.w.numel() == norm.size), "decoder: ", norm.name,
+                " norm weight must have ", norm.size, " values");
+}
 
 }  // namespace
 
@@ -127,16 +148,13 @@ Layer::Layer(const Shape& shape, Projection qkv_, Projection o_, Projection gate
              const c10::optional<torch::Tensor>& k_norm_, const c10::optional<torch::Tensor>& attn_out_norm_,
              const c10::optional<torch::Tensor>& mlp_out_norm_, int64_t kind_)
     : qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)), kind(kind_) {
-  const int64_t d = shape.hidden, q = shape.heads * shape.head_dim, kv = shape.kv_heads * shape.head_dim;
-  TORCH_CHECK(qkv.inputs == d && qkv.outputs == q + 2 * kv && o.inputs == q && o.outputs == d &&
-              gate_up.inputs == d && gate_up.outputs == 2 * shape.intermediate && down.inputs == shape.intermediate &&
-              down.outputs == d, "decoder: projection shapes do not match the layer's shape");
-  input_norm = float_norm(input_norm_, d, "input");
-  post_norm = float_norm(post_norm_, d, "post-attention");
-  q_norm = float_norm(q_norm_, shape.head_dim, "query");
-  k_norm = float_norm(k_norm_, shape.head_dim, "key");
-  attn_out_norm = float_norm(attn_out_norm_, d, "attention-output");
-  mlp_out_norm = float_norm(mlp_out_norm_, d, "MLP-output");
+  input_norm = float_norm(input_norm_);
+  post_norm = float_norm(post_norm_);
+  q_norm = float_norm(q_norm_);
+  k_norm = float_norm(k_norm_);
+  attn_out_norm = float_norm(attn_out_norm_);
+  mlp_out_norm = float_norm(mlp_out_norm_);
+  check_layer(shape, *this);
   TORCH_CHECK(input_norm.defined() && post_norm.defined(), "decoder: the input and post-attention norms are required");
   TORCH_CHECK(q_norm.defined() == k_norm.defined(), "decoder: query and key norms come together");
   TORCH_CHECK(kind >= 0, "decoder: a layer's kind indexes the step's rotary tables and masks");
@@ -147,18 +165,20 @@ namespace {
 void check_sequence(const Shape& shape, const Sequence& s, int64_t rows, size_t kinds, int64_t layers) {
   const int64_t dim = shape.head_dim, length = s.offset + s.count;
   TORCH_CHECK(s.row >= 0 && s.count >= 0 && s.row + s.count <= rows && s.offset >= 0, "decoder: sequence rows out of range");
-  for (const auto* c : {&s.k, &s.v})
-    TORCH_CHECK(c->scalar_type() == torch::kFloat && c->dim() == 5 && c->is_contiguous() && c->size(0) >= layers &&
-                c->size(2) == shape.kv_heads && c->size(3) >= length && c->size(4) == dim,
-                "decoder: caches must be contiguous float32 (layers, 1, kv heads, context, head size) with room for the step");
+  TORCH_CHECK(is_cpu(s.k, torch::kFloat) && is_cpu(s.v, torch::kFloat) && s.k.is_contiguous() && s.v.is_contiguous() &&
+              s.k.sizes() == s.v.sizes() && s.k.dim() == 5 && s.k.size(0) >= layers && s.k.size(1) == 1 &&
+              s.k.size(2) == shape.kv_heads && s.k.size(3) >= length && s.k.size(4) == dim,
+              "decoder: key and value caches must be contiguous float32 (layers, 1, kv heads, context, head size) of one "
+              "shape with room for the step; got ", s.k.sizes(), " and ", s.v.sizes());
   TORCH_CHECK(s.cos.size() == kinds && s.sin.size() == kinds && s.masks.size() == kinds, "decoder: one rotary table and mask per layer kind");
   for (size_t i = 0; i < kinds; ++i) {
     for (const auto* t : {&s.cos[i], &s.sin[i]})
-      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == s.count * dim,
+      TORCH_CHECK(is_cpu(*t, torch::kFloat) && t->is_contiguous() && t->numel() == s.count * dim,
                   "decoder: rotary tables must be float32 (count, head size)");
     const auto& m = s.masks[i];
-    TORCH_CHECK(!m || (m->scalar_type() == torch::kFloat && m->dim() >= 2 && m->size(-2) == s.count &&
-                       m->size(-1) == length && m->stride(-1) == 1), "decoder: masks must be float32 (count, context)");
+    TORCH_CHECK(!m || (is_cpu(*m, torch::kFloat) && m->dim() >= 2 && m->numel() == s.count * length &&
+                       m->size(-2) == s.count && m->size(-1) == length && m->stride(-1) == 1),
+                "decoder: masks must be float32 (count, context)");
   }
 }
 
@@ -176,13 +196,12 @@ void place(const Shape& shape, const Layer& layer, const Sequence& s, int64_t in
   float* v_layer = entries(s.v, index);
   const float eps = static_cast<float>(shape.eps);
   each_row(s.count, [&](int64_t i) {
-    std::vector<float> head(dim);
     const uint16_t* src = qkv + (s.row + i) * width;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      norm_row(src + h * dim, dim, ptr(h < heads ? layer.q_norm : layer.k_norm), eps, head.data());
       float* out = h < heads ? queries + (h * s.count + i) * dim
                              : k_layer + (h - heads) * head_stride + (s.offset + i) * key_stride;
-      rotate(head.data(), cos + i * dim, sin + i * dim, dim, out);
+      norm_row(src + h * dim, dim, ptr(h < heads ? layer.q_norm : layer.k_norm), eps, out);
+      rotate(out, cos + i * dim, sin + i * dim, dim);
     }
     for (int64_t g = 0; g < kv_heads; ++g)
       norm_row(src + (heads + kv_heads + g) * dim, dim, nullptr, eps, v_layer + g * head_stride + (s.offset + i) * key_stride);
@@ -204,8 +223,10 @@ void attend_sequence(const Shape& shape, const Layer& layer, const Sequence& s, 
 torch::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const torch::Tensor& x,
                      const std::vector<Sequence>& sequences) {
   const int64_t d = shape.hidden, dim = shape.head_dim, heads = shape.heads;
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == d, "decoder: bfloat16 (rows, hidden) input");
-  TORCH_CHECK(dim % 64 == 0 && heads % shape.kv_heads == 0, "decoder: head size a multiple of 64, grouped heads");
+  TORCH_CHECK(is_cpu(x, torch::kBFloat16) && x.dim() == 2 && x.size(1) == d, "decoder: a bfloat16 (rows, hidden) input on the CPU");
+  TORCH_CHECK(dim > 0 && dim % 64 == 0 && shape.kv_heads > 0 && heads % shape.kv_heads == 0,
+              "decoder: the head size must be a positive multiple of 64 and the query heads a multiple of the key/value heads");
+  for (const auto& layer : layers) check_layer(shape, layer);
   const int64_t rows = x.size(0);
   size_t kinds = 0;
   for (const auto& layer : layers) kinds = std::max(kinds, static_cast<size_t>(layer.kind + 1));

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -73,6 +74,14 @@ struct Int8Pairs {
   }
 };
 
+// A row's pair of bfloat16 inputs at p in every 32-bit lane (copied out as one int32: reading uint16
+// data through an int32 pointer would break strict aliasing; the copy compiles to the same broadcast).
+inline __m512bh broadcast_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 // f(std::integral_constant<int, R>{}) with R = rows (1 <= rows <= Max): the tile's row count as a
 // compile-time constant, so its accumulators stay in registers.
 template <int Max, typename F>
@@ -92,7 +101,7 @@ void block(const Pairs& shared, const typename Pairs::Weight* w, const uint16_t*
     __m512bh wv[kVectors];
     load(w + p * kVectors * 32, wv);
     for (int r = 0; r < Rows; ++r) {
-      __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + 2 * p));
+      const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
       for (int j = 0; j < kVectors; ++j) acc[r * kVectors + j] = _mm512_dpbf16_ps(acc[r * kVectors + j], xv, wv[j]);
     }
   }
@@ -114,7 +123,7 @@ void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
       const __m512bh wv[kVectors] = {(__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA),  // a & b | c
                                      (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent)};
       for (int r = 0; r < Rows; ++r) {
-        __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + 2 * p));
+        const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
         for (int j = 0; j < kVectors; ++j) dot[r * kVectors + j] = _mm512_dpbf16_ps(dot[r * kVectors + j], xv, wv[j]);
       }
     }
@@ -237,13 +246,14 @@ void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, i
 
 void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
                   const c10::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(bias == c10::nullopt || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n),
+  TORCH_CHECK(!bias || (is_cpu(*bias, torch::kFloat) && bias->is_contiguous() && bias->numel() == n),
               "linear: the bias must be float32 with one value per output");
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() >= 2 && packed.size(1) * 2 == k && packed.size(0) * kBlock >= n,
-              "linear: input width ", k, " does not match the packed weight");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() >= 2 && packed.size(1) * 2 == k &&
+              n >= 0 && packed.size(0) * kBlock >= n,
+              "linear: input width ", k, " and ", n, " outputs do not match the packed weight");
   if (is_int4(packed)) {
     TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && k % kGroup == 0, "linear: int4 weight not packed");
-    TORCH_CHECK(scales && scales->scalar_type() == torch::kBFloat16 && scales->is_contiguous() &&
+    TORCH_CHECK(scales && is_cpu(*scales, torch::kBFloat16) && scales->is_contiguous() &&
                 scales->sizes() == torch::IntArrayRef({packed.size(0), k / kGroup, 2, kBlock}),
                 "linear: int4 weights need packed bfloat16 scales and zeros (pack_int4)");
     return;
@@ -252,7 +262,7 @@ void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::
   const bool int8 = packed.scalar_type() == torch::kChar;
   TORCH_CHECK(int8 || packed.scalar_type() == torch::kBFloat16, "linear: bfloat16, int8 or int4 weights");
   TORCH_CHECK(int8 == scales.has_value(), "linear: int8 weights need scales, bfloat16 weights none");
-  TORCH_CHECK(!scales || (scales->scalar_type() == torch::kFloat && scales->is_contiguous() && scales->numel() == n),
+  TORCH_CHECK(!scales || (is_cpu(*scales, torch::kFloat) && scales->is_contiguous() && scales->numel() == n),
               "linear: int8 scales must be float32 with one value per output");
 }
 
@@ -275,7 +285,7 @@ torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "linear: contiguous bfloat16 input");
+  TORCH_CHECK(is_cpu(x, torch::kBFloat16) && x.is_contiguous() && x.dim() >= 1, "linear: a contiguous bfloat16 input on the CPU");
   const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;
   check_linear(packed, n, k, bias, scales);
   auto sizes = x.sizes().vec();

@@ -1,0 +1,79 @@
+// Every function one of the kernels' sources defines for another or for bindings.cpp, and the fused
+// step's structures. Each source includes this header and is compiled with -Werror=missing-declarations
+// (see cpu_kernels.py), so a definition whose signature drifts from its declaration here fails the
+// build instead of leaving an undefined symbol that only shows up as a module that will not load.
+#pragma once
+#include <torch/extension.h>
+#include <tuple>
+#include <vector>
+
+// Whether t can be read through a raw pointer as `type`: defined, in CPU memory, of that dtype.
+inline bool is_cpu(const torch::Tensor& t, torch::ScalarType type) {
+  return t.defined() && t.device().is_cpu() && t.scalar_type() == type;
+}
+
+// linear.cpp: weights packed in blocks of 32 outputs, and y = x W^T (+ b) with them.
+torch::Tensor pack(const torch::Tensor& weight);
+std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros);
+torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& scales);
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& scales);
+// That a packed weight, its bias and scales make a linear of n outputs over k inputs (throws if not).
+void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
+                  const c10::optional<torch::Tensor>& scales);
+// y (rows, n) = x (rows, k) W^T (+ bias) on raw rows, for a weight check_linear accepted.
+void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
+                 const c10::optional<torch::Tensor>& scales, uint16_t* y);
+
+// attention.cpp: a few query rows over a float32 cache.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask, double scale);
+// On raw pointers, shapes already checked: queries (heads, n, dim) contiguous; one head's keys and
+// values at k + g * head_stride, key j at + j * key_stride; additive mask rows (n, length) `mask_row`
+// apart, or none. Writes (n, heads * dim).
+void attention_rows(const float* qp, const float* kp, const float* vp, int64_t head_stride, int64_t key_stride,
+                    int64_t heads, int64_t kv_heads, int64_t n, int64_t length, int64_t dim, const float* mp,
+                    int64_t mask_row, float scale, float* op);
+
+// decoder.cpp: a stage's step, given each layer's shape and weights and each sequence's share of the step.
+
+// The sizes and constants every layer of a stage shares.
+struct Shape {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate;
+  double eps, scale;  // RMSNorm epsilon; attention's score scale
+  bool gelu;          // GELU (tanh) instead of SiLU on the gate
+};
+
+// A packed linear weight (see linear.cpp) with its int8 or int4 scales: y = x W^T (+ bias), bfloat16 in and out.
+struct Projection {
+  torch::Tensor packed;
+  int64_t outputs, inputs;
+  c10::optional<torch::Tensor> bias, scales;
+  Projection(torch::Tensor packed, int64_t outputs, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scales);
+  void operator()(const uint16_t* x, int64_t rows, uint16_t* y) const;
+};
+
+// One decoder layer. Norm weights are kept in float32 (undefined: that norm is absent); `kind` picks
+// the step's rotary table and mask (layers differ by attention window and rotary base).
+struct Layer {
+  Projection qkv, o, gate_up, down;
+  torch::Tensor input_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  int64_t kind;
+  Layer(const Shape& shape, Projection qkv, Projection o, Projection gate_up, Projection down,
+        const torch::Tensor& input_norm, const torch::Tensor& post_norm, const c10::optional<torch::Tensor>& q_norm,
+        const c10::optional<torch::Tensor>& k_norm, const c10::optional<torch::Tensor>& attn_out_norm,
+        const c10::optional<torch::Tensor>& mlp_out_norm, int64_t kind);
+};
+
+// One sequence's rows [row, row + count) of a step: its cache (float32, (layers, 1, kv heads, context,
+// head size)), where the new entries go, and per layer kind its rotary tables (count, head size) and
+// additive mask (count, offset + count), or none.
+struct Sequence {
+  int64_t row, count, offset;
+  torch::Tensor k, v;
+  std::vector<torch::Tensor> cos, sin;
+  std::vector<c10::optional<torch::Tensor>> masks;
+};
+
+torch::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const torch::Tensor& x,
+                     const std::vector<Sequence>& sequences);
