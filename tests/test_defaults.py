@@ -3,6 +3,7 @@ the exact mode never compiles the CPU kernels, and a 16-bit setting without them
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -58,3 +59,30 @@ print(len(steps), "splitllm_cpu_kernels" in sys.modules)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["4", "False"]
     assert not (tmp_path / "extensions").exists()
+
+
+@pytest.mark.slow
+def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy) -> None:  # type: ignore[no-untyped-def]
+    """The commands as a user runs them: `splitllm serve --exact` in its own process, `splitllm generate
+    --exact --json` in another; the answer is transformers' greedy continuation, token for token."""
+    from splitllm.lab.launch import ServerProcess
+
+    prompt = "Name three prime numbers."
+    with ServerProcess("--exact", "--threads", "1") as server:
+        run = subprocess.run(
+            [sys.executable, "-m", "splitllm.cli", "generate", prompt, "--server", server.url, "--exact", "--threads", "1",
+             "--json", "--max-new-tokens", "16", "--wire-dtype", "float32", "--decode", "auto"],
+            capture_output=True, text=True, timeout=600,
+        )
+    assert run.returncode == 0, run.stderr
+    assert "client precision: float32-none (exact" in run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    from transformers import AutoTokenizer
+
+    from splitllm.model.weights import ModelFiles
+
+    tokenizer = AutoTokenizer.from_pretrained(ModelFiles(None).path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert summary["prompt_tokens"] == len(ids)
+    assert summary["ids"] == hf_greedy(None, ids, 16)[: len(summary["ids"])] and len(summary["ids"]) == 16

@@ -158,6 +158,19 @@ def exactness(
         fail(f"a divergence at a top-2 logit gap >= {NEAR_TIE} is not a rounding effect", code=1)
 
 
+@app.command("defaults")
+def defaults(
+    out: Annotated[str, typer.Option(help="folder for defaults.json and defaults.md")] = "results",
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 1,
+    max_new_tokens: int = 64,
+    rtt_ms: RttMs = 0.0,
+) -> None:
+    """`serve` + `generate` with no precision or thread options against the fastest setting named explicitly."""
+    from splitllm.lab.bench.defaults import run_defaults
+
+    typer.echo(run_defaults(out, prompts_per_category, max_new_tokens, rtt_ms, _progress)["markdown"])
+
+
 @app.command("load")
 def load(
     clients: Annotated[str, typer.Option(help="comma-separated concurrent client counts (threads sharing one client model)")] = "1,4,16,64",
