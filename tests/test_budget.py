@@ -9,13 +9,13 @@ from splitllm.decoding.budget import CANDIDATE_BUDGETS, AdaptivePolicy, AutoProf
 from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.policy import NodeCost, SpecBudget
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, Linear, Link
+from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link
 from splitllm.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
 
 
-def _linear(features: tuple[str, ...], coef: dict[str, float]) -> Linear:
-    return Linear(features, tuple(coef.get(f, 0.0) for f in features))
+def _linear(features: tuple[str, ...], coef: dict[str, float]) -> LinearFit:
+    return LinearFit(features, tuple(coef.get(f, 0.0) for f in features))
 
 
 # A CPU-like pair: the server's step costs 25 ms plus 2 ms a node; the client's LM head 4 ms a token.

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from splitllm.decoding.policy import DEFAULT_BUDGETS, NodeCost, SpecBudget
-from splitllm.latency import Breakdown, LatencyProfile, Link, StepShape
+from splitllm.latency import Breakdown, LatencyProfile, Link, StepShape, step_features
 from splitllm.stats import StepStats
 
 DEFAULT_PROFILE = "auto_profile.json"  # shipped next to this module; `splitllm bench sweep` rewrites it
@@ -237,8 +237,7 @@ class AdaptivePolicy:
         latency = self.profile.latency
         for i in range(est.seen, len(steps)):
             s = steps[i]
-            x = StepShape.of([s]).features()
-            x["bytes"] = s.bytes_up + s.bytes_down
+            x = step_features(s)
             if s.round_trip_ms > s.server_ms:  # over a network (in-process steps have none)
                 est.networked = True
                 # The framing intercept fitted offline cannot be told apart from RTT live (it moves with
