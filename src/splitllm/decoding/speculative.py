@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from splitllm.decoding.calibration import Calibration
+from splitllm.decoding.calibration import DraftRates
 from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, NodeCost, SpecBudget, StaticPolicy
 from splitllm.decoding.proposers import Proposer
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
@@ -174,7 +174,7 @@ class SpeculativeDecoder:
             policy = StaticPolicy(DEFAULT_BUDGETS["draft" if drafter else self.mode])
         window = next((p for p in proposers if isinstance(p, LookaheadWindow)), None)
         gate = DraftGate()
-        calibration = Calibration()
+        rates = DraftRates()
         chain, keep = list(prompt), list(keep)
         start = pipeline.committed + len(keep)
         steps: list[StepStats] = []
@@ -183,14 +183,14 @@ class SpeculativeDecoder:
             room = max(pipeline.room(start) - len(chain), 0)  # nodes the tree and window may take
             budget = policy.choose(steps)
             budget = replace(budget, depth=min(budget.depth, remaining - 1, room))
-            calibration.resolve(history)
+            rates.resolve(history)
             drafts = [d for p in proposers for d in p.propose(history, budget)]
-            calibration.track(drafts, len(history))
+            rates.track(drafts, len(history))
             if drafter is not None:
                 grow = budget.cost is None or gate.worth(budget.cost, len(steps))
                 drafts += drafter.propose(history, budget if grow else replace(budget, max_nodes=0))
             tree = DraftTree.build(
-                drafts, min(budget.max_nodes, room), budget.depth, [calibration.rates(d) for d in drafts], budget.cost
+                drafts, min(budget.max_nodes, room), budget.depth, [rates.rates(d) for d in drafts], budget.cost
             )
             layout = None
             if window is not None and budget.window and remaining > 1:  # a last token has no future to guess
