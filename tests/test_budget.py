@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from splitllm.client.session import SplitClient
-from splitllm.decoding.budget import CANDIDATE_BUDGETS, AdaptivePolicy, AutoProfile, Candidate, ValuePolicy
+from splitllm.decoding.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
+from splitllm.decoding.budget import NodeCost, SpecBudget
 from splitllm.decoding.modes import DECODERS
-from splitllm.decoding.policy import NodeCost, SpecBudget
+from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link
 from splitllm.netem import LinkProfile, ProxyThread

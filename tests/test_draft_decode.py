@@ -16,7 +16,8 @@ from conftest import random_head
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.decoding.policy import SpecBudget, StaticPolicy
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.decoding.policy import SpecBudget, StaticPolicy
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers import Draft, Proposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup

@@ -12,7 +12,8 @@ import torch
 from splitllm.bench.exactness import check_exactness
 from splitllm.bench.workload import workload
 from splitllm.client.session import SplitClient
-from splitllm.decoding.policy import DEFAULT_BUDGETS, StaticPolicy
+from splitllm.decoding.budget import DEFAULT_BUDGETS
+from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 
-from splitllm.decoding.budget import AdaptivePolicy, ValuePolicy
+from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import MODES as SPECULATIVE_MODES
 from splitllm.decoding.speculative import SpeculativeDecoder

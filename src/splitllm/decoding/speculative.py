@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from splitllm.decoding.calibration import DraftRates
-from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, NodeCost, SpecBudget, StaticPolicy
+from splitllm.decoding.budget import DEFAULT_BUDGETS, NodeCost, SpecBudget
+from splitllm.decoding.policy import BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Proposer
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from splitllm.decoding.policy import SpecBudget
+from splitllm.decoding.budget import SpecBudget
 from splitllm.decoding.calibration import Calibration, CalibrationConfig
 from splitllm.decoding.proposers import Draft
 from splitllm.draft.model import DraftHead
