@@ -18,10 +18,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from splitllm.decoding.calibration import DraftRates
 from splitllm.decoding.budget import DEFAULT_BUDGETS, NodeCost, SpecBudget
+from splitllm.decoding.calibration import DraftRates
 from splitllm.decoding.policy import BudgetPolicy, StaticPolicy
-from splitllm.decoding.proposers import Proposer
+from splitllm.decoding.proposers import Draft, Proposer
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
 from splitllm.decoding.proposers.lookup import ContextLookup
@@ -29,7 +29,7 @@ from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, DraftTree
-from splitllm.decoding.verifier import verify
+from splitllm.decoding.verifier import Verdict, verify
 from splitllm.draft.model import DraftHead
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
@@ -114,6 +114,15 @@ class DraftGate:
             self.ms = d * self.ms + (1 - d) * stats.draft_ms
 
 
+def record(stats: StepStats, tree: DraftTree, layout: WindowLayout | None, verdict: Verdict) -> None:
+    """What a step speculated and what of it the model confirmed, into its stats."""
+    stats.accepted = len(verdict.tokens)
+    stats.drafted = len(tree)
+    stats.window = len(layout.tokens) if layout else 0
+    stats.proposer = tree.sources[verdict.path[-1]][0] if verdict.path else ""
+    stats.sources = dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path))
+
+
 class SpeculativeDecoder:
     """A decoder (see `DECODERS`) drafting with the proposers of `mode`, sized by `policy` each step.
 
@@ -164,65 +173,127 @@ class SpeculativeDecoder:
         the sampler extends with each emitted token), so a conversation's earlier turns feed lookups too.
         """
         sampler = sampler or Sampler(history=prompt)
-        history = sampler.history
-        head = pipeline.local.draft_head if self.head_policy is not None else None
-        sources = self.sources(head)
-        proposers = self.custom() if self.custom else ngram_proposers(sources)
-        drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context) if head and "draft" in sources else None
-        policy = self.head_policy if drafter and self.head_policy else self.policy
-        if sampler.params.do_sample and sampler.params.seed is not None:
+        generation = _Generation(self, pipeline, prompt, max_new_tokens, stop_ids, sampler, keep)
+        while not generation.done:
+            yield generation.step()
+
+
+def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], DraftHeadProposer | None]:
+    """A generation's own proposers (they index its history): n-gram ones, and the head's when it drafts."""
+    head = pipeline.local.draft_head if decoder.head_policy is not None else None
+    sources = decoder.sources(head)
+    proposers = decoder.custom() if decoder.custom else ngram_proposers(sources)
+    if head is None or "draft" not in sources:
+        return proposers, None
+    return proposers, DraftHeadProposer(head, pipeline.local, pipeline.max_context)
+
+
+class _Generation:
+    """One call of a `SpeculativeDecoder`: its proposers, step sizing and place in the sequence, one step at a time."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        pipeline: Scorer,
+        prompt: list[int],
+        max_new_tokens: int,
+        stop_ids: Collection[int],
+        sampler: Sampler,
+        keep: Sequence[int],
+    ) -> None:
+        self.pipeline, self.stop_ids, self.sampler = pipeline, stop_ids, sampler
+        self.history = sampler.history
+        self.proposers, self.drafter = _proposers(decoder, pipeline)
+        self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
+        self.policy = self._policy(decoder)
+        self.gate = DraftGate()
+        self.rates = DraftRates()
+        self.chain, self.keep = list(prompt), list(keep)
+        self.start = pipeline.committed + len(self.keep)
+        self.steps: list[StepStats] = []
+        self.remaining = max_new_tokens
+        self.stopped = False
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or self.remaining <= 0
+
+    def _policy(self, decoder: SpeculativeDecoder) -> BudgetPolicy:
+        """Who sizes this generation's steps: the head's policy when it drafts, the decoder's otherwise."""
+        if self.sampler.params.do_sample and self.sampler.params.seed is not None:
             # A seeded sample repeats only if every step's tree does: size them without the clock.
-            policy = StaticPolicy(DEFAULT_BUDGETS["draft" if drafter else self.mode])
-        window = next((p for p in proposers if isinstance(p, LookaheadWindow)), None)
-        gate = DraftGate()
-        rates = DraftRates()
-        chain, keep = list(prompt), list(keep)
-        start = pipeline.committed + len(keep)
-        steps: list[StepStats] = []
-        remaining = max_new_tokens
-        while remaining > 0:
-            room = max(pipeline.room(start) - len(chain), 0)  # nodes the tree and window may take
-            budget = policy.choose(steps)
-            budget = replace(budget, depth=min(budget.depth, remaining - 1, room))
-            rates.resolve(history)
-            drafts = [d for p in proposers for d in p.propose(history, budget)]
-            rates.track(drafts, len(history))
-            if drafter is not None:
-                grow = budget.cost is None or gate.worth(budget.cost, len(steps))
-                drafts += drafter.propose(history, budget if grow else replace(budget, max_nodes=0))
-            tree = DraftTree.build(
-                drafts, min(budget.max_nodes, room), budget.depth, [rates.rates(d) for d in drafts], budget.cost
-            )
-            layout = None
-            if window is not None and budget.window and remaining > 1:  # a last token has no future to guess
-                fitted = fit_window(budget, room - len(tree))
-                layout = window.layout(history, fitted) if fitted.window else None
-            plan = plan_step(chain, start, tree, layout)
-            hidden, stats = pipeline.forward(torch.tensor(plan.tokens), torch.tensor(plan.positions), plan.vis, keep)
-            c = len(chain)
+            return StaticPolicy(DEFAULT_BUDGETS["draft" if self.drafter is not None else decoder.mode])
+        head = decoder.head_policy if self.drafter is not None else None
+        return decoder.policy if head is None else head
 
-            def choose(node: int, candidates: list[int]) -> int:
-                row = c - 1 if node == ROOT else c + node
-                return sampler.choose(pipeline.logits(hidden[row : row + 1], stats)[0], candidates)
+    def step(self) -> StepOutput:
+        """One round trip: size, draft, lay out, score, verify, learn, record."""
+        room = max(self.pipeline.room(self.start) - len(self.chain), 0)  # nodes the tree and window may take
+        budget = self._budget(room)
+        drafts, grow = self._draft(budget)
+        rates = [self.rates.rates(d) for d in drafts]
+        tree = DraftTree.build(drafts, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
+        layout = self._layout(budget, room - len(tree))
+        plan = plan_step(self.chain, self.start, tree, layout)
+        tokens, positions = torch.tensor(plan.tokens), torch.tensor(plan.positions)
+        hidden, stats = self.pipeline.forward(tokens, positions, plan.vis, self.keep)
+        verdict = self._verify(tree, hidden, stats)
+        keep = [*range(len(self.chain)), *(len(self.chain) + i for i in verdict.path)]
+        if layout is not None and self.window is not None:
+            self._advance_window(self.window, hidden[plan.window_rows], stats)
+        if self.drafter is not None:
+            self._feed_head(self.drafter, hidden[keep], stats, grow)
+        record(stats, tree, layout, verdict)
+        self._commit(verdict, stats, keep)
+        return StepOutput(verdict.tokens, stats, keep)
 
-            verdict = verify(tree, choose, remaining, stop_ids)
-            if layout is not None and window is not None:
-                guesses = pipeline.logits(hidden[plan.window_rows], stats, draft=True).argmax(-1).tolist()
-                window.advance(chain[-1], guesses)
-            keep = [*range(c), *(c + i for i in verdict.path)]
-            if drafter is not None:
-                drafter.observe(start, hidden[keep])
-                stats.draft_ms = drafter.take_draft_ms()
-                gate.observe(stats, grow)
-            stats.accepted = len(verdict.tokens)
-            stats.drafted = len(tree)
-            stats.window = len(layout.tokens) if layout else 0
-            stats.proposer = tree.sources[verdict.path[-1]][0] if verdict.path else ""
-            stats.sources = dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path))
-            steps.append(stats)
-            yield StepOutput(verdict.tokens, stats, keep)
-            if verdict.stopped:
-                return
-            remaining -= len(verdict.tokens)
-            start += len(keep)
-            chain = verdict.tokens[-1:]
+    def _budget(self, room: int) -> SpecBudget:
+        """The policy's budget, its drafts no deeper than the tokens left to emit and the room left."""
+        budget = self.policy.choose(self.steps)
+        return replace(budget, depth=min(budget.depth, self.remaining - 1, room))
+
+    def _draft(self, budget: SpecBudget) -> tuple[list[Draft], bool]:
+        """Every proposer's drafts, and whether the head grew a tree (the gate's call, with a link cost)."""
+        self.rates.resolve(self.history)
+        drafts = [d for p in self.proposers for d in p.propose(self.history, budget)]
+        self.rates.track(drafts, len(self.history))
+        if self.drafter is None:
+            return drafts, False
+        grow = budget.cost is None or self.gate.worth(budget.cost, len(self.steps))
+        return drafts + self.drafter.propose(self.history, budget if grow else replace(budget, max_nodes=0)), grow
+
+    def _layout(self, budget: SpecBudget, room: int) -> WindowLayout | None:
+        """Lookahead's window for this step, shrunk to the room the tree left."""
+        if self.window is None or not budget.window or self.remaining <= 1:  # a last token has no future to guess
+            return None
+        fitted = fit_window(budget, room)
+        return self.window.layout(self.history, fitted) if fitted.window else None
+
+    def _verify(self, tree: DraftTree, hidden: torch.Tensor, stats: StepStats) -> Verdict:
+        """Walk the tree with the sampler's choice at each node, asking for logits only along the way."""
+        c = len(self.chain)
+
+        def choose(node: int, candidates: list[int]) -> int:
+            row = c - 1 if node == ROOT else c + node
+            return self.sampler.choose(self.pipeline.logits(hidden[row : row + 1], stats)[0], candidates)
+
+        return verify(tree, choose, self.remaining, self.stop_ids)
+
+    def _advance_window(self, window: LookaheadWindow, outputs: torch.Tensor, stats: StepStats) -> None:
+        """Move the Jacobi window on by the approximate LM head's guesses at its outputs."""
+        guesses = self.pipeline.logits(outputs, stats, draft=True).argmax(-1).tolist()
+        window.advance(self.chain[-1], guesses)
+
+    def _feed_head(self, drafter: DraftHeadProposer, features: torch.Tensor, stats: StepStats, grew: bool) -> None:
+        """Hand the head the committed nodes' features, and the gate what drafting cost."""
+        drafter.observe(self.start, features)
+        stats.draft_ms = drafter.take_draft_ms()
+        self.gate.observe(stats, grew)
+
+    def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int]) -> None:
+        """Move past this step: its path is the next step's keep, its bonus token the next chain."""
+        self.steps.append(stats)
+        self.stopped = verdict.stopped
+        self.remaining -= len(verdict.tokens)
+        self.start += len(keep)
+        self.chain, self.keep = verdict.tokens[-1:], keep
