@@ -7,6 +7,7 @@ import pytest
 from splitllm.client.session import SplitClient
 from splitllm.decoding.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
 from splitllm.decoding.budget import NodeCost, SpecBudget
+from splitllm.decoding.config import Mode, SpeculationConfig
 from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
@@ -149,7 +150,7 @@ def test_auto_over_a_wan_link_matches_plain_decoding_and_reads_the_rtt(server) -
     policy = AdaptivePolicy()
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=60)) as proxy:
         client.server = f"ws://127.0.0.1:{proxy.port}"
-        gen = client.generate(prompt, 24, decode=SpeculativeDecoder("auto", policy))
+        gen = client.generate(prompt, 24, decode=SpeculativeDecoder(SpeculationConfig(Mode.AUTO, policy)))
     assert gen.ids == reference
     assert policy.link.rtt_ms >= 55  # the proxy's delay is a floor; the ceiling is the machine's business
     largest = max(1 + b.max_nodes + b.window_nodes for b in CANDIDATE_BUDGETS)

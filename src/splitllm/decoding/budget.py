@@ -67,10 +67,8 @@ class SpecBudget:
 # Static budgets for an ~80 ms link to a one-thread CPU server, chosen by measuring tokens per step
 # and step cost on the benchmark workload: on such a server a lookahead window costs about as much as
 # its pool n-grams save, so `auto` keeps only a small one; on a GPU or a slower link larger windows pay.
-DEFAULT_BUDGETS: dict[str, SpecBudget] = {
-    "lookup": SpecBudget(max_nodes=8, guesses=3, depth=8),
-    "lookahead": SpecBudget(max_nodes=8, window=4, levels=2, guesses=4, depth=2),
-    "auto": SpecBudget(max_nodes=8, window=2, levels=2, guesses=3, depth=8),
-    "draft": SpecBudget(max_nodes=24, guesses=3, depth=8),
-    "value": SpecBudget(max_nodes=64, guesses=3, depth=10),  # the cap under trees sized by value
-}
+LOOKUP_BUDGET = SpecBudget(max_nodes=8, guesses=3, depth=8)
+LOOKAHEAD_BUDGET = SpecBudget(max_nodes=8, window=4, levels=2, guesses=4, depth=2)
+AUTO_BUDGET = SpecBudget(max_nodes=8, window=2, levels=2, guesses=3, depth=8)
+HEAD_BUDGET = SpecBudget(max_nodes=24, guesses=3, depth=8)  # steps the draft head drafts in
+VALUE_BUDGET = SpecBudget(max_nodes=64, guesses=3, depth=10)  # the cap under trees sized by value

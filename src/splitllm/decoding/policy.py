@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from splitllm.decoding.auto_profile import AutoProfile, Candidate
-from splitllm.decoding.budget import DEFAULT_BUDGETS, NodeCost, SpecBudget
+from splitllm.decoding.budget import AUTO_BUDGET, VALUE_BUDGET, NodeCost, SpecBudget
 from splitllm.latency import Breakdown, Link, step_features
 from splitllm.stats import StepStats
 
@@ -133,7 +133,7 @@ class AdaptivePolicy:
         self,
         profile: AutoProfile | None = None,
         halflife_steps: float = 6.0,
-        offline: SpecBudget = DEFAULT_BUDGETS["auto"],
+        offline: SpecBudget = AUTO_BUDGET,
     ) -> None:
         self.profile = profile or AutoProfile.load()
         self._framing_intercept = self.profile.latency.framing.as_dict().get("1", 0.0)
@@ -215,7 +215,7 @@ class ValuePolicy:
     cost the same line at no tree (a multi-row step, so the cheaper one-row kernel does not skew it).
     """
 
-    def __init__(self, adaptive: AdaptivePolicy | None = None, budget: SpecBudget = DEFAULT_BUDGETS["value"]) -> None:
+    def __init__(self, adaptive: AdaptivePolicy | None = None, budget: SpecBudget = VALUE_BUDGET) -> None:
         self.adaptive = adaptive or AdaptivePolicy()
         self.budget = budget
 

@@ -12,35 +12,27 @@ accepted nodes, so every stage compacts its cache without an extra round trip.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from splitllm.decoding.budget import DEFAULT_BUDGETS, NodeCost, SpecBudget
+from splitllm.decoding.budget import SpecBudget
 from splitllm.decoding.calibration import DraftRates
+from splitllm.decoding.config import SpeculationConfig
+from splitllm.decoding.gate import DraftGate
 from splitllm.decoding.policy import BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Draft, Proposer
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
-from splitllm.decoding.proposers.lookup import ContextLookup
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, DraftTree
 from splitllm.decoding.verifier import Verdict, verify
-from splitllm.draft.model import DraftHead
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
-
-MODES: dict[str, tuple[str, ...]] = {
-    "lookahead": ("lookahead",),
-    "lookup": ("lookup",),
-    "draft": ("draft", "lookup"),
-    "auto": ("lookup", "lookahead"),
-}
-AUTO_WITH_HEAD = ("draft", "lookup")  # auto's sources when the model has a draft head
 
 
 @dataclass
@@ -71,12 +63,6 @@ def plan_step(chain: Sequence[int], start: int, tree: DraftTree, window: WindowL
     return StepPlan(tokens, positions, Visibility.from_matrix(matrix), [c + t + r for r in window.outputs])
 
 
-def ngram_proposers(sources: Sequence[str]) -> list[Proposer]:
-    """Fresh n-gram proposers (one set per generation: they index its history) of these sources."""
-    make = {"lookahead": LookaheadWindow, "lookup": ContextLookup}
-    return [make[name]() for name in sources if name in make]
-
-
 def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
     """The budget with its lookahead window shrunk to at most `room` nodes (none if even 2 x 2 is too big)."""
     if budget.window_nodes <= room:
@@ -84,34 +70,6 @@ def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
     sizes = [(w, n) for w in range(budget.window, 1, -1) for n in range(budget.levels, 1, -1) if w * n - 1 <= room]
     w, n = max(sizes, key=lambda s: (s[0] * s[1], s[0]), default=(0, 0))
     return replace(budget, window=w, levels=n)
-
-
-class DraftGate:
-    """Whether growing the head's tree pays for itself: drafting sits on the client's critical path.
-
-    A step that drafts spends `draft_ms` to gain the tokens only the head proposed; each is worth
-    the step time per token (`NodeCost.step_ms` over the tokens a step yields). Both sides are
-    running averages of the steps that drafted; every `EXPLORE`-th step drafts anyway, so a head
-    that starts paying (a text it knows) gets its trees back. The head's cache stays in step either way.
-    """
-
-    EXPLORE = 8
-
-    def __init__(self, decay: float = 0.8) -> None:
-        self.decay = decay
-        self.gain = 0.5  # tokens per drafting step only the head proposed (a prior worth one try)
-        self.ms = 0.0  # drafting time per drafting step
-        self.tokens = 1.0  # tokens per step
-
-    def worth(self, cost: NodeCost, step: int) -> bool:
-        return step % self.EXPLORE == 0 or self.gain * cost.step_ms / self.tokens >= self.ms
-
-    def observe(self, stats: StepStats, drafted: bool) -> None:
-        d = self.decay
-        self.tokens = d * self.tokens + (1 - d) * stats.accepted
-        if drafted:
-            self.gain = d * self.gain + (1 - d) * stats.sources.get("draft", 0)
-            self.ms = d * self.ms + (1 - d) * stats.draft_ms
 
 
 def record(stats: StepStats, tree: DraftTree, layout: WindowLayout | None, verdict: Verdict) -> None:
@@ -124,39 +82,17 @@ def record(stats: StepStats, tree: DraftTree, layout: WindowLayout | None, verdi
 
 
 class SpeculativeDecoder:
-    """A decoder (see `DECODERS`) drafting with the proposers of `mode`, sized by `policy` each step.
+    """A decoder (see `DECODERS`) drafting and sizing its steps as its `SpeculationConfig` says.
 
-    Steps that draft with the head size themselves with `head_policy` instead: always in `draft`
-    mode (a static budget by default), and in `auto` when it is given one and the model has a head
-    (`SpeculativeDecoder("auto")` alone keeps to n-gram sources, as the budget sweep needs).
-    `proposers` overrides the mode's n-gram proposer factory; a `LookaheadWindow` among them gets
-    its Jacobi window into every step.
+    `policy` sizes the steps the draft head does not draft in, `head_policy` (None: no head) those it does.
     """
 
-    def __init__(
-        self,
-        mode: str = "auto",
-        policy: BudgetPolicy | None = None,
-        proposers: Callable[[], list[Proposer]] | None = None,
-        head_policy: BudgetPolicy | None = None,
-    ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown speculative mode {mode!r}; choose from {', '.join(MODES)}")
-        self.mode = mode
-        self.custom = proposers
-        self.policy = policy or StaticPolicy(DEFAULT_BUDGETS[mode])
-        self.head_policy = head_policy or (StaticPolicy(DEFAULT_BUDGETS["draft"]) if mode == "draft" else None)
-
-    def sources(self, head: DraftHead | None) -> tuple[str, ...]:
-        """What drafts in this mode for a model with (or without) a draft head."""
-        if self.mode == "auto" and head is not None:
-            return AUTO_WITH_HEAD
-        if "draft" in MODES[self.mode] and head is None:
-            raise ValueError(
-                f"decode mode {self.mode!r} needs a draft head for this model: train one with "
-                "`splitllm draft train --model <model> --out <folder>` and pass --draft-head <folder>"
-            )
-        return MODES[self.mode]
+    def __init__(self, config: SpeculationConfig = SpeculationConfig()) -> None:
+        self.config = config
+        self.policy = config.policy if config.policy is not None else StaticPolicy(config.static_budget(False))
+        self.head_policy = config.head_policy
+        if self.head_policy is None and config.drafting.ngrams is None:  # the mode needs the head
+            self.head_policy = StaticPolicy(config.static_budget(True))
 
     def __call__(
         self,
@@ -180,12 +116,20 @@ class SpeculativeDecoder:
 
 def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], DraftHeadProposer | None]:
     """A generation's own proposers (they index its history): n-gram ones, and the head's when it drafts."""
-    head = pipeline.local.draft_head if decoder.head_policy is not None else None
-    sources = decoder.sources(head)
-    proposers = decoder.custom() if decoder.custom else ngram_proposers(sources)
-    if head is None or "draft" not in sources:
+    config, drafting = decoder.config, decoder.config.drafting
+    drafts_with_head = decoder.head_policy is not None and drafting.head_ngrams is not None
+    head = pipeline.local.draft_head if drafts_with_head else None
+    ngrams = drafting.ngrams if head is None else drafting.head_ngrams
+    if ngrams is None:
+        raise ValueError(
+            f"decode mode '{config.mode}' needs a draft head for this model: train one with "
+            "`splitllm draft train --model <model> --out <folder>` and pass --draft-head <folder>"
+        )
+    proposers = config.proposers() if config.proposers else [make() for make in ngrams]
+    if head is None:
         return proposers, None
-    return proposers, DraftHeadProposer(head, pipeline.local, pipeline.max_context)
+    drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context, calibration_config=config.calibration)
+    return proposers, drafter
 
 
 class _Generation:
@@ -206,8 +150,8 @@ class _Generation:
         self.proposers, self.drafter = _proposers(decoder, pipeline)
         self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
         self.policy = self._policy(decoder)
-        self.gate = DraftGate()
-        self.rates = DraftRates()
+        self.gate = DraftGate(decoder.config.gate)
+        self.rates = DraftRates(decoder.config.calibration)
         self.chain, self.keep = list(prompt), list(keep)
         self.start = pipeline.committed + len(self.keep)
         self.steps: list[StepStats] = []
@@ -222,7 +166,7 @@ class _Generation:
         """Who sizes this generation's steps: the head's policy when it drafts, the decoder's otherwise."""
         if self.sampler.params.do_sample and self.sampler.params.seed is not None:
             # A seeded sample repeats only if every step's tree does: size them without the clock.
-            return StaticPolicy(DEFAULT_BUDGETS["draft" if self.drafter is not None else decoder.mode])
+            return StaticPolicy(decoder.config.static_budget(self.drafter is not None))
         head = decoder.head_policy if self.drafter is not None else None
         return decoder.policy if head is None else head
 

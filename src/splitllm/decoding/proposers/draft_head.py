@@ -71,15 +71,15 @@ class DraftHeadProposer:
         max_context: int,
         top_k: int = 6,
         beam: int = 4,
-        calibration: CalibrationConfig = CalibrationConfig(),
+        calibration_config: CalibrationConfig = CalibrationConfig(),
     ) -> None:
         self.head, self.local, self.top_k, self.beam = head, local, top_k, beam
         self.cache = head.new_cache(max_context + 32 * beam)
         # Guesses only: bfloat16 drafts 4x faster than float32 here.
         rows = local.lm_head_rows(head.vocab)
         self.vocab_head = Precision(torch.bfloat16, device=str(rows.device)).linear({"weight": rows})
-        self.bins = calibration.head_bins
-        self.calibration: Calibration[int] = Calibration(calibration.prior_weight)  # P(right | bin of q)
+        self.bins = calibration_config.head_bins
+        self.calibration: Calibration[int] = Calibration(calibration_config.prior_weight)  # P(right | bin of q)
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
         self.committed = 0  # head-cache entries holding committed positions
