@@ -5,17 +5,19 @@ from __future__ import annotations
 import pytest
 
 from splitllm.client.session import SplitClient
-from splitllm.decoding.budget import CANDIDATE_BUDGETS, AdaptivePolicy, AutoProfile, Candidate, ValuePolicy
+from splitllm.decoding.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
+from splitllm.decoding.budget import NodeCost, SpecBudget
+from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.modes import DECODERS
-from splitllm.decoding.policy import NodeCost, SpecBudget
+from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, Linear, Link
+from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link
 from splitllm.lab.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
 
 
-def _linear(features: tuple[str, ...], coef: dict[str, float]) -> Linear:
-    return Linear(features, tuple(coef.get(f, 0.0) for f in features))
+def _linear(features: tuple[str, ...], coef: dict[str, float]) -> LinearFit:
+    return LinearFit(features, tuple(coef.get(f, 0.0) for f in features))
 
 
 # A CPU-like pair: the server's step costs 25 ms plus 2 ms a node; the client's LM head 4 ms a token.
@@ -148,7 +150,7 @@ def test_auto_over_a_wan_link_matches_plain_decoding_and_reads_the_rtt(server) -
     policy = AdaptivePolicy()
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=60)) as proxy:
         client.server = f"ws://127.0.0.1:{proxy.port}"
-        gen = client.generate(prompt, 24, decode=SpeculativeDecoder("auto", policy))
+        gen = client.generate(prompt, 24, decode=SpeculativeDecoder(SpeculationConfig(Mode.AUTO, policy)))
     assert gen.ids == reference
     assert policy.link.rtt_ms >= 55  # the proxy's delay is a floor; the ceiling is the machine's business
     largest = max(1 + b.max_nodes + b.window_nodes for b in CANDIDATE_BUDGETS)

@@ -16,7 +16,9 @@ from conftest import random_head
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.decoding.policy import SpecBudget, StaticPolicy
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
@@ -54,7 +56,7 @@ def test_draft_modes_match_sequential(model, mode: str) -> None:  # type: ignore
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected, _ = _ids(decode_sequential, _pipeline(model), prompt, 40)
-        ids, outs = _ids(SpeculativeDecoder(mode, head_policy=StaticPolicy(BIG)), _pipeline(model), prompt, 40)
+        ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, head_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
         assert ids == expected, seed
         accepted_from_head += sum(n for o in outs for src, n in o.stats.sources.items() if "draft" in src)
         assert all(o.stats.draft_ms > 0 for o in outs[1:])
@@ -65,7 +67,7 @@ def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ign
     local = local_model(tiny_models["llama"], 1, 1)
     pipeline = SplitPipeline(local, LocalMiddle(Stage.load(local.files, 1, 3, torch.float32), 32), 32)
     with pytest.raises(ValueError, match="needs a draft head"):
-        next(SpeculativeDecoder("draft")(pipeline, [1, 2, 3], 4, frozenset()))
+        next(SpeculativeDecoder(SpeculationConfig(Mode.DRAFT))(pipeline, [1, 2, 3], 4, frozenset()))
 
 
 def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: ignore[no-untyped-def]
@@ -99,7 +101,7 @@ def test_steps_shrink_to_the_context_left(model, mode: str) -> None:  # type: ig
     for context, n in ((60, 11), (CONTEXT + 8, 15)):  # the caches' room runs out, then the model's positions
         assert len(prompt) + n - 1 == min(context, CONTEXT)  # the last token is never fed
         expected, _ = _ids(decode_sequential, _pipeline(model, context), prompt, n)
-        decoder = SpeculativeDecoder(mode, policy=StaticPolicy(BIG), head_policy=StaticPolicy(BIG))
+        decoder = SpeculativeDecoder(SpeculationConfig(mode, StaticPolicy(BIG), head_policy=StaticPolicy(BIG)))
         ids, outs = _ids(decoder, _pipeline(model, context), prompt, n)
         assert ids == expected
         assert len(outs) < n  # still speculating until the very end
@@ -119,4 +121,4 @@ def test_steps_shrink_to_what_the_server_grants(tiny_models, server) -> None:  #
         finally:
             middle.close()
 
-    assert run(SpeculativeDecoder("lookahead", StaticPolicy(BIG))) == run(decode_sequential)
+    assert run(SpeculativeDecoder(SpeculationConfig(Mode.LOOKAHEAD, StaticPolicy(BIG)))) == run(decode_sequential)

@@ -12,7 +12,8 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import SplitClient
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.decoding.speculative import MODES, SpeculativeDecoder
+from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
+from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear
 from splitllm.model.stage import Stage
@@ -125,8 +126,8 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
 
     prompt = [7, 8, 9, 10, 11] * 4 + [7, 8]
     expected = run(decode_sequential)
-    for mode in MODES:
-        assert run(SpeculativeDecoder(mode)) == expected, mode
+    for mode in SPECULATIVE_MODES:
+        assert run(SpeculativeDecoder(SpeculationConfig(mode))) == expected, mode
 
 
 def test_lm_head_precision_is_its_own(tiny_models) -> None:  # type: ignore[no-untyped-def]

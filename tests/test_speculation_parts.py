@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splitllm.decoding.calibration import Calibration
-from splitllm.decoding.policy import SpecBudget
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.calibration import DraftRates
 from splitllm.decoding.proposers import Draft
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup
@@ -91,7 +91,7 @@ def test_budget_validation(bad: dict) -> None:
 
 
 def test_calibration_learns_from_what_was_committed() -> None:
-    cal = Calibration()
+    cal = DraftRates()
     good, bad = Draft((1, 2, 3), "lookup", 0.5), Draft((9, 9), "lookahead", 0.5)
     prior = cal.rates(good)
     history = [0, 0, 0]
@@ -105,7 +105,7 @@ def test_calibration_learns_from_what_was_committed() -> None:
     # a draft right so far stays pending until the history decides its remaining tokens
     cal.track([Draft((4, 5), "lookup", 0.25)], len(history))
     cal.resolve(history + [4])
-    assert cal.rates(Draft((4,), "lookup", 0.25))[0] == Calibration().rates(Draft((4,), "lookup", 0.25))[0]
+    assert cal.rates(Draft((4,), "lookup", 0.25))[0] == DraftRates().rates(Draft((4,), "lookup", 0.25))[0]
 
 
 def test_tree_ranks_nodes_by_rates() -> None:

@@ -21,12 +21,14 @@ from hypothesis import strategies as st
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.decoding.policy import SpecBudget, StaticPolicy
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
+from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers import Draft, Proposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.decoding.speculative import MODES, SpeculativeDecoder
+from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -142,7 +144,8 @@ def test_speculative_equals_sequential_and_caches_match(
         found: list[Proposer] = [Scripted(truth, seed), LookaheadWindow(seed=seed)]
         return found + [ContextLookup()] if with_lookup else found
 
-    decoder = SpeculativeDecoder(policy=StaticPolicy(budget), proposers=proposers, head_policy=StaticPolicy(budget))
+    config = SpeculationConfig(policy=StaticPolicy(budget), head_policy=StaticPolicy(budget), proposers=proposers)
+    decoder = SpeculativeDecoder(config)
     pipeline = model.pipeline()
     outs = list(decoder(pipeline, prompt, max_new_tokens, stop_ids))
     ids = [t for out in outs for t in out.tokens]
@@ -154,14 +157,14 @@ def test_speculative_equals_sequential_and_caches_match(
     assert_caches_match_recomputation(model, pipeline, outs[-1].path, prompt + ids)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(SPECULATIVE_MODES))
 def test_modes_match_sequential_on_a_repetitive_prompt(f64, mode: str) -> None:  # type: ignore[no-untyped-def]
     """The real proposers on a prompt that repeats, so lookups and pool n-grams get accepted."""
     model = f64["llama"]
     prompt = [7, 8, 9, 10, 11] * 4 + [7, 8]
     expected = sequential(model, prompt, 40, frozenset())
     pipeline = model.pipeline()
-    outs = list(SpeculativeDecoder(mode)(pipeline, prompt, 40, frozenset()))
+    outs = list(SpeculativeDecoder(SpeculationConfig(mode))(pipeline, prompt, 40, frozenset()))
     assert [t for out in outs for t in out.tokens] == expected
     assert_caches_match_recomputation(model, pipeline, outs[-1].path, prompt + expected)
 
@@ -183,7 +186,7 @@ def test_speculation_over_a_server_matches_sequential(tiny_models, server) -> No
         return [t for out in outs for t in out.tokens], len(outs)
 
     expected, _ = run(decode_sequential)
-    for mode in MODES:
-        ids, steps = run(SpeculativeDecoder(mode))
+    for mode in SPECULATIVE_MODES:
+        ids, steps = run(SpeculativeDecoder(SpeculationConfig(mode)))
         assert ids == expected, mode
     assert steps <= len(expected)

@@ -13,7 +13,9 @@ from splitllm.lab.bench.exactness import check_exactness
 from splitllm.lab.data.workload import workload
 from splitllm.client.session import SplitClient
 from splitllm.model.precision import EXACT
-from splitllm.decoding.policy import DEFAULT_BUDGETS, StaticPolicy
+from splitllm.decoding.budget import AUTO_BUDGET
+from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 
 
@@ -37,7 +39,7 @@ def test_modes_match_sequential_on_the_default_model(client) -> None:  # type: i
 def test_speculation_accepts_drafts_and_reports_them(client) -> None:  # type: ignore[no-untyped-def]
     prompt = "List ten fruits with their typical colors, one per line, as 'fruit: color'."
     # In-process there is no round trip to adapt to, so the adaptive policy would rightly not speculate.
-    static = SpeculativeDecoder("auto", StaticPolicy(DEFAULT_BUDGETS["auto"]))
+    static = SpeculativeDecoder(SpeculationConfig(Mode.AUTO, StaticPolicy(AUTO_BUDGET)))
     gen = client.generate(prompt, 48, decode=static)
     decode_steps = gen.steps[1:]
     assert len(gen.ids) == 48 and gen.tokens_per_step > 1.2

@@ -99,14 +99,15 @@ class StepShape:
         }
 
 
-def _features(s: StepStats) -> dict[str, float]:
+def step_features(s: StepStats) -> dict[str, float]:
+    """A measured step's features, its bytes on the wire included."""
     x = StepShape.of([s]).features()
     x["bytes"] = float(s.bytes_up + s.bytes_down)
     return x
 
 
 @dataclass(frozen=True)
-class Linear:
+class LinearFit:
     """y = sum(coef[i] * x[features[i]])."""
 
     features: tuple[str, ...]
@@ -119,7 +120,7 @@ class Linear:
         return dict(zip(self.features, self.coef))
 
     @classmethod
-    def fit(cls, features: Sequence[str], xs: Sequence[Mapping[str, float]], ys: Sequence[float]) -> Linear:
+    def fit(cls, features: Sequence[str], xs: Sequence[Mapping[str, float]], ys: Sequence[float]) -> LinearFit:
         """Least squares; features the data cannot tell apart get the minimum-norm split."""
         if not xs:
             raise ValueError("cannot fit a model to no data")
@@ -165,19 +166,19 @@ class Breakdown:
 class LatencyProfile:
     """Fitted coefficients of one (model, split, client machine, server machine); saved as JSON."""
 
-    local: Linear
-    server: Linear
-    overhead: Linear
-    framing: Linear
-    wire_up: Linear
-    wire_down: Linear
-    decode: dict[str, Linear] = field(default_factory=dict)
+    local: LinearFit
+    server: LinearFit
+    overhead: LinearFit
+    framing: LinearFit
+    wire_up: LinearFit
+    wire_down: LinearFit
+    decode: dict[str, LinearFit] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, records: Iterable[StepRecord]) -> LatencyProfile:
         """Fit every part from measured decode steps (prefill steps do not belong here)."""
         records = list(records)
-        xs = [_features(r.stats) for r in records]
+        xs = [step_features(r.stats) for r in records]
         by_decoder: dict[str, list[int]] = {}
         for i, r in enumerate(records):
             by_decoder.setdefault(r.decoder, []).append(i)
@@ -186,16 +187,16 @@ class LatencyProfile:
             for r in records
         ]
         return cls(
-            local=Linear.fit(LOCAL, xs, [r.stats.head_ms + r.stats.tail_ms for r in records]),
-            server=Linear.fit(COMPUTE, xs, [r.stats.server_ms for r in records]),
-            overhead=Linear.fit(
+            local=LinearFit.fit(LOCAL, xs, [r.stats.head_ms + r.stats.tail_ms for r in records]),
+            server=LinearFit.fit(COMPUTE, xs, [r.stats.server_ms for r in records]),
+            overhead=LinearFit.fit(
                 OVERHEAD, xs, [r.stats.serialize_ms + r.stats.deserialize_ms + r.stats.other_ms for r in records]
             ),
-            framing=Linear.fit(PER_BYTE, xs, framing),
-            wire_up=Linear.fit(STEP_SIZE, xs, [r.stats.bytes_up for r in records]),
-            wire_down=Linear.fit(STEP_SIZE, xs, [r.stats.bytes_down for r in records]),
+            framing=LinearFit.fit(PER_BYTE, xs, framing),
+            wire_up=LinearFit.fit(STEP_SIZE, xs, [r.stats.bytes_up for r in records]),
+            wire_down=LinearFit.fit(STEP_SIZE, xs, [r.stats.bytes_down for r in records]),
             decode={
-                name: Linear.fit(STEP_SIZE, [xs[i] for i in idx], [records[i].stats.decode_ms for i in idx])
+                name: LinearFit.fit(STEP_SIZE, [xs[i] for i in idx], [records[i].stats.decode_ms for i in idx])
                 for name, idx in by_decoder.items()
             },
         )
@@ -232,8 +233,8 @@ class LatencyProfile:
 
     @classmethod
     def from_json(cls, data: Mapping) -> LatencyProfile:
-        def lin(d: Mapping[str, float]) -> Linear:
-            return Linear(tuple(d), tuple(float(v) for v in d.values()))
+        def lin(d: Mapping[str, float]) -> LinearFit:
+            return LinearFit(tuple(d), tuple(float(v) for v in d.values()))
 
         return cls(
             **{k: lin(data[k]) for k in _PARTS},

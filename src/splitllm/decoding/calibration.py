@@ -1,46 +1,68 @@
-"""How often each kind of draft turns out right, learned as the generation goes.
+"""How often drafted tokens turn out right, learned as the generation goes.
 
-A draft is judged against the tokens actually committed after it (whether or not the tree had
-room for it), so the estimates do not depend on earlier budgets. Two rates per draft kind: its
-first token is right (`first`, per source and proposer confidence) and, given the tokens so far
-were right, the next one is too (`next`, per source). The tree ranks nodes by them, so a looping
-text earns lookup drafts deep branches while a proposer that keeps missing loses its nodes.
+A draft is judged against the tokens actually committed after it (whether or not the tree had room
+for it), so the estimates do not depend on earlier budgets. Every estimate is one `Calibration`:
+hits over trials per key, shrunk toward the proposer's own guess. The n-gram drafts keep two per
+kind (`DraftRates`): their first token is right (`first`, per source and proposer confidence) and,
+given the tokens so far were right, the next one is too (`next`, per source); the tree ranks nodes
+by them, so a looping text earns lookup drafts deep branches while a proposer that keeps missing
+loses its nodes. The draft head keeps one per bin of its own probability.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from splitllm.decoding.proposers import Draft
 
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior of each rate
-PRIOR_NEXT = 0.7
-MAX_NEXT = 0.98  # keeps scores strictly falling along a path
+K = TypeVar("K", bound=Hashable)
 
 
-@dataclass
-class Rate:
-    prior: float
-    hits: float = 0.0
-    trials: float = 0.0
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """prior_weight: pseudo-observations behind each rate's prior; prior_next: a source's prior chance
+    that a draft's next token is right given the earlier ones were; max_next keeps scores strictly
+    falling along a path; head_bins: bins of the draft head's probability, each calibrated apart."""
 
-    @property
-    def value(self) -> float:
-        return (self.hits + self.prior * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+    prior_weight: float = 4.0
+    prior_next: float = 0.7
+    max_next: float = 0.98
+    head_bins: int = 10
 
 
-class Calibration:
-    def __init__(self) -> None:
-        self._first: dict[tuple[str, float], Rate] = {}
-        self._next: dict[str, Rate] = {}
+class Calibration(Generic[K]):
+    """P(a drafted token is right | its key): hits over trials, shrunk toward the prior it is asked with."""
+
+    def __init__(self, prior_weight: float) -> None:
+        self.prior_weight = prior_weight
+        self._hits: dict[K, float] = {}
+        self._trials: dict[K, float] = {}
+
+    def rate(self, key: K, prior: float) -> float:
+        w = self.prior_weight
+        return (self._hits.get(key, 0.0) + prior * w) / (self._trials.get(key, 0.0) + w)
+
+    def record(self, key: K, hits: float, trials: float) -> None:
+        self._hits[key] = self._hits.get(key, 0.0) + hits
+        self._trials[key] = self._trials.get(key, 0.0) + trials
+
+
+class DraftRates:
+    """The (first, next) rates of each kind of n-gram draft, from the drafts' fates in the history."""
+
+    def __init__(self, config: CalibrationConfig = CalibrationConfig()) -> None:
+        self.config = config
+        self._first: Calibration[tuple[str, float]] = Calibration(config.prior_weight)
+        self._next: Calibration[str] = Calibration(config.prior_weight)
         self._pending: list[tuple[int, Draft]] = []
 
     def rates(self, draft: Draft) -> tuple[float, float]:
         """(chance the first token is right, chance each next one is, given the earlier ones were)."""
-        first = self._first.get((draft.source, draft.confidence), Rate(draft.confidence)).value
-        nxt = self._next.get(draft.source, Rate(PRIOR_NEXT)).value
-        return max(first, 1e-3), min(nxt, MAX_NEXT)
+        first = self._first.rate((draft.source, draft.confidence), draft.confidence)
+        nxt = self._next.rate(draft.source, self.config.prior_next)
+        return max(first, 1e-3), min(nxt, self.config.max_next)
 
     def track(self, drafts: Sequence[Draft], start: int) -> None:
         """Remember drafts proposed to continue the history at index `start`."""
@@ -55,10 +77,6 @@ class Calibration:
             if matched == len(known) < len(draft.tokens):
                 pending.append((start, draft))  # right so far, the rest is still to come
                 continue
-            first = self._first.setdefault((draft.source, draft.confidence), Rate(draft.confidence))
-            first.trials += 1
-            first.hits += matched >= 1
-            nxt = self._next.setdefault(draft.source, Rate(PRIOR_NEXT))
-            nxt.trials += min(matched, len(draft.tokens) - 1)
-            nxt.hits += max(matched - 1, 0)
+            self._first.record((draft.source, draft.confidence), matched >= 1, 1)
+            self._next.record(draft.source, max(matched - 1, 0), min(matched, len(draft.tokens) - 1))
         self._pending = pending

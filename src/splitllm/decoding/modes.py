@@ -8,27 +8,37 @@ state (what `auto` learns about a link belongs to the conversation that measured
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 
-from splitllm.decoding.budget import AdaptivePolicy, ValuePolicy
+from splitllm.decoding.speculation_config import SPECULATIVE_MODES, Mode, SpeculationConfig
+from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.decoding.speculative import MODES as SPECULATIVE_MODES
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.step import StepOutput
 
 Decoder = Callable[..., Iterator[StepOutput]]
 
-DECODERS: dict[str, Callable[[], Decoder]] = {
-    "sequential": lambda: decode_sequential,
-    **{mode: functools.partial(SpeculativeDecoder, mode) for mode in SPECULATIVE_MODES},
-    # sizes each step for the link it measures; with a draft head, keeps the tree's nodes worth verifying
-    "auto": lambda: SpeculativeDecoder("auto", AdaptivePolicy(), head_policy=ValuePolicy()),
-}
-DEFAULT_DECODE = "auto"  # the fastest exact mode: output equals sequential greedy decoding
+
+def _auto() -> Decoder:
+    """Sizes each step for the link it measures; with a draft head, keeps the tree's nodes worth verifying."""
+    return SpeculativeDecoder(SpeculationConfig(Mode.AUTO, AdaptivePolicy(), head_policy=ValuePolicy()))
 
 
-def check_mode(name: str) -> str:
-    """`name` if it is a decoding mode; otherwise a ValueError listing the modes."""
+DECODERS: Mapping[Mode, Callable[[], Decoder]] = MappingProxyType({
+    Mode.SEQUENTIAL: lambda: decode_sequential,
+    **{
+        mode: functools.partial(SpeculativeDecoder, SpeculationConfig(mode))
+        for mode in SPECULATIVE_MODES
+        if mode != Mode.AUTO
+    },
+    Mode.AUTO: _auto,
+})
+DEFAULT_DECODE = Mode.AUTO  # the fastest exact mode: output equals sequential greedy decoding
+
+
+def check_mode(name: str) -> Mode:
+    """The mode called `name`; otherwise a ValueError listing the modes."""
     if name not in DECODERS:
         raise ValueError(f"unknown decode mode {name!r}; choose from {', '.join(DECODERS)}")
-    return name
+    return Mode(name)

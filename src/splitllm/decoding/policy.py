@@ -1,72 +1,32 @@
-"""How much a speculative step may send, and who decides it.
+"""Who decides a speculative step's budget: a `BudgetPolicy` answers one per step from the steps so far.
 
-A step's cost on a CPU server grows with its node count (about 27 ms for 1 node, 42 ms for 8,
-58 ms for 16, 89 ms for 32 through the default model's 26 middle layers) while the link adds a
-fixed round trip; a policy weighs the two. `StaticPolicy` always answers the same budget; adaptive
-policies implement the same `choose` and read the steps measured so far.
+`StaticPolicy` always answers the same budget. `AdaptivePolicy` picks, each step, the candidate
+budget with the most predicted tokens per second (auto_profile.py) and keeps three live estimates
+from the steps it has seen, each an exponentially weighted average so it follows a link or a text
+that changes:
+
+- the link: network time against bytes on the wire (intercept = RTT, slope = 1 / bandwidth), after
+  the profile's framing cost; the prefill, much bigger than a decode step, pins the slope;
+- compute: how much slower or faster the client and the server run than the profile says;
+- acceptance: how much more (or less) than the measured average the current text yields per step.
+
+`ValuePolicy` sizes trees by value from the same estimates.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
+
+from splitllm.decoding.auto_profile import AutoProfile, Candidate
+from splitllm.decoding.budget import AUTO_BUDGET, VALUE_BUDGET, NodeCost, SpecBudget
+from splitllm.latency import Breakdown, Link, step_features
 from splitllm.stats import StepStats
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    """What verifying tree nodes costs at the current link, to size trees by value.
-
-    step_ms: a step's time with no tree (round trip, server and client compute of the fixed part);
-    node_ms: what each tree node adds (client head and tail rows, server rows, bytes on the wire).
-    A node with an estimated acceptance chance s raises a step's expected tokens A by s and its
-    time T by node_ms, which raises tokens per second A / T exactly when s * T / A > node_ms: its
-    chance times what a token is worth at this link (T / A ms) must exceed what it costs.
-    """
-
-    step_ms: float
-    node_ms: float
-
-    def worth(self, scores: Sequence[float]) -> int:
-        """How many of the nodes, best first (descending `scores`), to verify."""
-        accepted, ms = 1.0, self.step_ms
-        for i, s in enumerate(scores):
-            if s * ms <= accepted * self.node_ms:
-                return i
-            accepted, ms = accepted + s, ms + self.node_ms
-        return len(scores)
-
-
-@dataclass(frozen=True)
-class SpecBudget:
-    """Limits of one step.
-
-    max_nodes: candidate-tree nodes (draft tokens) verified per step.
-    window, levels: lookahead's Jacobi window, W columns by N - 1 levels (0 columns: no window);
-        it harvests n-grams of `levels + 1` tokens and costs `window * levels - 1` nodes a step.
-    guesses: candidates each proposer may offer per step (lookahead's G; context-lookup matches).
-    depth: longest candidate continuation, in tokens.
-    cost: when set, the tree keeps only the nodes worth verifying (up to max_nodes).
-    """
-
-    max_nodes: int = 8
-    window: int = 0
-    levels: int = 0
-    guesses: int = 2
-    depth: int = 8
-    cost: NodeCost | None = None
-
-    def __post_init__(self) -> None:
-        if min(self.max_nodes, self.window, self.levels, self.guesses, self.depth) < 0:
-            raise ValueError("speculation budgets are non-negative")
-        if self.window and (self.window < 2 or self.levels < 2):
-            raise ValueError("a lookahead window needs at least 2 columns and 2 levels")
-
-    @property
-    def window_nodes(self) -> int:
-        return self.window * self.levels - 1 if self.window else 0
 
 
 class BudgetPolicy(Protocol):
@@ -83,13 +43,188 @@ class StaticPolicy:
         return self.budget
 
 
-# Static defaults for an ~80 ms link to a one-thread CPU server, chosen by measuring tokens per step
-# and step cost on the benchmark workload: on such a server a lookahead window costs about as much as
-# its pool n-grams save, so `auto` keeps only a small one; on a GPU or a slower link larger windows pay.
-DEFAULT_BUDGETS: dict[str, SpecBudget] = {
-    "lookup": SpecBudget(max_nodes=8, guesses=3, depth=8),
-    "lookahead": SpecBudget(max_nodes=8, window=4, levels=2, guesses=4, depth=2),
-    "auto": SpecBudget(max_nodes=8, window=2, levels=2, guesses=3, depth=8),
-    "draft": SpecBudget(max_nodes=24, guesses=3, depth=8),
-    "value": SpecBudget(max_nodes=64, guesses=3, depth=10),  # the cap under trees sized by value
-}
+class _Ratio:
+    """Exponentially weighted ratio sum(w*y) / sum(w*x), shrunk toward `prior` by `weight` units of x.
+
+    The prior does not fade but the evidence does, also on steps that bring none (`fade`): a policy
+    that stopped speculating because drafts failed comes back to the prior and tries again.
+    """
+
+    def __init__(self, decay: float, prior: float = 1.0, weight: float = 2.0) -> None:
+        self.decay, self.prior, self.weight = decay, prior, weight
+        self.num = self.den = 0.0
+
+    def update(self, y: float, x: float) -> None:
+        self.num = self.decay * self.num + y
+        self.den = self.decay * self.den + x
+
+    def fade(self) -> None:
+        self.update(0.0, 0.0)
+
+    @property
+    def value(self) -> float:
+        return (self.prior * self.weight + self.num) / (self.weight + self.den)
+
+
+class _LinkEstimate:
+    """network ms = rtt + bytes * ms_per_byte, on two time scales.
+
+    The slope (1 / bandwidth) comes from a slowly discounted least-squares fit, held near 0 a priori
+    by one pseudo-observation `lever` bytes away: decode steps of one size alone say nothing about
+    bandwidth, while a prefill tens of kilobytes bigger does, and should be remembered. The RTT is
+    a fast weighted average of what the slope leaves, so it follows a changing link within steps.
+    """
+
+    def __init__(self, decay: float, slow_decay: float, lever: float = 5_000.0) -> None:
+        self.decay, self.slow_decay = decay, slow_decay
+        self.a = np.zeros((2, 2))
+        self.b = np.zeros(2)
+        self.prior = np.diag([1e-6, lever**2])
+        self.rtt = _Ratio(decay, prior=0.0, weight=1e-9)  # a weighted mean: sum(w*y) / sum(w*1)
+
+    def update(self, nbytes: float, network_ms: float) -> None:
+        x = np.array([1.0, nbytes])
+        self.a = self.slow_decay * self.a + np.outer(x, x)
+        self.b = self.slow_decay * self.b + x * network_ms
+        self.rtt.update(network_ms - self.per_byte * nbytes, 1.0)
+
+    @property
+    def per_byte(self) -> float:
+        return max(float(np.linalg.solve(self.a + self.prior, self.b)[1]), 0.0)
+
+    def link(self) -> Link:
+        rtt, per_byte = max(self.rtt.value, 0.0), self.per_byte
+        return Link(rtt, 8 / (per_byte * 1e3) if per_byte > 1e-9 else None)
+
+
+class _Estimates:
+    """What one generation has learned so far (a new one starts from a copy of the latest)."""
+
+    def __init__(self, halflife_steps: float) -> None:
+        decay = 0.5 ** (1 / halflife_steps)
+        self.link = _LinkEstimate(decay, 0.5 ** (1 / (8 * halflife_steps)))
+        self.client = _Ratio(decay)
+        self.server = _Ratio(decay)
+        self.gain = _Ratio(0.5 ** (1 / (4 * halflife_steps)), weight=4.0)  # one step says little: remember long
+        self.chosen: list[Candidate | None] = []  # chosen[i] sized step i (None: the offline budget did)
+        self.seen = 0
+        self.networked = False  # has any step crossed a network?
+
+    def fork(self) -> _Estimates:
+        """Estimates for a new generation: what was learned carries over; whether its own steps cross
+        a network, it learns from them (an in-process generation keeps the offline budget)."""
+        new = copy.deepcopy(self)
+        new.chosen, new.seen, new.networked = [], 0, False
+        return new
+
+
+class AdaptivePolicy:
+    """A `BudgetPolicy` maximizing predicted tokens per second each step from live link, compute and
+    acceptance estimates.
+
+    Until a step has crossed a network (the very first step, or a middle run in-process for tests and
+    offline measurements) there is no link to size for, and it answers the static `offline` budget.
+    One instance belongs to one conversation: its generations run one after another, each (a new
+    `steps` list) with its own estimates started from those of the previous one, so what one learned
+    about the link carries over to the next.
+    """
+
+    def __init__(
+        self,
+        profile: AutoProfile | None = None,
+        halflife_steps: float = 6.0,
+        offline: SpecBudget = AUTO_BUDGET,
+    ) -> None:
+        self.profile = profile or AutoProfile.load()
+        self._framing_intercept = self.profile.latency.framing.as_dict().get("1", 0.0)
+        self.offline = offline
+        if not self.profile.candidates:
+            raise ValueError("an adaptive policy needs at least one candidate budget")
+        self._latest = _Estimates(halflife_steps)
+        self._steps: Sequence[StepStats] | None = None  # the current generation's steps
+        self._lock = threading.Lock()
+
+    def choose(self, steps: Sequence[StepStats]) -> SpecBudget:
+        with self._lock:
+            est = self._estimates(steps)
+            self._observe(est, steps)
+            if not est.networked:
+                est.chosen.append(None)
+                return self.offline
+            context = steps[-1].context + steps[-1].accepted if steps else 0
+            link = est.link.link()
+            best = max(self.profile.candidates, key=lambda c: self._predict(est, link, c, context).tokens_per_second)
+            est.chosen.append(best)
+            return best.budget
+
+    @property
+    def link(self) -> Link:
+        """The link as the latest generation estimates it (RTT, and bandwidth when a cap shows)."""
+        with self._lock:
+            return self._latest.link.link()
+
+    def predict(self, candidate: Candidate, context: float) -> Breakdown:
+        """The next step's predicted time with this candidate, from the latest generation's estimates."""
+        with self._lock:
+            return self._predict(self._latest, self._latest.link.link(), candidate, context)
+
+    def _predict(self, est: _Estimates, link: Link, candidate: Candidate, context: float) -> Breakdown:
+        shape = candidate.shape(context, est.gain.value)
+        p = self.profile.latency.predict(shape, link, self.profile.decoder)
+        c, s = est.client.value, est.server.value
+        framing = p.framing - self._framing_intercept  # already inside the live RTT
+        return Breakdown(p.local * c, p.server * s, p.overhead * c, p.decode * c, p.rtt, p.transfer, framing, p.accepted)
+
+    def _estimates(self, steps: Sequence[StepStats]) -> _Estimates:
+        if steps is not self._steps:  # a new generation starts from what the last one learned
+            self._steps, self._latest = steps, self._latest.fork()
+        return self._latest
+
+    def _observe(self, est: _Estimates, steps: Sequence[StepStats]) -> None:
+        """Learn from the steps not seen yet."""
+        latency = self.profile.latency
+        for i in range(est.seen, len(steps)):
+            s = steps[i]
+            x = step_features(s)
+            if s.round_trip_ms > s.server_ms:  # over a network (in-process steps have none)
+                est.networked = True
+                # The framing intercept fitted offline cannot be told apart from RTT live (it moves with
+                # load), so the live RTT absorbs it and only the per-byte part is taken off.
+                est.link.update(x["bytes"], s.network_ms - (latency.framing(x) - self._framing_intercept))
+            if i == 0 or i >= len(est.chosen):
+                continue  # the prefill's compute is not a decode step's
+            est.server.update(s.server_ms, max(latency.server(x), 1e-3))
+            client = s.head_ms + s.tail_ms + s.serialize_ms + s.deserialize_ms + s.decode_ms
+            model = latency.local(x) + latency.overhead(x) + latency.decode[self.profile.decoder](x)
+            est.client.update(client, max(model, 1e-3))
+            chosen = est.chosen[i]
+            expected = chosen.accepted - 1 if chosen else 0.0
+            if expected > 0:
+                est.gain.update(s.accepted - 1, expected)
+            else:
+                est.gain.fade()
+        est.seen = len(steps)
+
+
+class ValuePolicy:
+    """A `BudgetPolicy` for trees sized by value: a generous budget whose `NodeCost` comes from the
+    adaptive policy's live link and compute estimates, so the tree keeps exactly the nodes whose
+    estimated acceptance chance pays for their verification on the link measured so far.
+
+    The node cost is the slope of the predicted step time between two tree sizes, and the step
+    cost the same line at no tree (a multi-row step, so the cheaper one-row kernel does not skew it).
+    """
+
+    def __init__(self, adaptive: AdaptivePolicy | None = None, budget: SpecBudget = VALUE_BUDGET) -> None:
+        self.adaptive = adaptive or AdaptivePolicy()
+        self.budget = budget
+
+    def choose(self, steps: Sequence[StepStats]) -> SpecBudget:
+        self.adaptive.choose(steps)  # learn from the new steps
+        return replace(self.budget, cost=self.cost(steps[-1].context + steps[-1].accepted if steps else 0))
+
+    def cost(self, context: float) -> NodeCost:
+        small, large = 8, 32
+        ms = [self.adaptive.predict(Candidate(self.budget, 1 + n, 1.0), context).total for n in (small, large)]
+        node_ms = max((ms[1] - ms[0]) / (large - small), 1e-3)
+        return NodeCost(max(ms[0] - small * node_ms, 0.0), node_ms)

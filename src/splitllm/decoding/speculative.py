@@ -12,34 +12,27 @@ accepted nodes, so every stage compacts its cache without an extra round trip.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from splitllm.decoding.calibration import Calibration
-from splitllm.decoding.policy import DEFAULT_BUDGETS, BudgetPolicy, NodeCost, SpecBudget, StaticPolicy
-from splitllm.decoding.proposers import Proposer
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.calibration import DraftRates
+from splitllm.decoding.speculation_config import SpeculationConfig
+from splitllm.decoding.gate import DraftGate
+from splitllm.decoding.policy import BudgetPolicy, StaticPolicy
+from splitllm.decoding.proposers import Draft, Proposer
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
-from splitllm.decoding.proposers.lookup import ContextLookup
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, DraftTree
-from splitllm.decoding.verifier import verify
-from splitllm.draft.model import DraftHead
+from splitllm.decoding.verifier import Verdict, verify
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
-
-MODES: dict[str, tuple[str, ...]] = {
-    "lookahead": ("lookahead",),
-    "lookup": ("lookup",),
-    "draft": ("draft", "lookup"),
-    "auto": ("lookup", "lookahead"),
-}
-AUTO_WITH_HEAD = ("draft", "lookup")  # auto's sources when the model has a draft head
 
 
 @dataclass
@@ -70,12 +63,6 @@ def plan_step(chain: Sequence[int], start: int, tree: DraftTree, window: WindowL
     return StepPlan(tokens, positions, Visibility.from_matrix(matrix), [c + t + r for r in window.outputs])
 
 
-def ngram_proposers(sources: Sequence[str]) -> list[Proposer]:
-    """Fresh n-gram proposers (one set per generation: they index its history) of these sources."""
-    make = {"lookahead": LookaheadWindow, "lookup": ContextLookup}
-    return [make[name]() for name in sources if name in make]
-
-
 def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
     """The budget with its lookahead window shrunk to at most `room` nodes (none if even 2 x 2 is too big)."""
     if budget.window_nodes <= room:
@@ -85,68 +72,27 @@ def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
     return replace(budget, window=w, levels=n)
 
 
-class DraftGate:
-    """Whether growing the head's tree pays for itself: drafting sits on the client's critical path.
-
-    A step that drafts spends `draft_ms` to gain the tokens only the head proposed; each is worth
-    the step time per token (`NodeCost.step_ms` over the tokens a step yields). Both sides are
-    running averages of the steps that drafted; every `EXPLORE`-th step drafts anyway, so a head
-    that starts paying (a text it knows) gets its trees back. The head's cache stays in step either way.
-    """
-
-    EXPLORE = 8
-
-    def __init__(self, decay: float = 0.8) -> None:
-        self.decay = decay
-        self.gain = 0.5  # tokens per drafting step only the head proposed (a prior worth one try)
-        self.ms = 0.0  # drafting time per drafting step
-        self.tokens = 1.0  # tokens per step
-
-    def worth(self, cost: NodeCost, step: int) -> bool:
-        return step % self.EXPLORE == 0 or self.gain * cost.step_ms / self.tokens >= self.ms
-
-    def observe(self, stats: StepStats, drafted: bool) -> None:
-        d = self.decay
-        self.tokens = d * self.tokens + (1 - d) * stats.accepted
-        if drafted:
-            self.gain = d * self.gain + (1 - d) * stats.sources.get("draft", 0)
-            self.ms = d * self.ms + (1 - d) * stats.draft_ms
+def record(stats: StepStats, tree: DraftTree, layout: WindowLayout | None, verdict: Verdict) -> None:
+    """What a step speculated and what of it the model confirmed, into its stats."""
+    stats.accepted = len(verdict.tokens)
+    stats.drafted = len(tree)
+    stats.window = len(layout.tokens) if layout else 0
+    stats.proposer = tree.sources[verdict.path[-1]][0] if verdict.path else ""
+    stats.sources = dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path))
 
 
 class SpeculativeDecoder:
-    """A decoder (see `DECODERS`) drafting with the proposers of `mode`, sized by `policy` each step.
+    """A decoder (see `DECODERS`) drafting and sizing its steps as its `SpeculationConfig` says.
 
-    Steps that draft with the head size themselves with `head_policy` instead: always in `draft`
-    mode (a static budget by default), and in `auto` when it is given one and the model has a head
-    (`SpeculativeDecoder("auto")` alone keeps to n-gram sources, as the budget sweep needs).
-    `proposers` overrides the mode's n-gram proposer factory; a `LookaheadWindow` among them gets
-    its Jacobi window into every step.
+    `policy` sizes the steps the draft head does not draft in, `head_policy` (None: no head) those it does.
     """
 
-    def __init__(
-        self,
-        mode: str = "auto",
-        policy: BudgetPolicy | None = None,
-        proposers: Callable[[], list[Proposer]] | None = None,
-        head_policy: BudgetPolicy | None = None,
-    ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown speculative mode {mode!r}; choose from {', '.join(MODES)}")
-        self.mode = mode
-        self.custom = proposers
-        self.policy = policy or StaticPolicy(DEFAULT_BUDGETS[mode])
-        self.head_policy = head_policy or (StaticPolicy(DEFAULT_BUDGETS["draft"]) if mode == "draft" else None)
-
-    def sources(self, head: DraftHead | None) -> tuple[str, ...]:
-        """What drafts in this mode for a model with (or without) a draft head."""
-        if self.mode == "auto" and head is not None:
-            return AUTO_WITH_HEAD
-        if "draft" in MODES[self.mode] and head is None:
-            raise ValueError(
-                f"decode mode {self.mode!r} needs a draft head for this model: train one with "
-                "`splitllm draft train --model <model> --out <folder>` and pass --draft-head <folder>"
-            )
-        return MODES[self.mode]
+    def __init__(self, config: SpeculationConfig = SpeculationConfig()) -> None:
+        self.config = config
+        self.policy = config.policy if config.policy is not None else StaticPolicy(config.static_budget(False))
+        self.head_policy = config.head_policy
+        if self.head_policy is None and config.drafting.ngrams is None:  # the mode needs the head
+            self.head_policy = StaticPolicy(config.static_budget(True))
 
     def __call__(
         self,
@@ -163,65 +109,135 @@ class SpeculativeDecoder:
         the sampler extends with each emitted token), so a conversation's earlier turns feed lookups too.
         """
         sampler = sampler or Sampler(history=prompt)
-        history = sampler.history
-        head = pipeline.local.draft_head if self.head_policy is not None else None
-        sources = self.sources(head)
-        proposers = self.custom() if self.custom else ngram_proposers(sources)
-        drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context) if head and "draft" in sources else None
-        policy = self.head_policy if drafter and self.head_policy else self.policy
-        if sampler.params.do_sample and sampler.params.seed is not None:
+        generation = _Generation(self, pipeline, prompt, max_new_tokens, stop_ids, sampler, keep)
+        while not generation.done:
+            yield generation.step()
+
+
+def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], DraftHeadProposer | None]:
+    """A generation's own proposers (they index its history): n-gram ones, and the head's when it drafts."""
+    config, drafting = decoder.config, decoder.config.drafting
+    drafts_with_head = decoder.head_policy is not None and drafting.head_ngrams is not None
+    head = pipeline.local.draft_head if drafts_with_head else None
+    ngrams = drafting.ngrams if head is None else drafting.head_ngrams
+    if ngrams is None:
+        raise ValueError(
+            f"decode mode '{config.mode}' needs a draft head for this model: train one with "
+            "`splitllm draft train --model <model> --out <folder>` and pass --draft-head <folder>"
+        )
+    proposers = config.proposers() if config.proposers else [make() for make in ngrams]
+    if head is None:
+        return proposers, None
+    drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context, calibration_config=config.calibration)
+    return proposers, drafter
+
+
+class _Generation:
+    """One call of a `SpeculativeDecoder`: its proposers, step sizing and place in the sequence, one step at a time."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        pipeline: Scorer,
+        prompt: list[int],
+        max_new_tokens: int,
+        stop_ids: Collection[int],
+        sampler: Sampler,
+        keep: Sequence[int],
+    ) -> None:
+        self.pipeline, self.stop_ids, self.sampler = pipeline, stop_ids, sampler
+        self.history = sampler.history
+        self.proposers, self.drafter = _proposers(decoder, pipeline)
+        self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
+        self.policy = self._policy(decoder)
+        self.gate = DraftGate(decoder.config.gate)
+        self.rates = DraftRates(decoder.config.calibration)
+        self.chain, self.keep = list(prompt), list(keep)
+        self.start = pipeline.committed + len(self.keep)
+        self.steps: list[StepStats] = []
+        self.remaining = max_new_tokens
+        self.stopped = False
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or self.remaining <= 0
+
+    def _policy(self, decoder: SpeculativeDecoder) -> BudgetPolicy:
+        """Who sizes this generation's steps: the head's policy when it drafts, the decoder's otherwise."""
+        if self.sampler.params.do_sample and self.sampler.params.seed is not None:
             # A seeded sample repeats only if every step's tree does: size them without the clock.
-            policy = StaticPolicy(DEFAULT_BUDGETS["draft" if drafter else self.mode])
-        window = next((p for p in proposers if isinstance(p, LookaheadWindow)), None)
-        gate = DraftGate()
-        calibration = Calibration()
-        chain, keep = list(prompt), list(keep)
-        start = pipeline.committed + len(keep)
-        steps: list[StepStats] = []
-        remaining = max_new_tokens
-        while remaining > 0:
-            room = max(pipeline.room(start) - len(chain), 0)  # nodes the tree and window may take
-            budget = policy.choose(steps)
-            budget = replace(budget, depth=min(budget.depth, remaining - 1, room))
-            calibration.resolve(history)
-            drafts = [d for p in proposers for d in p.propose(history, budget)]
-            calibration.track(drafts, len(history))
-            if drafter is not None:
-                grow = budget.cost is None or gate.worth(budget.cost, len(steps))
-                drafts += drafter.propose(history, budget if grow else replace(budget, max_nodes=0))
-            tree = DraftTree.build(
-                drafts, min(budget.max_nodes, room), budget.depth, [calibration.rates(d) for d in drafts], budget.cost
-            )
-            layout = None
-            if window is not None and budget.window and remaining > 1:  # a last token has no future to guess
-                fitted = fit_window(budget, room - len(tree))
-                layout = window.layout(history, fitted) if fitted.window else None
-            plan = plan_step(chain, start, tree, layout)
-            hidden, stats = pipeline.forward(torch.tensor(plan.tokens), torch.tensor(plan.positions), plan.vis, keep)
-            c = len(chain)
+            return StaticPolicy(decoder.config.static_budget(self.drafter is not None))
+        head = decoder.head_policy if self.drafter is not None else None
+        return decoder.policy if head is None else head
 
-            def choose(node: int, candidates: list[int]) -> int:
-                row = c - 1 if node == ROOT else c + node
-                return sampler.choose(pipeline.logits(hidden[row : row + 1], stats)[0], candidates)
+    def step(self) -> StepOutput:
+        """One round trip: size, draft, lay out, score, verify, learn, record."""
+        room = max(self.pipeline.room(self.start) - len(self.chain), 0)  # nodes the tree and window may take
+        budget = self._budget(room)
+        drafts, grow = self._draft(budget)
+        rates = [self.rates.rates(d) for d in drafts]
+        tree = DraftTree.build(drafts, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
+        layout = self._layout(budget, room - len(tree))
+        plan = plan_step(self.chain, self.start, tree, layout)
+        tokens, positions = torch.tensor(plan.tokens), torch.tensor(plan.positions)
+        hidden, stats = self.pipeline.forward(tokens, positions, plan.vis, self.keep)
+        verdict = self._verify(tree, hidden, stats)
+        keep = [*range(len(self.chain)), *(len(self.chain) + i for i in verdict.path)]
+        if layout is not None and self.window is not None:
+            self._advance_window(self.window, hidden[plan.window_rows], stats)
+        if self.drafter is not None:
+            self._feed_head(self.drafter, hidden[keep], stats, grow)
+        record(stats, tree, layout, verdict)
+        self._commit(verdict, stats, keep)
+        return StepOutput(verdict.tokens, stats, keep)
 
-            verdict = verify(tree, choose, remaining, stop_ids)
-            if layout is not None and window is not None:
-                guesses = pipeline.logits(hidden[plan.window_rows], stats, draft=True).argmax(-1).tolist()
-                window.advance(chain[-1], guesses)
-            keep = [*range(c), *(c + i for i in verdict.path)]
-            if drafter is not None:
-                drafter.observe(start, hidden[keep])
-                stats.draft_ms = drafter.take_draft_ms()
-                gate.observe(stats, grow)
-            stats.accepted = len(verdict.tokens)
-            stats.drafted = len(tree)
-            stats.window = len(layout.tokens) if layout else 0
-            stats.proposer = tree.sources[verdict.path[-1]][0] if verdict.path else ""
-            stats.sources = dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path))
-            steps.append(stats)
-            yield StepOutput(verdict.tokens, stats, keep)
-            if verdict.stopped:
-                return
-            remaining -= len(verdict.tokens)
-            start += len(keep)
-            chain = verdict.tokens[-1:]
+    def _budget(self, room: int) -> SpecBudget:
+        """The policy's budget, its drafts no deeper than the tokens left to emit and the room left."""
+        budget = self.policy.choose(self.steps)
+        return replace(budget, depth=min(budget.depth, self.remaining - 1, room))
+
+    def _draft(self, budget: SpecBudget) -> tuple[list[Draft], bool]:
+        """Every proposer's drafts, and whether the head grew a tree (the gate's call, with a link cost)."""
+        self.rates.resolve(self.history)
+        drafts = [d for p in self.proposers for d in p.propose(self.history, budget)]
+        self.rates.track(drafts, len(self.history))
+        if self.drafter is None:
+            return drafts, False
+        grow = budget.cost is None or self.gate.worth(budget.cost, len(self.steps))
+        return drafts + self.drafter.propose(self.history, budget if grow else replace(budget, max_nodes=0)), grow
+
+    def _layout(self, budget: SpecBudget, room: int) -> WindowLayout | None:
+        """Lookahead's window for this step, shrunk to the room the tree left."""
+        if self.window is None or not budget.window or self.remaining <= 1:  # a last token has no future to guess
+            return None
+        fitted = fit_window(budget, room)
+        return self.window.layout(self.history, fitted) if fitted.window else None
+
+    def _verify(self, tree: DraftTree, hidden: torch.Tensor, stats: StepStats) -> Verdict:
+        """Walk the tree with the sampler's choice at each node, asking for logits only along the way."""
+        c = len(self.chain)
+
+        def choose(node: int, candidates: list[int]) -> int:
+            row = c - 1 if node == ROOT else c + node
+            return self.sampler.choose(self.pipeline.logits(hidden[row : row + 1], stats)[0], candidates)
+
+        return verify(tree, choose, self.remaining, self.stop_ids)
+
+    def _advance_window(self, window: LookaheadWindow, outputs: torch.Tensor, stats: StepStats) -> None:
+        """Move the Jacobi window on by the approximate LM head's guesses at its outputs."""
+        guesses = self.pipeline.logits(outputs, stats, draft=True).argmax(-1).tolist()
+        window.advance(self.chain[-1], guesses)
+
+    def _feed_head(self, drafter: DraftHeadProposer, features: torch.Tensor, stats: StepStats, grew: bool) -> None:
+        """Hand the head the committed nodes' features, and the gate what drafting cost."""
+        drafter.observe(self.start, features)
+        stats.draft_ms = drafter.take_draft_ms()
+        self.gate.observe(stats, grew)
+
+    def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int]) -> None:
+        """Move past this step: its path is the next step's keep, its bonus token the next chain."""
+        self.steps.append(stats)
+        self.stopped = verdict.stopped
+        self.remaining -= len(verdict.tokens)
+        self.start += len(keep)
+        self.chain, self.keep = verdict.tokens[-1:], keep

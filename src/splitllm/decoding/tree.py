@@ -5,7 +5,7 @@ its tokens are right up to that depth, `first * next ** (depth - 1)` (calibratio
 rates; by default the draft's confidence and a fixed decay); a node a proposer scored itself (the
 draft head's) adds that score. Scores never rise along a path (ties go to the earlier node, a
 parent), so keeping the best nodes always keeps a node's ancestors too. How many: at most
-`max_nodes`, and with a `NodeCost` only those worth their verification (see policy.py).
+`max_nodes`, and with a `NodeCost` only those worth their verification (see budget.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from splitllm.decoding.policy import NodeCost
+from splitllm.decoding.budget import NodeCost
 from splitllm.decoding.proposers import Draft
 
 ROOT = -1

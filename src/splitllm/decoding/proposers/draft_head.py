@@ -22,14 +22,13 @@ from typing import Protocol
 
 import torch
 
-from splitllm.decoding.policy import SpecBudget
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.calibration import Calibration, CalibrationConfig
 from splitllm.decoding.proposers import Draft
 from splitllm.draft.model import DraftHead
 from splitllm.model.precision import Precision
 
-BINS = 10
 MIN_SCORE = 0.01  # nodes less likely than this are not expanded when no link cost says otherwise
-PRIOR_WEIGHT = 4.0
 
 
 class ClientLayers(Protocol):
@@ -48,37 +47,13 @@ class ClientLayers(Protocol):
     def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
-class BinnedCalibration:
-    """P(a drafted token is right | its draft probability q), per bin of q, shrunk toward q."""
-
-    def __init__(self) -> None:
-        self.hits = torch.zeros(BINS, dtype=torch.float64)
-        self.trials = torch.zeros(BINS, dtype=torch.float64)
-        self.mass = torch.zeros(BINS, dtype=torch.float64)  # sum of q over the trials
-
-    @staticmethod
-    def bins(q: torch.Tensor) -> torch.Tensor:
-        return (q * BINS).long().clamp_(0, BINS - 1)
-
-    def __call__(self, q: torch.Tensor) -> torch.Tensor:
-        b = self.bins(q)
-        prior = q.double() * PRIOR_WEIGHT
-        return ((self.hits[b] + prior) / (self.trials[b] + PRIOR_WEIGHT)).clamp(1e-4, 0.99).float()
-
-    def record(self, q: Sequence[float], hit: Sequence[bool]) -> None:
-        qt = torch.tensor(q, dtype=torch.float64)
-        b = self.bins(qt)
-        self.trials.index_add_(0, b, torch.ones_like(qt))
-        self.hits.index_add_(0, b, torch.tensor(hit, dtype=torch.float64))
-        self.mass.index_add_(0, b, qt)
-
-
 @dataclass
 class _Node:
     token: int
     parent: int  # index into the tree's nodes, -1: the root (the bonus token)
     depth: int
     q: float  # the head's probability of this token given its parent
+    bin: int  # q's calibration bin
     score: float  # estimated chance that the whole path is accepted
     slot: int = -1  # its head-cache entry, once expanded
     children: list[int] = field(default_factory=list)
@@ -89,13 +64,22 @@ class DraftHeadProposer:
 
     name = "draft"
 
-    def __init__(self, head: DraftHead, local: ClientLayers, max_context: int, top_k: int = 6, beam: int = 4) -> None:
+    def __init__(
+        self,
+        head: DraftHead,
+        local: ClientLayers,
+        max_context: int,
+        top_k: int = 6,
+        beam: int = 4,
+        calibration_config: CalibrationConfig = CalibrationConfig(),
+    ) -> None:
         self.head, self.local, self.top_k, self.beam = head, local, top_k, beam
         self.cache = head.new_cache(max_context + 32 * beam)
         # Guesses only: bfloat16 drafts 4x faster than float32 here.
         rows = local.lm_head_rows(head.vocab)
         self.vocab_head = Precision(torch.bfloat16, device=str(rows.device)).linear({"weight": rows})
-        self.calibration = BinnedCalibration()
+        self.bins = calibration_config.head_bins
+        self.calibration: Calibration[int] = Calibration(calibration_config.prior_weight)  # P(right | bin of q)
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
         self.committed = 0  # head-cache entries holding committed positions
@@ -156,12 +140,15 @@ class DraftHeadProposer:
     def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
         """Add the top_k children of each parent (-1: root), given its head output."""
         q, idx = self._probs(outputs).topk(min(self.top_k, self.vocab_head.out_features), dim=-1)
-        cal = self.calibration(q)
+        bins = (q * self.bins).long().clamp_(0, self.bins - 1)
+        rates = [[self.calibration.rate(b, p) for b, p in zip(*row)] for row in zip(bins.tolist(), q.tolist())]
+        cal = torch.tensor(rates, dtype=torch.float64).clamp_(1e-4, 0.99).float()
         tokens = self.head.vocab[idx]
         for row, parent in enumerate(parents):
             base = 1.0 if parent < 0 else self.tree[parent].score
             for j in range(q.shape[1]):
-                self.tree.append(_Node(int(tokens[row, j]), parent, depth, float(q[row, j]), base * float(cal[row, j])))
+                score = base * float(cal[row, j])
+                self.tree.append(_Node(int(tokens[row, j]), parent, depth, float(q[row, j]), int(bins[row, j]), score))
                 if parent >= 0:
                     self.tree[parent].children.append(len(self.tree) - 1)
 
@@ -209,18 +196,14 @@ class DraftHeadProposer:
     def _resolve(self, history: Sequence[int]) -> None:
         """Score the last tree's offers against the tokens committed since: every child of a node on
         the committed path is one trial of its probability bin."""
-        q: list[float] = []
-        hit: list[bool] = []
         siblings = [i for i, nd in enumerate(self.tree) if nd.parent < 0]
         for d in range(len(history) - self.tree_start):
             token = history[self.tree_start + d]
-            q += [self.tree[i].q for i in siblings]
-            hit += [self.tree[i].token == token for i in siblings]
+            for i in siblings:
+                self.calibration.record(self.tree[i].bin, self.tree[i].token == token, 1)
             match = next((i for i in siblings if self.tree[i].token == token), None)
             if match is None:
                 break
             siblings = self.tree[match].children
             if not siblings:
                 break
-        if q:
-            self.calibration.record(q, hit)

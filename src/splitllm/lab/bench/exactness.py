@@ -19,7 +19,7 @@ from splitllm.lab.data.workload import workload
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import SplitClient
-from splitllm.decoding.speculative import MODES
+from splitllm.decoding.speculation_config import SPECULATIVE_MODES as MODES
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.threads import set_compute_threads

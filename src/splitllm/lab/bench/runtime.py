@@ -36,7 +36,7 @@ from splitllm.lab.bench.quiet import OtherLoad, wait_quiet
 from splitllm.lab.data.workload import workload
 from splitllm.client.local import LocalModel
 from splitllm.client.session import Generation, SplitClient
-from splitllm.decoding.speculative import MODES
+from splitllm.decoding.speculation_config import SPECULATIVE_MODES as MODES
 from splitllm.lab.launch import ServerProcess
 from splitllm.model.precision import EXACT, Precision, fastest
 from splitllm.model.stage import Stage

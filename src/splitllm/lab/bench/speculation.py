@@ -18,6 +18,7 @@ from splitllm.lab.bench.exactness import first_difference, top2_gap
 from splitllm.lab.data.workload import CATEGORIES, workload
 from splitllm.client.session import SplitClient
 from splitllm.decoding.sampling import SamplingParams
+from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.lab.launch import ServerProcess
 from splitllm.model.precision import Precision, fastest
@@ -28,7 +29,7 @@ from splitllm.threads import set_compute_threads
 MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
 # adaptive policy, to show what adapting to the link adds.
-EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {"auto-static": lambda: SpeculativeDecoder("auto")}
+EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {"auto-static": lambda: SpeculativeDecoder(SpeculationConfig())}
 
 
 @dataclass

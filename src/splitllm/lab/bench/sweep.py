@@ -27,8 +27,10 @@ from websockets.sync.client import connect
 from splitllm.lab.bench.quiet import OtherLoad, wait_quiet
 from splitllm.lab.data.workload import CATEGORIES, Prompt, workload
 from splitllm.client.session import SplitClient
-from splitllm.decoding.budget import CANDIDATE_BUDGETS, AdaptivePolicy, AutoProfile, Candidate
-from splitllm.decoding.policy import DEFAULT_BUDGETS, SpecBudget, StaticPolicy
+from splitllm.decoding.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
+from splitllm.decoding.budget import LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
+from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.policy import AdaptivePolicy, StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second, tokens_per_second
@@ -85,7 +87,7 @@ class Config:
         if self.decoder == "sequential":
             return decode_sequential
         policy = AdaptivePolicy(profile) if self.adaptive else StaticPolicy(self.budget)
-        return SpeculativeDecoder(self.decoder, policy)
+        return SpeculativeDecoder(SpeculationConfig(Mode(self.decoder), policy))
 
 
 def candidate_label(budget: SpecBudget) -> str:
@@ -97,8 +99,8 @@ def fixed_configs() -> list[Config]:
     """Sequential, the fixed-budget modes, and every adaptive candidate as a fixed mode of its own."""
     configs = [
         Config("sequential", "sequential"),
-        Config("lookahead", "lookahead", DEFAULT_BUDGETS["lookahead"]),
-        Config("lookup", "lookup", DEFAULT_BUDGETS["lookup"]),
+        Config("lookahead", "lookahead", LOOKAHEAD_BUDGET),
+        Config("lookup", "lookup", LOOKUP_BUDGET),
     ]
     configs += [Config(candidate_label(b), "auto", b) for b in CANDIDATE_BUDGETS if b.max_nodes or b.window]
     return configs
@@ -197,7 +199,7 @@ def calibrate(
     while tasks:
         prompt, budget = task = tasks.popleft()
         bench.wait()
-        decoder = SpeculativeDecoder("auto", StaticPolicy(budget))
+        decoder = SpeculativeDecoder(SpeculationConfig(Mode.AUTO, StaticPolicy(budget)))
         steps, others = bench.generate(url, prompt.text, max_new_tokens, decoder)
         if bench.disturbed(others) and tries[task] < bench.quiet.retries:
             tries[task] += 1

@@ -21,8 +21,8 @@ from splitllm.lab.bench.sweep import (
     run_sweep,
     shapes,
 )
-from splitllm.decoding.budget import AutoProfile
-from splitllm.decoding.policy import SpecBudget
+from splitllm.decoding.auto_profile import AutoProfile
+from splitllm.decoding.budget import SpecBudget
 from splitllm.latency import LatencyProfile, Link, StepShape
 from splitllm.model.precision import Precision
 from splitllm.stats import StepStats, mean_stats

@@ -1,0 +1,42 @@
+"""Whether growing the draft head's tree pays for itself: drafting sits on the client's critical path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitllm.decoding.budget import NodeCost
+from splitllm.stats import StepStats
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """explore: every explore-th step drafts anyway; decay: of the running averages; prior_gain: the
+    tokens per drafting step only the head proposed before any step drafted (a prior worth one try)."""
+
+    explore: int = 8
+    decay: float = 0.8
+    prior_gain: float = 0.5
+
+
+class DraftGate:
+    """A step that drafts spends `draft_ms` to gain the tokens only the head proposed; each is worth
+    the step time per token (`NodeCost.step_ms` over the tokens a step yields). Both sides are
+    running averages of the steps that drafted; every `explore`-th step drafts anyway, so a head
+    that starts paying (a text it knows) gets its trees back. The head's cache stays in step either way.
+    """
+
+    def __init__(self, config: GateConfig = GateConfig()) -> None:
+        self.config = config
+        self.gain = config.prior_gain  # tokens per drafting step only the head proposed
+        self.ms = 0.0  # drafting time per drafting step
+        self.tokens = 1.0  # tokens per step
+
+    def worth(self, cost: NodeCost, step: int) -> bool:
+        return step % self.config.explore == 0 or self.gain * cost.step_ms / self.tokens >= self.ms
+
+    def observe(self, stats: StepStats, drafted: bool) -> None:
+        d = self.config.decay
+        self.tokens = d * self.tokens + (1 - d) * stats.accepted
+        if drafted:
+            self.gain = d * self.gain + (1 - d) * stats.sources.get("draft", 0)
+            self.ms = d * self.ms + (1 - d) * stats.draft_ms
