@@ -1,8 +1,9 @@
 """Where a model's files live and selective reads of its tensors.
 
 A model is a Hugging Face folder (config.json + safetensors + tokenizer). GGUF files, the packaged
-models among them ('default', 'gemma3'), are converted once into such a folder under the cache
-directory, so later starts read safetensors and each side maps only the tensors it runs.
+models among them (PACKAGED_MODELS: 'default', 'gemma3', the Qwen2.5-Coder pair), are converted once
+into such a folder under the cache directory, so later starts read safetensors and each side maps only
+the tensors it runs.
 """
 
 from __future__ import annotations
@@ -17,13 +18,18 @@ import tempfile
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from splitllm.model.config import ModelConfig
 from splitllm.model.packaged import DEFAULT_MODEL, PACKAGED_MODELS
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
 
 SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
 
@@ -120,11 +126,34 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
             shutil.rmtree(tmp)
 
 
+def _dequantized(tensor: ReaderTensor, file: BinaryIO) -> np.ndarray:
+    """A GGUF tensor in float32, dequantized about 16 MiB at a time into its one output array.
+
+    gguf's own dequantize keeps every row group's result until it concatenates them, so it holds
+    twice the tensor: 1.9 GB for a 151936 x 1536 embedding, more than the rest of a conversion. The
+    rows are read from `file`, not the reader's memory map, whose pages would stay resident (the
+    whole GGUF by the last tensor).
+    """
+    from gguf import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    out = np.empty(shape, dtype=np.float32)
+    flat = out.reshape(-1, shape[-1])
+    width, dtype = tensor.data.shape[-1], tensor.data.dtype  # a row of elements, or of bytes when quantized
+    row_bytes = width * dtype.itemsize
+    step = max(1, (1 << 22) // shape[-1])
+    for start in range(0, len(flat), step):
+        file.seek(tensor.data_offset + start * row_bytes)
+        rows = np.frombuffer(file.read(min(step, len(flat) - start) * row_bytes), dtype).reshape(-1, width)
+        flat[start : start + len(rows)] = dequantize(rows, tensor.tensor_type)
+    return out
+
+
 def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> dict[str, list[str]]:
     """Each GGUF tensor dequantized, renamed and fixed up as transformers does, grouped into one
-    safetensors file per layer (plus one for the rest); returns file -> tensor names."""
-    import numpy as np
-    from gguf import GGUFReader, dequantize
+    safetensors file per layer and one per other tensor (an embedding or an LM head is the size of
+    several layers); returns file -> tensor names."""
+    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
@@ -135,10 +164,12 @@ def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> di
         read_field,
     )
 
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    processor_config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
     reader = GGUFReader(str(gguf))
     architecture = read_field(reader, "general.architecture")[0]
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    tensors = reader.tensors
+    del reader  # its fields hold the tokenizer (about 0.5 GB for a 152k vocabulary); the tensors need none
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=processor_config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # names only: no memory for weights
     names = get_gguf_hf_weights_map(skeleton, processor)
@@ -147,32 +178,40 @@ def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> di
         wanted.discard("lm_head.weight")
     del skeleton
 
-    groups: dict[str, list] = {}
-    for tensor in reader.tensors:
-        group = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else "rest"
+    groups: dict[str, list[ReaderTensor]] = {}
+    for tensor in tensors:
+        group = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else tensor.name
         groups.setdefault(group, []).append(tensor)
-    shards: dict[str, list[str]] = {}
-    parsed["tensors"] = {}  # where processors that split tensors (mixtures of experts) leave them
-    for i, (group, tensors) in enumerate(groups.items()):
+    # where processors that split tensors (mixtures of experts) leave them
+    parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
+
+    def write_shard(group: list[ReaderTensor], source: BinaryIO, path: Path) -> list[str]:
+        """Dequantize, rename and save one group; a function, so its tensors are freed before the next."""
         out: dict[str, torch.Tensor] = {}
-        for tensor in tensors:
+        for tensor in group:
             result = processor.process(
-                weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                weights=_dequantized(tensor, source), name=tensor.name,
                 tensor_key_mapping=names, parsed_parameters=parsed,
             )
-            if result.name in names and names[result.name] in wanted:
-                out[names[result.name]] = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+            if names.get(result.name) in wanted:
+                out[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
         out.update({k: v.float().contiguous() for k, v in parsed["tensors"].items() if k in wanted})
         parsed["tensors"].clear()
         if out:
+            save_file(out, path, metadata={"format": "pt"})
+        return list(out)
+
+    shards: dict[str, list[str]] = {}
+    with open(gguf, "rb") as source:
+        for i, group in enumerate(groups.values()):
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            save_file(out, folder / file, metadata={"format": "pt"})
-            shards[file] = list(out)
+            if saved := write_shard(group, source, folder / file):
+                shards[file] = saved
     return shards
 
 
 def resolve_model(spec: str | os.PathLike | None) -> Path:
-    """Turn a model argument ('default', 'gemma3', an HF folder, a .gguf file) into an HF folder path."""
+    """Turn a model argument (a PACKAGED_MODELS alias, an HF folder, a .gguf file) into an HF folder path."""
     if spec is None:
         spec = DEFAULT_MODEL
     if str(spec) in PACKAGED_MODELS:
