@@ -17,6 +17,7 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.gate import DraftGate
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers.draft_head import DraftHeadProposer
@@ -61,6 +62,21 @@ def test_draft_modes_match_sequential(model, mode: str) -> None:  # type: ignore
         accepted_from_head += sum(n for o in outs for src, n in o.stats.sources.items() if "draft" in src)
         assert all(o.stats.draft_ms > 0 for o in outs[1:])
     assert accepted_from_head > 10  # the head's nodes were accepted (and so its cache kept in step)
+
+
+def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The gate weighs the tokens a step yielded (and the head's share of them): it must see them filled in."""
+    seen: list[int] = []
+    observe = DraftGate.observe
+
+    def spy(gate: DraftGate, stats, drafted: bool) -> None:  # type: ignore[no-untyped-def]
+        seen.append(stats.accepted)
+        observe(gate, stats, drafted)
+
+    monkeypatch.setattr(DraftGate, "observe", spy)
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(0)).tolist()
+    _ids(SpeculativeDecoder(SpeculationConfig(Mode.AUTO, head_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
+    assert seen and min(seen) >= 1 and max(seen) > 1
 
 
 def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ignore[no-untyped-def]

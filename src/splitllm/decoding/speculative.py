@@ -185,9 +185,9 @@ class _Generation:
         keep = [*range(len(self.chain)), *(len(self.chain) + i for i in verdict.path)]
         if layout is not None and self.window is not None:
             self._advance_window(self.window, hidden[plan.window_rows], stats)
+        record(stats, tree, layout, verdict)  # before the gate reads what the step yielded
         if self.drafter is not None:
             self._feed_head(self.drafter, hidden[keep], stats, grow)
-        record(stats, tree, layout, verdict)
         self._commit(verdict, stats, keep)
         return StepOutput(verdict.tokens, stats, keep)
 
