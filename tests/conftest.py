@@ -31,7 +31,7 @@ from transformers import (
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.draft.model import DraftHead, head_config
+from splitllm.draft.model import Drafter, drafter_config
 from splitllm.lab.launch import ServerThread, free_port
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
@@ -96,9 +96,9 @@ def _build_tiny(name: str, folder: Path) -> Path:
     return folder
 
 
-def random_head(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0) -> DraftHead:
-    """An untrained draft head over the whole vocabulary: drafts are noise, which exactness must survive."""
-    head = DraftHead(head_config(files.config), range(files.config.vocab_size), dtype)
+def random_head(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0) -> Drafter:
+    """An untrained drafter over the whole vocabulary: drafts are noise, which exactness must survive."""
+    head = Drafter(drafter_config(files.config), range(files.config.vocab_size), dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -123,7 +123,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def vocab16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with 16 tokens (max position 64), peaked enough that speculative candidates are
-    accepted often and rejected often, even a random draft head's."""
+    accepted often and rejected often, even a random drafter's."""
     cfg = LlamaConfig(
         vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=3, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,

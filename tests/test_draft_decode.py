@@ -1,4 +1,4 @@
-"""Drafting with the draft head: the proposer's cache bookkeeping, exactness of the modes that use it,
+"""Drafting with the drafter: the proposer's cache bookkeeping, exactness of the modes that use it,
 and steps that shrink to the room left near the end of the context.
 
 A random head drafts noise over a 16-token vocabulary, so its top-k children are often right by
@@ -20,7 +20,7 @@ from splitllm.decoding.budget import SpecBudget
 from splitllm.decoding.gate import DraftGate
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.policy import StaticPolicy
-from splitllm.decoding.proposers.draft_head import DraftHeadProposer
+from splitllm.decoding.proposers.drafter import DrafterProposer
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.model.stage import Stage
@@ -34,10 +34,10 @@ BIG = SpecBudget(max_nodes=40, window=4, levels=3, guesses=3, depth=8)
 
 @pytest.fixture(scope="module")
 def model(vocab16_model: Path) -> tuple[LocalModel, Stage]:
-    """The 16-token Llama in float64 split 1 + 1 + 1, with a random draft head."""
+    """The 16-token Llama in float64 split 1 + 1 + 1, with a random drafter."""
     files = ModelFiles(str(vocab16_model))
     local = LocalModel(files, 1, 1, torch.float64)
-    local.draft_head = random_head(files, torch.float64)
+    local.drafter = random_head(files, torch.float64)
     return local, Stage.load(files, 1, 2, torch.float64)
 
 
@@ -57,7 +57,7 @@ def test_draft_modes_match_sequential(model, mode: str) -> None:  # type: ignore
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected, _ = _ids(decode_sequential, _pipeline(model), prompt, 40)
-        ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, head_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
+        ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, drafter_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
         assert ids == expected, seed
         accepted_from_head += sum(n for o in outs for src, n in o.stats.sources.items() if "draft" in src)
         assert all(o.stats.draft_ms > 0 for o in outs[1:])
@@ -75,14 +75,14 @@ def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None
 
     monkeypatch.setattr(DraftGate, "observe", spy)
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(0)).tolist()
-    _ids(SpeculativeDecoder(SpeculationConfig(Mode.AUTO, head_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
+    _ids(SpeculativeDecoder(SpeculationConfig(Mode.AUTO, drafter_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
     assert seen and min(seen) >= 1 and max(seen) > 1
 
 
 def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ignore[no-untyped-def]
     local = local_model(tiny_models["llama"], 1, 1)
     pipeline = SplitPipeline(local, LocalMiddle(Stage.load(local.files, 1, 3, torch.float32), 32), 32)
-    with pytest.raises(ValueError, match="needs a draft head"):
+    with pytest.raises(ValueError, match="needs a drafter"):
         next(SpeculativeDecoder(SpeculationConfig(Mode.DRAFT))(pipeline, [1, 2, 3], 4, frozenset()))
 
 
@@ -94,13 +94,13 @@ def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: igno
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     features, _ = _pipeline(model).forward(torch.tensor(ids[:-1]), torch.arange(29), Visibility.chain(29), [])
     budget = SpecBudget(max_nodes=30, depth=5)
-    stepped = DraftHeadProposer(local.draft_head, local, CONTEXT)
+    stepped = DrafterProposer(local.drafter, local, CONTEXT)
     start = 0
     for end in (7, 8, 11, 12, 13, 18, 25, 29):
         stepped.observe(start, features[start:end])
         drafts = stepped.propose(ids[: end + 1], budget)
         start = end
-    whole = DraftHeadProposer(local.draft_head, local, CONTEXT)
+    whole = DrafterProposer(local.drafter, local, CONTEXT)
     whole.observe(0, features)
     whole.calibration = stepped.calibration
     assert whole.propose(ids, budget) == drafts and len(drafts) > 20
@@ -117,7 +117,7 @@ def test_steps_shrink_to_the_context_left(model, mode: str) -> None:  # type: ig
     for context, n in ((60, 11), (CONTEXT + 8, 15)):  # the caches' room runs out, then the model's positions
         assert len(prompt) + n - 1 == min(context, CONTEXT)  # the last token is never fed
         expected, _ = _ids(decode_sequential, _pipeline(model, context), prompt, n)
-        decoder = SpeculativeDecoder(SpeculationConfig(mode, StaticPolicy(BIG), head_policy=StaticPolicy(BIG)))
+        decoder = SpeculativeDecoder(SpeculationConfig(mode, StaticPolicy(BIG), drafter_policy=StaticPolicy(BIG)))
         ids, outs = _ids(decoder, _pipeline(model, context), prompt, n)
         assert ids == expected
         assert len(outs) < n  # still speculating until the very end

@@ -1,4 +1,4 @@
-"""Draft head training and storage: the unrolled training passes equal chained drafting, a tiny model's
+"""Drafter training and storage: the unrolled training passes equal chained drafting, a tiny model's
 head trains and round-trips through its folder, foreign heads are refused, the shipped head drafts."""
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
     assert history["steps"] >= 3 and history["last_loss"] < history["first_loss"]
     val = train.validate(head, target, seqs[:1], depth=3)
     assert len(val.acceptance) == 3 and val.positions > 0
-    folder = store.save_head(head, tmp_path / "head", {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
+    folder = store.save_drafter(head, tmp_path / "head", {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
     meta = json.loads((folder / store.METADATA).read_text())
     assert meta["draft_vocab"] == 128 and meta["size_bytes"] > 0
-    loaded = store.load_head(files, folder)
+    loaded = store.load_drafter(files, folder)
     assert loaded is not None and loaded.vocab.tolist() == vocab
     x = seqs[0]
     args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
@@ -77,16 +77,16 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
 def test_foreign_or_broken_heads_are_refused(tiny, tiny_models, tmp_path) -> None:
     files, local, _, _ = tiny
     head = train.new_head(local, list(range(16)))
-    folder = store.save_head(head, tmp_path / "foreign", {store.FINGERPRINT_KEY: "0" * 64, "model": "other"})
+    folder = store.save_drafter(head, tmp_path / "foreign", {store.FINGERPRINT_KEY: "0" * 64, "model": "other"})
     with pytest.raises(ValueError, match="trained for another model"):
-        store.load_head(files, folder)
+        store.load_drafter(files, folder)
     other = ModelFiles(tiny_models["qwen2"])
-    stamped = store.save_head(head, tmp_path / "shape", {store.FINGERPRINT_KEY: other.fingerprint})
+    stamped = store.save_drafter(head, tmp_path / "shape", {store.FINGERPRINT_KEY: other.fingerprint})
     with pytest.raises(ValueError, match="does not fit"):
-        store.load_head(other, stamped)
+        store.load_drafter(other, stamped)
     with pytest.raises(ValueError, match="no head.json"):
-        store.load_head(files, tmp_path)
-    assert store.load_head(files) is None  # nothing shipped for a random model
+        store.load_drafter(files, tmp_path)
+    assert store.load_drafter(files) is None  # nothing shipped for a random model
 
 
 def test_overlap_check_drops_sequences_sharing_an_ngram() -> None:
@@ -112,8 +112,8 @@ def test_prompts_share_no_ngram_with_the_benchmarks(default_files) -> None:
 @pytest.mark.slow
 def test_shipped_head_drafts_well_above_chance(default_files) -> None:
     """On held-out Language Reference prose (documents no head ever trains on), depth 1 hits often."""
-    head = store.load_head(default_files)
-    assert head is not None, "the default model ships a draft head"
+    head = store.load_drafter(default_files)
+    assert head is not None, "the default model ships a drafter"
     tok = data.load_tokenizer(default_files)
     docs = [d for d in data.corpus.reference_documents() if d.test and d.kind == "prose"][:3]
     seqs = [data.chat_ids(tok, "Tell me about Python.", d.text[:600]) for d in docs]

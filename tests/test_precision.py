@@ -117,7 +117,7 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
 ) -> None:
     files = ModelFiles(tiny_models[model])
     local = LocalModel(files, 1, 1, precision)
-    local.draft_head = random_head(files, precision.dtype)  # the draft mode's noise must not change the output
+    local.drafter = random_head(files, precision.dtype)  # the draft mode's noise must not change the output
     middle = Stage.load(files, 1, files.config.num_layers - 1, precision)
 
     def run(decoder) -> list[int]:  # type: ignore[no-untyped-def]

@@ -336,12 +336,12 @@ def _exact_triples(model: tuple[LocalModel, Stage]) -> dict[tuple[int, ...], flo
     return exact
 
 
-def test_draft_head_sampling_keeps_the_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
-    """Three tokens: the prefill, then a step whose tree holds the draft head's top-k siblings (random
+def test_drafter_sampling_keeps_the_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
+    """Three tokens: the prefill, then a step whose tree holds the drafter's top-k siblings (random
     weights), point masses like any candidate."""
     local, stage = small_vocab
     drafting = LocalModel(local.files, 1, 1, torch.float64)
-    drafting.draft_head = random_head(local.files, torch.float64)
+    drafting.drafter = random_head(local.files, torch.float64)
     exact = _exact_triples(small_vocab)
     assert abs(sum(exact.values()) - 1) < 1e-9
     spec, per_step = _sample_pairs((drafting, stage), "draft", tokens=3)

@@ -117,7 +117,7 @@ def test_tree_ranks_nodes_by_rates() -> None:
 
 
 def test_scored_drafts_stand_for_one_node_each() -> None:
-    """The draft head's nodes carry their own scores; n-gram drafts add theirs along their paths."""
+    """The drafter's nodes carry their own scores; n-gram drafts add theirs along their paths."""
     head = [Draft((1,), "draft", 0.8, 0.8), Draft((1, 2), "draft", 0.5, 0.4), Draft((3,), "draft", 0.1, 0.1),
             Draft((1, 2, 6), "draft", 0.2, 0.08)]
     drafts = [*head, Draft((1, 4), "lookup", 0.3)]

@@ -62,7 +62,7 @@ def f64(tiny_models) -> dict[str, Float64Model]:  # type: ignore[no-untyped-def]
         files = ModelFiles(tiny_models[name])
         end = files.config.num_layers - 1
         local = LocalModel(files, 1, 1, torch.float64)
-        local.draft_head = random_head(files, torch.float64)  # `draft` and `auto` draft with it too
+        local.drafter = random_head(files, torch.float64)  # `draft` and `auto` draft with it too
         models[name] = Float64Model(local, Stage.load(files, 1, end, torch.float64))
     return models
 
@@ -144,7 +144,7 @@ def test_speculative_equals_sequential_and_caches_match(
         found: list[Proposer] = [Scripted(truth, seed), LookaheadWindow(seed=seed)]
         return found + [ContextLookup()] if with_lookup else found
 
-    config = SpeculationConfig(policy=StaticPolicy(budget), head_policy=StaticPolicy(budget), proposers=proposers)
+    config = SpeculationConfig(policy=StaticPolicy(budget), drafter_policy=StaticPolicy(budget), proposers=proposers)
     decoder = SpeculativeDecoder(config)
     pipeline = model.pipeline()
     outs = list(decoder(pipeline, prompt, max_new_tokens, stop_ids))
@@ -173,7 +173,7 @@ def test_speculation_over_a_server_matches_sequential(tiny_models, server) -> No
     """Over a real socket (float32 on the wire and in compute): trees and windows travel and compact there too."""
     folder = tiny_models["qwen2"]
     local = LocalModel(ModelFiles(folder), 1, 1)
-    local.draft_head = random_head(local.files)
+    local.drafter = random_head(local.files)
     url = server(folder, 1, 1).url
     prompt = [3, 4, 5, 6] * 5
 

@@ -55,7 +55,7 @@ def test_draft_mode_with_the_shipped_head_matches_sequential_over_a_server(serve
     and the head's nodes get accepted."""
     url = server(None, 2, 2).url
     remote = SplitClient(None, url, wire_dtype="float32", max_context=512, precision=EXACT)
-    assert remote.local.draft_head is not None, "no draft head is shipped for the default model"
+    assert remote.local.drafter is not None, "no drafter is shipped for the default model"
     prompt = "Explain in three sentences why the sky is blue."
     expected = remote.generate(prompt, 48).ids
     gen = remote.generate(prompt, 48, decode="draft")

@@ -20,7 +20,7 @@ class StepStats:
     window: int = 0  # lookahead-window nodes among `nodes`
     proposer: str = ""  # whose draft the accepted path came from ("" if no draft token was accepted)
     sources: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by their node's sources ("a+b": both)
-    draft_ms: float = 0.0  # the draft head's share of decode_ms (syncing its cache, growing the tree)
+    draft_ms: float = 0.0  # the drafter's share of decode_ms (syncing its cache, growing the tree)
     head_ms: float = 0.0
     serialize_ms: float = 0.0
     round_trip_ms: float = 0.0

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from splitllm.draft.model import DraftHead
-from splitllm.draft.store import load_head
+from splitllm.draft.model import Drafter
+from splitllm.draft.store import load_drafter
 from splitllm.kv import KVCache
 from splitllm.model.blocks import rms_norm
 from splitllm.model.precision import Precision
@@ -43,7 +43,7 @@ class LocalModel:
         tail: int,
         precision: Precision | torch.dtype = torch.float32,
         lm_head_precision: Precision | torch.dtype | None = None,
-        draft_head: str | Path | None = None,
+        drafter: str | Path | None = None,
     ) -> None:
         cfg = files.config
         cfg.check_split(head, tail)
@@ -70,16 +70,16 @@ class LocalModel:
         self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype in wide
         self.head = Stage.load(files, 0, head, self.precision)
         self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, self.precision) if tail else None
-        self.draft_head_path = draft_head
-        if draft_head is not None:
-            self.draft_head  # a head folder that does not fit is refused now, not at the first generation
+        self.drafter_path = drafter
+        if drafter is not None:
+            self.drafter  # a drafter folder that does not fit is refused now, not at the first generation
 
     @cached_property
-    def draft_head(self) -> DraftHead | None:
-        """The draft head of `draft_head_path`, else the one shipped for this model, else None (drafting
+    def drafter(self) -> Drafter | None:
+        """The drafter of `drafter_path`, else the one shipped for this model, else None (drafting
         then uses n-gram sources only). Loaded on first use; assign to swap it. It runs in bfloat16:
         half the drafting time of float32 on this CPU, and drafts are only ever verified."""
-        return load_head(self.files, self.draft_head_path, torch.bfloat16)
+        return load_drafter(self.files, self.drafter_path, torch.bfloat16)
 
     def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dense rows of the LM head for token `ids` (a draft vocabulary), whatever form the head is
@@ -138,7 +138,7 @@ class LocalModel:
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Approximate logits (a 16-bit or quantized LM head) for guesses that are never committed unverified."""
-        return self._softcap(self._draft_head(self.normed(hidden)).float().cpu())
+        return self._softcap(self._drafting_lm_head(self.normed(hidden)).float().cpu())
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcap
@@ -150,8 +150,8 @@ class LocalModel:
         return rms_norm(hidden.to(hp.torch_device, hp.dtype), self.norm, self.cfg.rms_norm_eps)
 
     @cached_property
-    def _draft_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A float32 head is read again as bfloat16 for drafts; any other head is cheap already."""
+    def _drafting_lm_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The LM head drafts read: a float32 one again as bfloat16; any other is cheap already."""
         if not self._row_by_row:
             return self.lm_head
         head = Linear(self.lm_head.weight.to(torch.bfloat16))

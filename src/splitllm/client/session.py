@@ -71,7 +71,7 @@ class SplitClient:
 
     `server=None` runs the middle layers in this process: the same code path minus the network,
     for tests and offline measurements. `precision` (default: the fastest here, `fastest()`) is the
-    client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `draft_head`: a head folder from `splitllm draft train`
+    client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a head folder from `splitllm draft train`
     (default: the head shipped for this model, if any).
     """
 
@@ -86,12 +86,12 @@ class SplitClient:
         precision: Precision | torch.dtype | None = None,
         connection: ConnectionOptions | None = None,
         lm_head_precision: Precision | torch.dtype | None = None,
-        draft_head: str | Path | None = None,
+        drafter: str | Path | None = None,
     ) -> None:
         self.files = ModelFiles(model)
         self.connection = connection  # TLS, token, reconnection deadline and fallback servers
         self.precision = fastest() if precision is None else Precision.of(precision)
-        self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, draft_head)
+        self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, drafter)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype, self.max_context = server, wire_dtype, max_context
         self.dtype = self.precision.dtype

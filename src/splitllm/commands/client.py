@@ -36,7 +36,7 @@ def client(
     client_key: Annotated[Optional[str], typer.Option(help="PEM key of --client-cert")] = None,
     fallback: Annotated[Optional[list[str]], typer.Option(help="another server to fail over to (repeatable)")] = None,
     reconnect_deadline_s: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
-    draft_head: Annotated[Optional[str], typer.Option(help="draft head folder (`splitllm draft train`); default: the shipped one")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="drafter folder (`splitllm draft train`); default: the shipped one")] = None,
 ) -> Any:
     """The SplitClient that the model and connection options of every client command describe."""
     from splitllm.client.connection import ConnectionOptions, read_token
@@ -55,7 +55,7 @@ def client(
         )
     return SplitClient(
         model, server, head, tail, wire_dtype, precision=layers, lm_head_precision=lm_head, connection=options,
-        draft_head=draft_head,
+        drafter=drafter,
     )
 
 

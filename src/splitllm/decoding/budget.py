@@ -70,5 +70,5 @@ class SpecBudget:
 LOOKUP_BUDGET = SpecBudget(max_nodes=8, guesses=3, depth=8)
 LOOKAHEAD_BUDGET = SpecBudget(max_nodes=8, window=4, levels=2, guesses=4, depth=2)
 AUTO_BUDGET = SpecBudget(max_nodes=8, window=2, levels=2, guesses=3, depth=8)
-HEAD_BUDGET = SpecBudget(max_nodes=24, guesses=3, depth=8)  # steps the draft head drafts in
+DRAFTER_BUDGET = SpecBudget(max_nodes=24, guesses=3, depth=8)  # steps the drafter drafts in
 VALUE_BUDGET = SpecBudget(max_nodes=64, guesses=3, depth=10)  # the cap under trees sized by value

@@ -6,7 +6,7 @@ hits over trials per key, shrunk toward the proposer's own guess. The n-gram dra
 kind (`DraftRates`): their first token is right (`first`, per source and proposer confidence) and,
 given the tokens so far were right, the next one is too (`next`, per source); the tree ranks nodes
 by them, so a looping text earns lookup drafts deep branches while a proposer that keeps missing
-loses its nodes. The draft head keeps one per bin of its own probability.
+loses its nodes. The drafter keeps one per bin of its own probability.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ K = TypeVar("K", bound=Hashable)
 class CalibrationConfig:
     """prior_weight: pseudo-observations behind each rate's prior; prior_next: a source's prior chance
     that a draft's next token is right given the earlier ones were; max_next keeps scores strictly
-    falling along a path; head_bins: bins of the draft head's probability, each calibrated apart."""
+    falling along a path; head_bins: bins of the drafter's probability, each calibrated apart."""
 
     prior_weight: float = 4.0
     prior_next: float = 0.7

@@ -1,4 +1,4 @@
-"""Whether growing the draft head's tree pays for itself: drafting sits on the client's critical path."""
+"""Whether growing the drafter's tree pays for itself: drafting sits on the client's critical path."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from splitllm.stats import StepStats
 @dataclass(frozen=True)
 class GateConfig:
     """explore: every explore-th step drafts anyway; decay: of the running averages; prior_gain: the
-    tokens per drafting step only the head proposed before any step drafted (a prior worth one try)."""
+    tokens per drafting step only the drafter proposed before any step drafted (a prior worth one try)."""
 
     explore: int = 8
     decay: float = 0.8
@@ -19,15 +19,15 @@ class GateConfig:
 
 
 class DraftGate:
-    """A step that drafts spends `draft_ms` to gain the tokens only the head proposed; each is worth
+    """A step that drafts spends `draft_ms` to gain the tokens only the drafter proposed; each is worth
     the step time per token (`NodeCost.step_ms` over the tokens a step yields). Both sides are
-    running averages of the steps that drafted; every `explore`-th step drafts anyway, so a head
-    that starts paying (a text it knows) gets its trees back. The head's cache stays in step either way.
+    running averages of the steps that drafted; every `explore`-th step drafts anyway, so a drafter
+    that starts paying (a text it knows) gets its trees back. The drafter's cache stays in step either way.
     """
 
     def __init__(self, config: GateConfig = GateConfig()) -> None:
         self.config = config
-        self.gain = config.prior_gain  # tokens per drafting step only the head proposed
+        self.gain = config.prior_gain  # tokens per drafting step only the drafter proposed
         self.ms = 0.0  # drafting time per drafting step
         self.tokens = 1.0  # tokens per step
 

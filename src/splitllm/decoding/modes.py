@@ -21,8 +21,8 @@ Decoder = Callable[..., Iterator[StepOutput]]
 
 
 def _auto() -> Decoder:
-    """Sizes each step for the link it measures; with a draft head, keeps the tree's nodes worth verifying."""
-    return SpeculativeDecoder(SpeculationConfig(Mode.AUTO, AdaptivePolicy(), head_policy=ValuePolicy()))
+    """Sizes each step for the link it measures; with a drafter, keeps the tree's nodes worth verifying."""
+    return SpeculativeDecoder(SpeculationConfig(Mode.AUTO, AdaptivePolicy(), drafter_policy=ValuePolicy()))
 
 
 DECODERS: Mapping[Mode, Callable[[], Decoder]] = MappingProxyType({

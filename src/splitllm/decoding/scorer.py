@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from splitllm.decoding.proposers.draft_head import ClientLayers
+from splitllm.decoding.proposers.drafter import DraftingClient
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
 
@@ -19,7 +19,7 @@ from splitllm.visibility import Visibility
 class Scorer(Protocol):
     """One generation's model state: its caches and the middle session behind them."""
 
-    local: ClientLayers  # what the draft head drafts with
+    local: DraftingClient  # what the drafter drafts with
 
     @property
     def committed(self) -> int:

@@ -1,8 +1,8 @@
 """The decoding modes, and everything one speculative decoder is set up with.
 
 Mode names are what the CLI and the API take. A speculative mode is a `Drafting`: which proposers
-draft its steps, with and without the draft head, and the static budget that sizes them. A
-`SpeculationConfig` picks a mode and says who sizes the steps, how the head's drafting is gated and
+draft its steps, with and without the drafter, and the static budget that sizes them. A
+`SpeculationConfig` picks a mode and says who sizes the steps, how the drafter's drafting is gated and
 how drafts' acceptance rates are learned.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
-from splitllm.decoding.budget import AUTO_BUDGET, HEAD_BUDGET, LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
+from splitllm.decoding.budget import AUTO_BUDGET, DRAFTER_BUDGET, LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
 from splitllm.decoding.calibration import CalibrationConfig
 from splitllm.decoding.gate import GateConfig
 from splitllm.decoding.policy import BudgetPolicy
@@ -39,19 +39,19 @@ class Drafting:
     """How a speculative mode drafts.
 
     budget: the static budget of its steps.
-    ngrams: the n-gram proposers of steps the draft head does not draft in; None: every step needs the head.
-    head_ngrams: the n-gram proposers beside the head, when the decoder drafts with one; None: it never does.
+    ngrams: the n-gram proposers of steps the drafter does not draft in; None: every step needs the drafter.
+    drafter_ngrams: the n-gram proposers beside the drafter, when the decoder drafts with one; None: it never does.
     """
 
     budget: SpecBudget
     ngrams: tuple[ProposerFactory, ...] | None
-    head_ngrams: tuple[ProposerFactory, ...] | None = None
+    drafter_ngrams: tuple[ProposerFactory, ...] | None = None
 
 
 SPECULATIVE_MODES: Mapping[Mode, Drafting] = MappingProxyType({
     Mode.LOOKAHEAD: Drafting(LOOKAHEAD_BUDGET, (LookaheadWindow,)),
     Mode.LOOKUP: Drafting(LOOKUP_BUDGET, (ContextLookup,)),
-    Mode.DRAFT: Drafting(HEAD_BUDGET, None, (ContextLookup,)),
+    Mode.DRAFT: Drafting(DRAFTER_BUDGET, None, (ContextLookup,)),
     Mode.AUTO: Drafting(AUTO_BUDGET, (ContextLookup, LookaheadWindow), (ContextLookup,)),
 })
 
@@ -61,23 +61,23 @@ class SpeculationConfig:
     """One speculative decoder's setup.
 
     mode: which proposers draft (`SPECULATIVE_MODES`).
-    policy: sizes the steps the draft head does not draft in; None: `budget`, statically.
-    head_policy: sizes the steps it drafts in; None: `head_budget`, statically, in a mode that needs the
-        head, and no head in the others (`auto` drafts with the head only given a head policy, so the
+    policy: sizes the steps the drafter does not draft in; None: `budget`, statically.
+    drafter_policy: sizes the steps it drafts in; None: `head_budget`, statically, in a mode that needs the
+        head, and no drafter in the others (`auto` drafts with the drafter only given a drafter policy, so the
         budget sweep's fixed budgets keep to n-gram sources).
     budget, head_budget: the static budgets of those steps (budget None: the mode's); a seeded sampled
         generation always takes them, since it repeats only if every step's tree does.
     proposers: replaces the mode's n-gram proposers; a `LookaheadWindow` among them gets its Jacobi
         window into every step.
-    gate: when growing the head's tree pays for the time it takes.
+    gate: when growing the drafter's tree pays for the time it takes.
     calibration: how drafts' acceptance rates are learned.
     """
 
     mode: Mode = Mode.AUTO
     policy: BudgetPolicy | None = None
-    head_policy: BudgetPolicy | None = None
+    drafter_policy: BudgetPolicy | None = None
     budget: SpecBudget | None = None
-    head_budget: SpecBudget = HEAD_BUDGET
+    head_budget: SpecBudget = DRAFTER_BUDGET
     proposers: Callable[[], list[Proposer]] | None = None
     gate: GateConfig = GateConfig()
     calibration: CalibrationConfig = CalibrationConfig()
@@ -91,7 +91,7 @@ class SpeculationConfig:
         return SPECULATIVE_MODES[self.mode]
 
     def static_budget(self, with_head: bool) -> SpecBudget:
-        """The static budget of steps the draft head drafts in (`with_head`) or not."""
+        """The static budget of steps the drafter drafts in (`with_head`) or not."""
         if with_head:
             return self.head_budget
         return self.drafting.budget if self.budget is None else self.budget

@@ -24,7 +24,7 @@ from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.gate import DraftGate
 from splitllm.decoding.policy import BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Draft, Proposer
-from splitllm.decoding.proposers.draft_head import DraftHeadProposer
+from splitllm.decoding.proposers.drafter import DrafterProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
@@ -84,15 +84,15 @@ def record(stats: StepStats, tree: DraftTree, layout: WindowLayout | None, verdi
 class SpeculativeDecoder:
     """A decoder (see `DECODERS`) drafting and sizing its steps as its `SpeculationConfig` says.
 
-    `policy` sizes the steps the draft head does not draft in, `head_policy` (None: no head) those it does.
+    `policy` sizes the steps the drafter does not draft in, `drafter_policy` (None: no drafter) those it does.
     """
 
     def __init__(self, config: SpeculationConfig = SpeculationConfig()) -> None:
         self.config = config
         self.policy = config.policy if config.policy is not None else StaticPolicy(config.static_budget(False))
-        self.head_policy = config.head_policy
-        if self.head_policy is None and config.drafting.ngrams is None:  # the mode needs the head
-            self.head_policy = StaticPolicy(config.static_budget(True))
+        self.drafter_policy = config.drafter_policy
+        if self.drafter_policy is None and config.drafting.ngrams is None:  # the mode needs the drafter
+            self.drafter_policy = StaticPolicy(config.static_budget(True))
 
     def __call__(
         self,
@@ -114,21 +114,21 @@ class SpeculativeDecoder:
             yield generation.step()
 
 
-def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], DraftHeadProposer | None]:
-    """A generation's own proposers (they index its history): n-gram ones, and the head's when it drafts."""
+def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], DrafterProposer | None]:
+    """A generation's own proposers (they index its history): n-gram ones, and the drafter's when it drafts."""
     config, drafting = decoder.config, decoder.config.drafting
-    drafts_with_head = decoder.head_policy is not None and drafting.head_ngrams is not None
-    head = pipeline.local.draft_head if drafts_with_head else None
-    ngrams = drafting.ngrams if head is None else drafting.head_ngrams
+    drafts_with_drafter = decoder.drafter_policy is not None and drafting.drafter_ngrams is not None
+    head = pipeline.local.drafter if drafts_with_drafter else None
+    ngrams = drafting.ngrams if head is None else drafting.drafter_ngrams
     if ngrams is None:
         raise ValueError(
-            f"decode mode '{config.mode}' needs a draft head for this model: train one with "
-            "`splitllm draft train --model <model> --out <folder>` and pass --draft-head <folder>"
+            f"decode mode '{config.mode}' needs a drafter for this model: train one with "
+            "`splitllm draft train --model <model> --out <folder>` and pass --drafter <folder>"
         )
     proposers = config.proposers() if config.proposers else [make() for make in ngrams]
     if head is None:
         return proposers, None
-    drafter = DraftHeadProposer(head, pipeline.local, pipeline.max_context, calibration_config=config.calibration)
+    drafter = DrafterProposer(head, pipeline.local, pipeline.max_context, calibration_config=config.calibration)
     return proposers, drafter
 
 
@@ -163,11 +163,11 @@ class _Generation:
         return self.stopped or self.remaining <= 0
 
     def _policy(self, decoder: SpeculativeDecoder) -> BudgetPolicy:
-        """Who sizes this generation's steps: the head's policy when it drafts, the decoder's otherwise."""
+        """Who sizes this generation's steps: the drafter's policy when it drafts, the decoder's otherwise."""
         if self.sampler.params.do_sample and self.sampler.params.seed is not None:
             # A seeded sample repeats only if every step's tree does: size them without the clock.
             return StaticPolicy(decoder.config.static_budget(self.drafter is not None))
-        head = decoder.head_policy if self.drafter is not None else None
+        head = decoder.drafter_policy if self.drafter is not None else None
         return decoder.policy if head is None else head
 
     def step(self) -> StepOutput:
@@ -187,7 +187,7 @@ class _Generation:
             self._advance_window(self.window, hidden[plan.window_rows], stats)
         record(stats, tree, layout, verdict)  # before the gate reads what the step yielded
         if self.drafter is not None:
-            self._feed_head(self.drafter, hidden[keep], stats, grow)
+            self._feed_drafter(self.drafter, hidden[keep], stats, grow)
         self._commit(verdict, stats, keep)
         return StepOutput(verdict.tokens, stats, keep)
 
@@ -197,7 +197,7 @@ class _Generation:
         return replace(budget, depth=min(budget.depth, self.remaining - 1, room))
 
     def _draft(self, budget: SpecBudget) -> tuple[list[Draft], bool]:
-        """Every proposer's drafts, and whether the head grew a tree (the gate's call, with a link cost)."""
+        """Every proposer's drafts, and whether the drafter grew a tree (the gate's call, with a link cost)."""
         self.rates.resolve(self.history)
         drafts = [d for p in self.proposers for d in p.propose(self.history, budget)]
         self.rates.track(drafts, len(self.history))
@@ -228,8 +228,8 @@ class _Generation:
         guesses = self.pipeline.logits(outputs, stats, draft=True).argmax(-1).tolist()
         window.advance(self.chain[-1], guesses)
 
-    def _feed_head(self, drafter: DraftHeadProposer, features: torch.Tensor, stats: StepStats, grew: bool) -> None:
-        """Hand the head the committed nodes' features, and the gate what drafting cost."""
+    def _feed_drafter(self, drafter: DrafterProposer, features: torch.Tensor, stats: StepStats, grew: bool) -> None:
+        """Hand the drafter the committed nodes' features, and the gate what drafting cost."""
         drafter.observe(self.start, features)
         stats.draft_ms = drafter.take_draft_ms()
         self.gate.observe(stats, grew)

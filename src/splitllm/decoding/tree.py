@@ -3,7 +3,7 @@
 A node's score estimates its chance of being accepted: each draft through it adds the chance that
 its tokens are right up to that depth, `first * next ** (depth - 1)` (calibration.py learns the
 rates; by default the draft's confidence and a fixed decay); a node a proposer scored itself (the
-draft head's) adds that score. Scores never rise along a path (ties go to the earlier node, a
+drafter's) adds that score. Scores never rise along a path (ties go to the earlier node, a
 parent), so keeping the best nodes always keeps a node's ancestors too. How many: at most
 `max_nodes`, and with a `NodeCost` only those worth their verification (see budget.py).
 """

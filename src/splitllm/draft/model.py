@@ -1,7 +1,7 @@
-"""An EAGLE-style draft head: one decoder layer that predicts the target's next top-layer feature.
+"""An EAGLE-style drafter: one decoder layer that predicts the target's next top-layer feature.
 
 Input at committed position t is [f_t, e(x_{t+1})]: the target's feature of token t (the output of the
-last decoder layer, before the final norm) and the embedding of the token that followed it. `fc` fuses
+last decoder layer, before the final norm) and the embedding of the token that followed it. `fc` combines
 the pair into one hidden state, one decoder layer of the target's shape (with its own KV cache, masks
 and rotary from `Stage`) turns it into a guess of f_{t+1}, and the target's own final norm and LM head,
 restricted to a reduced draft vocabulary, turn that guess into the distribution of x_{t+2}.
@@ -25,8 +25,8 @@ from splitllm.model.stage import Stage
 from splitllm.visibility import Visibility
 
 
-def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
-    """The one-layer config of a draft head for `target`: same width, heads and rotary, full attention."""
+def drafter_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
+    """The one-layer config of a drafter for `target`: same width, heads and rotary, full attention."""
     return replace(
         target,
         num_layers=1,
@@ -36,25 +36,25 @@ def head_config(target: ModelConfig, intermediate_size: int | None = None) -> Mo
     )
 
 
-class DraftHead(nn.Module):
+class Drafter(nn.Module):
     """fc([feature, next embedding]) -> one decoder layer -> predicted next feature.
 
-    `vocab` holds the target token ids the head may propose (most frequent first); logits are over
+    `vocab` holds the target token ids the drafter may propose (most frequent first); logits are over
     those ids only, in that order.
     """
 
     def __init__(self, cfg: ModelConfig, vocab: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if cfg.num_layers != 1:
-            raise ValueError("a draft head has exactly one decoder layer; build its config with head_config()")
+            raise ValueError("a drafter has exactly one decoder layer; build its config with drafter_config()")
         d = cfg.hidden_size
         self.cfg, self.dtype = cfg, dtype
         self.fc = nn.Linear(2 * d, d, bias=True, dtype=dtype)
         self.stage = Stage(cfg, 0, 1, dtype)
         self.register_buffer("vocab", torch.as_tensor(vocab, dtype=torch.long), persistent=True)
 
-    def packed(self) -> DraftHead:
-        """This head for drafting only: its linear weights in the form the CPU runs fastest (see
+    def packed(self) -> Drafter:
+        """This drafter for drafting only: its linear weights in the form the CPU runs fastest (see
         `Precision.linear`); training and saving use the plain modules."""
         precision = Precision(self.dtype)
         layer = self.stage.layers[0]
@@ -67,7 +67,7 @@ class DraftHead(nn.Module):
     def new_cache(self, max_context: int) -> KVCache:
         return self.stage.new_cache(max_context)
 
-    def fuse(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    def combine(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """(n, d) features and (n, d) next-token embeddings -> (n, d) inputs of the layer."""
         return self.fc(torch.cat([features.to(self.dtype), embeddings.to(self.dtype)], dim=-1))
 
@@ -82,7 +82,7 @@ class DraftHead(nn.Module):
         keep: Sequence[int],
     ) -> torch.Tensor:
         """Predicted next features (n, d) for n new entries, with the cache contract of `Stage.forward`."""
-        return self.stage(cache, self.fuse(features, embeddings), positions, vis, keep)
+        return self.stage(cache, self.combine(features, embeddings), positions, vis, keep)
 
     @torch.inference_mode()
     def grow(
@@ -105,5 +105,5 @@ class DraftHead(nn.Module):
         cos, sin = self.stage.rotaries[self.stage.layer_kinds[0]](positions, self.stage.precision.attention_dtype)
         mask = torch.zeros(sees.shape, dtype=self.stage.precision.attention_dtype).masked_fill_(~sees, float("-inf"))[None, None]
         segment = Segment(slice(0, n), cos, sin, mask, cache.length)
-        x = self.stage.layers[0](self.fuse(features, embeddings)[None], [segment], [cache.layer(0, n)[:2]])
+        x = self.stage.layers[0](self.combine(features, embeddings)[None], [segment], [cache.layer(0, n)[:2]])
         return x[0]

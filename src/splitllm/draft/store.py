@@ -1,10 +1,10 @@
-"""Draft heads on disk: a folder of weights plus metadata, bound to one target model by its fingerprint.
+"""Drafters on disk: a folder of weights plus metadata, bound to one target model by its fingerprint.
 
 A head folder holds `head.safetensors` (fc, the decoder layer and the draft vocabulary, in half
 precision) and `head.json` (what it was trained for, on what, how well it drafts, how to rebuild it).
 Heads shipped with the package live under `splitllm/draft/heads/<name>/` and are found by the
 fingerprint of the loaded model, the way the default model is found without a training step.
-A head only ever proposes: a wrong one costs speed, never correctness, but one trained for other
+A drafter only ever proposes: a wrong one costs speed, never correctness, but one trained for other
 weights would only waste round trips, so it is refused.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitllm.draft.model import DraftHead, head_config
+from splitllm.draft.model import Drafter, drafter_config
 from splitllm.model.weights import ModelFiles
 
 WEIGHTS = "head.safetensors"
@@ -26,12 +26,12 @@ METADATA = "head.json"
 FINGERPRINT_KEY = "target_fingerprint"
 
 
-def shipped_heads_root() -> Path:
+def shipped_drafters_root() -> Path:
     """Where the package keeps its trained heads (one folder per target model)."""
     return Path(str(package_files("splitllm.draft") / "heads"))
 
 
-def save_head(head: DraftHead, folder: str | Path, metadata: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
+def save_drafter(head: Drafter, folder: str | Path, metadata: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
     """Write `head` (weights in `dtype`) and its metadata; metadata must name the target's fingerprint."""
     if not metadata.get(FINGERPRINT_KEY):
         raise ValueError(f"head metadata needs the target model's fingerprint under {FINGERPRINT_KEY!r}")
@@ -56,7 +56,7 @@ def save_head(head: DraftHead, folder: str | Path, metadata: dict[str, Any], dty
 def read_metadata(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / METADATA
     if not path.is_file():
-        raise ValueError(f"{folder} is not a draft head folder: it has no {METADATA}")
+        raise ValueError(f"{folder} is not a drafter folder: it has no {METADATA}")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -66,8 +66,8 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.dtype) -> DraftHead:
-    """Rebuild the head from its folder; shapes are checked against the target's config."""
+def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.dtype) -> Drafter:
+    """Rebuild the drafter from its folder; shapes are checked against the target's config."""
     weights_path = folder / WEIGHTS
     if not weights_path.is_file():
         raise ValueError(f"{folder} has {METADATA} but no {WEIGHTS}")
@@ -77,18 +77,18 @@ def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.d
     vocab = tensors["vocab"].long()
     if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= files.config.vocab_size:
         raise ValueError(f"{weights_path}: draft vocabulary ids must lie in [0, {files.config.vocab_size})")
-    cfg = head_config(files.config, int(meta.get("intermediate_size") or files.config.intermediate_size))
-    head = DraftHead(cfg, vocab, dtype)
+    cfg = drafter_config(files.config, int(meta.get("intermediate_size") or files.config.intermediate_size))
+    head = Drafter(cfg, vocab, dtype)
     try:
         head.load_state_dict({k: v.long() if k == "vocab" else v for k, v in tensors.items()}, strict=True)
     except RuntimeError as e:
-        raise ValueError(f"{weights_path} does not fit a draft head for this model: {e}") from e
+        raise ValueError(f"{weights_path} does not fit a drafter for this model: {e}") from e
     return head.eval().packed()
 
 
 def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
     """The shipped head folder trained for the model with this fingerprint, if any."""
-    root = root or shipped_heads_root()
+    root = root or shipped_drafters_root()
     if not root.is_dir():
         return None
     for folder in sorted(p for p in root.iterdir() if (p / METADATA).is_file()):
@@ -97,9 +97,9 @@ def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
     return None
 
 
-def load_head(files: ModelFiles, path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> DraftHead | None:
+def load_drafter(files: ModelFiles, path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> Drafter | None:
     """`path` (a folder written by `splitllm draft train`) if given: refused with a clear ValueError when its
-    target fingerprint differs from files.fingerprint. Otherwise the head shipped in the package for this
+    target fingerprint differs from files.fingerprint. Otherwise the drafter shipped in the package for this
     model (matched by fingerprint), or None when there is none."""
     if path is None:
         folder = find_shipped(files.fingerprint)
@@ -108,7 +108,7 @@ def load_head(files: ModelFiles, path: str | Path | None = None, dtype: torch.dt
     meta = read_metadata(folder)
     if meta[FINGERPRINT_KEY] != files.fingerprint:
         raise ValueError(
-            f"the draft head in {folder} was trained for another model "
+            f"the drafter in {folder} was trained for another model "
             f"({meta.get('model', 'unknown')}, fingerprint {meta[FINGERPRINT_KEY][:12]}...), not for "
             f"{files.path} (fingerprint {files.fingerprint[:12]}...): train one with "
             f"`splitllm draft train --model <model> --out <folder>`"

@@ -15,7 +15,7 @@ class Draft:
 
     confidence: the proposer's estimate that the first token is right, in (0, 1]; it only ranks
     nodes when the tree must drop some, so a wrong estimate costs speed, never correctness.
-    score: set by proposers that score tree nodes themselves (the draft head): the draft then stands
+    score: set by proposers that score tree nodes themselves (the drafter): the draft then stands
     for its last token's node only, whose estimated chance of being accepted (whole path) this is.
     """
 

@@ -119,7 +119,7 @@ def speculation(
     ] = "sequential,lookup,lookahead,draft,auto,auto-static",
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
     wire_dtype: Annotated[str, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",
-    draft_head: Annotated[Optional[str], typer.Option(help="draft head folder (default: the shipped one)")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="drafter folder (default: the shipped one)")] = None,
     setting: Setting = None,
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
@@ -131,7 +131,7 @@ def speculation(
         raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt_ms, modes, out, progress=_progress, sampling=sampling,
-        wire_dtype=wire_dtype, draft_head=draft_head, precision=parse_setting(setting),
+        wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting),
     )
     typer.echo(result["markdown"])
 

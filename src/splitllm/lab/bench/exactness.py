@@ -95,9 +95,9 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 def check_exactness(
     client: SplitClient, prompts: Sequence[str], max_new_tokens: int, modes: Sequence[str] | None = None
 ) -> ExactnessReport:
-    """Every mode (default: all speculative modes, `draft` only when the model has a draft head)."""
+    """Every mode (default: all speculative modes, `draft` only when the model has a drafter)."""
     if modes is None:
-        modes = [m for m in MODES if m != "draft" or client.local.draft_head is not None]
+        modes = [m for m in MODES if m != "draft" or client.local.drafter is not None]
     report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes}, precision=client.precision.name)
     middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     for p, prompt in enumerate(prompts):

@@ -47,7 +47,7 @@ class Tally:
     won: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> steps its draft won
     drafted: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> draft tokens accepted
     sources: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # node sources -> draft tokens accepted
-    draft_ms: float = 0.0  # the draft head's time (part of the client's critical path)
+    draft_ms: float = 0.0  # the drafter's time (part of the client's critical path)
 
     def add(self, run: dict, identical: bool) -> None:
         self.prompts += 1
@@ -144,7 +144,7 @@ def markdown(summary: dict, settings: dict) -> str:
         f"{settings['head']}+{settings['tail']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
         f"{settings['prompts_per_category']} prompts per category, one thread each side, "
         f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
-        f"{', draft head ' + settings['draft_head'] if settings.get('draft_head') else ''}.",
+        f"{', drafter ' + settings['drafter'] if settings.get('drafter') else ''}.",
         "",
         "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
         "| draft ms/step |",
@@ -194,26 +194,26 @@ def run_speculation(
     progress: Callable[[str], None] = lambda _: None,
     sampling: SamplingParams | None = None,
     wire_dtype: str = "float32",
-    draft_head: str | None = None,
+    drafter: str | None = None,
     precision: Precision | None = None,
 ) -> dict:
     """The benchmark end to end, both sides in `precision`; writes OUT/speculation.json and OUT/speculation.md.
 
-    `draft_head`: a head folder (default: the one shipped for the model); without any head the
+    `drafter`: a head folder (default: the one shipped for the model); without any head the
     `draft` mode is left out and `auto` drafts with n-gram sources only.
     """
     if "sequential" not in modes:
         modes = ("sequential", *modes)
     set_compute_threads(1)
     precision = precision or fastest()
-    client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, draft_head=draft_head)
-    if client.local.draft_head is None and "draft" in modes:
-        progress("no draft head for this model: the draft mode is left out")
+    client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter)
+    if client.local.drafter is None and "draft" in modes:
+        progress("no drafter for this model: the draft mode is left out")
         modes = tuple(m for m in modes if m != "draft")
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
     settings = {"rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens, "prompts_per_category": prompts_per_category,
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
-                "wire_dtype": wire_dtype, "draft_head": draft_head or ("shipped" if client.local.draft_head else ""),
+                "wire_dtype": wire_dtype, "drafter": drafter or ("shipped" if client.local.drafter else ""),
                 "precision": precision.name}
     with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args()) as server:
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:

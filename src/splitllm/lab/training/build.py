@@ -1,4 +1,4 @@
-"""`splitllm draft train` end to end: data, features, training, validation, a head folder with metadata.
+"""`splitllm draft train` end to end: data, features, training, validation, a drafter folder with metadata.
 
 The expensive intermediate products (the target's answers, the features) are kept in a work folder
 keyed by what produced them, so a rerun with other training settings skips straight to training.
@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from splitllm.client.local import LocalModel
 from splitllm.lab.training import data, train
-from splitllm.draft.store import FINGERPRINT_KEY, save_head
+from splitllm.draft.store import FINGERPRINT_KEY, save_drafter
 from splitllm.model.weights import ModelFiles, cache_root
 
 
@@ -69,7 +69,7 @@ class _Bar:
 def _answers(files: ModelFiles, tok, settings: DataSettings, work: Path, bar: _Bar) -> tuple[list[list[int]], float]:
     """The target's answers, reusing a cached run over the same prompts (a longer one's prefix counts).
 
-    The work folder keeps what each answering run cost (`seconds`), so a head built from cached answers
+    The work folder keeps what each answering run cost (`seconds`), so a drafter built from cached answers
     still reports it."""
     prompts = data.build_prompts(settings.prompts, settings.seed)
     path = work / f"answers-{_digest([files.fingerprint, settings.max_new_tokens, settings.seed])}.json"
@@ -122,7 +122,7 @@ def build_head(
     show_progress: bool = True,
     command: Sequence[str] | None = None,
 ) -> dict:
-    """Build the data, train a head for `model`, validate it and write it to `out`; returns the metadata."""
+    """Build the data, train a drafter for `model`, validate it and write it to `out`; returns the metadata."""
     files = ModelFiles(model)
     work = Path(work) if work else cache_root() / "draft-data" / files.fingerprint[:16]
     work.mkdir(parents=True, exist_ok=True)
@@ -208,5 +208,5 @@ def build_head(
         "reproduce": shlex.join(command) if command else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    save_head(head, out, meta)
+    save_drafter(head, out, meta)
     return json.loads((Path(out) / "head.json").read_text())

@@ -1,4 +1,4 @@
-"""`splitllm draft train`: a draft head for a model, trained here from its own answers and features."""
+"""`splitllm draft train`: a drafter for a model, trained here from its own answers and features."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 
 from splitllm.commands.options import Model, Threads, reported, set_threads
 
-app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train a draft head for a model.")
+app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train a drafter for a model.")
 
 
 @app.command("train")
@@ -27,7 +27,7 @@ def train(
     work: Annotated[Optional[str], typer.Option(help="folder caching answers and features (default: under the cache)")] = None,
     threads: Threads = None,
 ) -> None:
-    """Train an EAGLE-style draft head on the model's own answers and features; write weights and metadata."""
+    """Train an EAGLE-style drafter on the model's own answers and features; write weights and metadata."""
     from splitllm.lab.training.build import DataSettings, build_head
     from splitllm.lab.training.train import TrainSettings
 

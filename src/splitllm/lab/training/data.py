@@ -1,13 +1,13 @@
-"""Training data for a draft head, built offline: the target's own answers plus licensed text.
+"""Training data for a drafter, built offline: the target's own answers plus licensed text.
 
 Two sources, both chat-templated the way the client sends prompts:
 - self-distillation: prompts made from templates over topic lists (everyday subjects, programming
   tasks, standard-library modules and language topics) answered greedily by the target model itself,
-  so the head sees the target's own style of text;
+  so the drafter sees the target's own style of text;
 - text: running prose of the Python Language Reference and standard-library sources (the privacy
   corpus' training documents only; its test documents stay unseen), as assistant turns.
 Every sequence is checked against every evaluation prompt of this project by shared token n-grams;
-a sequence that shares one is dropped, and the check's result goes into the head's metadata.
+a sequence that shares one is dropped, and the check's result goes into the drafter's metadata.
 Labels are never the text's tokens: training reads the target's features and its next-token
 distribution at every position (`features`), so any text teaches the target's behaviour.
 """
@@ -163,7 +163,7 @@ class Features:
 
 
 class Extractor:
-    """Our own decoder over all layers: the features the split client's tail hands the head."""
+    """Our own decoder over all layers: the features the split client's tail hands the drafter."""
 
     def __init__(self, files: ModelFiles) -> None:
         self.stage = Stage.load(files, 0, files.config.num_layers, torch.float32)

@@ -1,11 +1,11 @@
-"""Training a draft head on the target's features: EAGLE-1 losses with unrolled deeper steps.
+"""Training a drafter on the target's features: EAGLE-1 losses with unrolled deeper steps.
 
 Pass 0 feeds real features: row t takes (f_t, e(x_{t+1})) at position t and guesses f_{t+1}. Pass k
 feeds pass k-1's guesses back, as the proposer does when it drafts k tokens deep: row t takes (the
 guess of f_t, e(g_t)) where g_t is the target's greedy token after position t, and attends to the real
 entries of positions <= t-k plus the one guess per deeper pass on its own chain (training-time test,
 as in HASS/EAGLE-3). Every pass is scored against the real f_{t+1} (smooth-L1) and the target's
-next-token distribution restricted to the draft vocabulary (cross-entropy). The head's decoder layer
+next-token distribution restricted to the draft vocabulary (cross-entropy). The drafter's decoder layer
 starts as a copy of the target's last layer, and `fc` as the identity on the feature half.
 
 Validation on held-out sequences measures greedy acceptance per depth: the share of chains where the
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from splitllm.client.local import LocalModel
 from splitllm.lab.training.data import Features
-from splitllm.draft.model import DraftHead, head_config
+from splitllm.draft.model import Drafter, drafter_config
 from splitllm.model.blocks import Segment, rms_norm
 from splitllm.model.stage import Stage
 
@@ -63,7 +63,7 @@ class Sequence_:
 
 
 class Target:
-    """The client's own pieces the head is trained against: embedding, final norm, LM head."""
+    """The client's own pieces the drafter is trained against: embedding, final norm, LM head."""
 
     def __init__(self, local: LocalModel) -> None:
         self.embed = local.input_table()  # scaled as layer 0 sees it, for families that scale it
@@ -106,7 +106,7 @@ def _visibility(n: int, k: int) -> torch.Tensor:
 
 
 def unrolled(
-    head: DraftHead, target: Target, batch: Sequence[Sequence_], passes: int, greedy: bool = False
+    head: Drafter, target: Target, batch: Sequence[Sequence_], passes: int, greedy: bool = False
 ) -> list[torch.Tensor]:
     """Predicted features of every pass, rows of all sequences stacked: [(rows, d)] * passes.
 
@@ -130,9 +130,9 @@ def unrolled(
         if k:
             prev = outs[-1]
             shifted = torch.cat([torch.cat([f[:1], p[:-1]]) for f, p in zip(feats_in.split(lens), prev.split(lens))])
-            x = head.fuse(shifted, target.embed[deep_tokens])
+            x = head.combine(shifted, target.embed[deep_tokens])
         else:
-            x = head.fuse(feats_in, target.embed[tokens])
+            x = head.combine(feats_in, target.embed[tokens])
         segments, bufs, row = [], [], 0
         for n, (cos, sin), (kc, vc) in zip(lens, rope, kv):
             pad = torch.zeros(1, cfg.num_kv_heads, n, cfg.head_dim)
@@ -178,10 +178,10 @@ def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
     ]
 
 
-def new_head(local: LocalModel, vocab: Sequence[int]) -> DraftHead:
+def new_head(local: LocalModel, vocab: Sequence[int]) -> Drafter:
     """A head whose layer starts as the target's last layer and whose fc passes the feature through."""
     cfg = local.cfg
-    head = DraftHead(head_config(cfg), vocab)
+    head = Drafter(drafter_config(cfg), vocab)
     last = cfg.num_layers - 1
     head.stage.load_state_dict(Stage.load(local.files, last, last + 1, torch.float32).state_dict())
     d = cfg.hidden_size
@@ -204,7 +204,7 @@ class Validation:
 
 
 @torch.no_grad()
-def validate(head: DraftHead, target: Target, data: Sequence[Sequence_], depth: int, tokens: int = 2048) -> Validation:
+def validate(head: Drafter, target: Target, data: Sequence[Sequence_], depth: int, tokens: int = 2048) -> Validation:
     vocab_index = _vocab_index(head, target)
     rows = target.lm_head[head.vocab]
     reached = [0] * (depth + 1)
@@ -236,14 +236,14 @@ def feature_rms(data: Sequence[Sequence_]) -> float:
     return math.sqrt(total / max(sum(s.feats.numel() for s in data), 1))
 
 
-def _vocab_index(head: DraftHead, target: Target) -> torch.Tensor:
+def _vocab_index(head: Drafter, target: Target) -> torch.Tensor:
     index = torch.full((target.lm_head.shape[0],), -1, dtype=torch.long)
     index[head.vocab] = torch.arange(head.vocab.numel())
     return index
 
 
 def train(
-    head: DraftHead,
+    head: Drafter,
     target: Target,
     data: Sequence[Sequence_],
     settings: TrainSettings,

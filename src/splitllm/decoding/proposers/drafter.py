@@ -1,13 +1,13 @@
-"""The draft head's proposer: a token tree grown EAGLE-2 style from the client's own top-layer features.
+"""The drafter's proposer: a token tree grown EAGLE-2 style from the client's own top-layer features.
 
-The head's cache mirrors the committed sequence: after every step the decoder hands over the true
+The drafter's cache mirrors the committed sequence: after every step the decoder hands over the true
 features (tail output) of the positions it committed, and the next `propose` appends one entry per
 such position t with input (f_t, embed(x_{t+1})), after dropping the previous tree's speculative
 entries. The last entry predicts the feature after the bonus token, whose logits over the draft
 vocabulary give the tree's first level. Each later depth runs the best `beam` frontier nodes at
 once (each sees the committed entries and its own ancestors) and offers every one's `top_k` tokens.
 
-Node scores are estimated acceptance chances: the product along the path of the head's probability,
+Node scores are estimated acceptance chances: the product along the path of the drafter's probability,
 recalibrated per probability bin against the tokens actually committed. They depend only on the
 committed history and features, never on the sampler's draws, so greedy output stays sequential's
 and speculative sampling stays exact with the candidates treated as point masses.
@@ -25,20 +25,20 @@ import torch
 from splitllm.decoding.budget import SpecBudget
 from splitllm.decoding.calibration import Calibration, CalibrationConfig
 from splitllm.decoding.proposers import Draft
-from splitllm.draft.model import DraftHead
+from splitllm.draft.model import Drafter
 from splitllm.model.precision import Precision
 
 MIN_SCORE = 0.01  # nodes less likely than this are not expanded when no link cost says otherwise
 
 
-class ClientLayers(Protocol):
-    """What the head drafts with besides itself: the client's embedding, final norm and LM head
-    (the client's `LocalModel`), and the head shipped or trained for the model, if any."""
+class DraftingClient(Protocol):
+    """What the drafter drafts with besides itself: the client's embedding, final norm and LM head
+    (the client's `LocalModel`), and the drafter shipped or trained for the model, if any."""
 
     dtype: torch.dtype
 
     @property
-    def draft_head(self) -> DraftHead | None: ...
+    def drafter(self) -> Drafter | None: ...
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
@@ -52,22 +52,22 @@ class _Node:
     token: int
     parent: int  # index into the tree's nodes, -1: the root (the bonus token)
     depth: int
-    q: float  # the head's probability of this token given its parent
+    q: float  # the drafter's probability of this token given its parent
     bin: int  # q's calibration bin
     score: float  # estimated chance that the whole path is accepted
-    slot: int = -1  # its head-cache entry, once expanded
+    slot: int = -1  # its drafter-cache entry, once expanded
     children: list[int] = field(default_factory=list)
 
 
-class DraftHeadProposer:
+class DrafterProposer:
     """A Proposer whose drafts are single scored nodes of a tree (see `Draft.score`)."""
 
     name = "draft"
 
     def __init__(
         self,
-        head: DraftHead,
-        local: ClientLayers,
+        head: Drafter,
+        local: DraftingClient,
         max_context: int,
         top_k: int = 6,
         beam: int = 4,
@@ -82,7 +82,7 @@ class DraftHeadProposer:
         self.calibration: Calibration[int] = Calibration(calibration_config.prior_weight)  # P(right | bin of q)
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
-        self.committed = 0  # head-cache entries holding committed positions
+        self.committed = 0  # drafter-cache entries holding committed positions
         self.tree: list[_Node] = []
         self.tree_start = 0  # history index of the tree's depth-1 tokens
         self.draft_ms = 0.0  # time spent drafting since the last take_draft_ms()
@@ -120,7 +120,7 @@ class DraftHeadProposer:
         first = self.pending[0][0]
         self.pending = []
         if first != self.next_position:
-            raise ValueError(f"draft head fed position {first}, expected {self.next_position}")
+            raise ValueError(f"drafter fed position {first}, expected {self.next_position}")
         n = features.shape[0]
         positions = torch.arange(first, first + n)
         if first + n >= len(history):
@@ -138,7 +138,7 @@ class DraftHeadProposer:
         return torch.softmax(self.vocab_head(normed).float(), dim=-1)
 
     def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
-        """Add the top_k children of each parent (-1: root), given its head output."""
+        """Add the top_k children of each parent (-1: root), given its drafter output."""
         q, idx = self._probs(outputs).topk(min(self.top_k, self.vocab_head.out_features), dim=-1)
         bins = (q * self.bins).long().clamp_(0, self.bins - 1)
         rates = [[self.calibration.rate(b, p) for b, p in zip(*row)] for row in zip(bins.tolist(), q.tolist())]
