@@ -19,7 +19,8 @@ from splitllm.client.local import LocalModel
 from splitllm.lab.bench.quiet import OtherLoad, wait_quiet
 from splitllm.model.precision import Precision
 from splitllm.model.weights import ModelFiles
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
+from splitllm.server.settings import ServerSettings
 from splitllm.visibility import Visibility
 
 FORWARD_TOKENS = (1, 8, 32)

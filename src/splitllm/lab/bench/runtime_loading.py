@@ -22,7 +22,8 @@ from splitllm.lab.bench.runtime_compute import MIB, weight_bytes_of
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
+from splitllm.server.settings import ServerSettings
 from splitllm.threads import set_compute_threads
 
 
