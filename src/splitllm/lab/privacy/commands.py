@@ -38,7 +38,7 @@ def audit(
 ) -> None:
     """Train and run token-recovery attacks at each split depth, measure defenses, write a report."""
     from splitllm.lab.privacy.audit import run_audit
-    from splitllm.lab.privacy.config import AuditConfig
+    from splitllm.lab.privacy.audit_config import AuditConfig
     from splitllm.lab.privacy.published import PUBLISHED
     from splitllm.lab.privacy.report_tables import markdown
 
@@ -86,7 +86,7 @@ def private_head(
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
 ) -> None:
     """Fine-tune the client's first K layers with a secret seed and attack them without the secret."""
-    from splitllm.lab.privacy.config import AuditConfig
+    from splitllm.lab.privacy.audit_config import AuditConfig
     from splitllm.lab.privacy.audit import run_private_head
 
     _log_progress()
