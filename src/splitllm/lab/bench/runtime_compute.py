@@ -101,10 +101,10 @@ def server_forward(
 
         with OtherLoad([os.getpid()]) as others:
             timing = median_ms(step, repeats=max(12, 60 // n))
-            if n == 1 and stage.fused:
-                stage.fuse = False
+            if n == 1 and stage.runs_fused_step:
+                stage.use_fused_step = False
                 timing["layered_ms"] = median_ms(step, repeats=12)["median_ms"]
-                stage.fuse = True
+                stage.use_fused_step = True
         rows[str(n)] = {
             **timing, "floor_ms": floor_ms, "floor_ratio": timing["median_ms"] / floor_ms, "others_cores": others.cores
         }
