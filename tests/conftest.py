@@ -35,7 +35,8 @@ from splitllm.draft.model import Drafter, drafter_config
 from splitllm.lab.launch import ServerThread, free_port
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
+from splitllm.server.settings import ServerSettings
 
 
 def pytest_configure() -> None:

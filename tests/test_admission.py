@@ -24,8 +24,9 @@ from websockets.exceptions import ConnectionClosed
 from splitllm.client.connection import ConnectionOptions, is_transient
 from splitllm.client.remote import RemoteMiddle
 from splitllm.lab.launch import ServerProcess, ServerThread
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
 from splitllm.server.auth import TokenTable
+from splitllm.server.settings import ServerSettings
 
 HEAD, TAIL = 1, 1
 TOKENS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob", "ops")}

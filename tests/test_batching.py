@@ -86,7 +86,7 @@ def test_batched_greedy_decoding_equals_solo_on_the_default_model(default_files,
 
 
 def test_load_report_scales_each_server_against_its_own_single_client(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from splitllm.lab.bench.load import markdown, plot, scaling
+    from splitllm.lab.bench.load_report import markdown, plot, scaling
 
     def row(server: str, clients: int, tps: float, p50: float) -> dict:
         return {"server": server, "clients": clients, "correct_clients": clients, "aggregate_tokens_per_s": tps,

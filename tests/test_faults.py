@@ -19,7 +19,8 @@ from splitllm.client.session import SplitClient
 from splitllm.lab.launch import ServerProcess, ServerThread
 from splitllm.model.weights import ModelFiles
 from splitllm.lab.netem import LinkProfile, ProxyThread
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
+from splitllm.server.settings import ServerSettings
 from splitllm.visibility import Visibility
 
 HEAD, TAIL = 1, 1

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from splitllm.model import cpu_kernels
-from splitllm.model.attention import KernelAttention, fused
+from splitllm.model.attention import KernelAttention, torch_attention
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, on_huge_pages
 from splitllm.model.stage import Stage, StepInput
@@ -128,7 +128,7 @@ def test_attention_kernel_matches_pytorch(heads, kv_heads, dim, n) -> None:  # t
     for m in (mask[None, None], None):
         out = KernelAttention(KERNELS)(q, k, v, m, 0.2)
         assert out.shape == (1, n, heads * dim)
-        assert torch.allclose(out, fused(q, k, v, m, 0.2), atol=2e-6, rtol=1e-5)
+        assert torch.allclose(out, torch_attention(q, k, v, m, 0.2), atol=2e-6, rtol=1e-5)
 
 
 @needs_kernels
@@ -185,15 +185,15 @@ def test_attention_kernel_serves_prompts_and_leaves_other_head_sizes_to_pytorch(
     assert torch.equal(with_tree[:, :70], prompt)
     assert not KernelAttention.supports(16, torch.float32) and not KernelAttention.supports(64, torch.bfloat16)
     assert isinstance(Precision(torch.bfloat16).attention(64), KernelAttention)
-    assert Precision(torch.float32).attention(64) is fused  # the exact mode attends as transformers does
+    assert Precision(torch.float32).attention(64) is torch_attention  # the exact mode attends as transformers does
     expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).reshape(1, 90, -1)
-    assert torch.equal(fused(q, k, v, None, None), expected)
+    assert torch.equal(torch_attention(q, k, v, None, None), expected)
 
 
-def _stage(path, precision: Precision, fuse: bool) -> Stage:  # type: ignore[no-untyped-def]
+def _stage(path, precision: Precision, use_fused_step: bool) -> Stage:  # type: ignore[no-untyped-def]
     files = ModelFiles(path)
     stage = Stage.load(files, 1, files.config.num_layers - 1, precision)
-    stage.fuse = fuse
+    stage.use_fused_step = use_fused_step
     return stage
 
 
@@ -217,9 +217,9 @@ def _prompt_and_step(stage: Stage, seed: int, prompt: int = 20, n: int = 5) -> t
 @pytest.mark.parametrize("model", ["mistral", "gemma3"])  # Gemma: q/k and sandwich norms, GELU, two kinds of layer
 def test_fused_step_matches_layer_by_layer(model, quant, tiny_models) -> None:  # type: ignore[no-untyped-def]
     precision = Precision(torch.bfloat16, quant)
-    fused_stage, layered = (_stage(tiny_models[model], precision, fuse) for fuse in (True, False))
+    fused_stage, layered = (_stage(tiny_models[model], precision, use) for use in (True, False))
     exact = _stage(tiny_models[model], Precision(), False)
-    assert fused_stage.fused and not layered.fused
+    assert fused_stage.runs_fused_step and not layered.runs_fused_step
     for outs in zip(*(_prompt_and_step(s, seed=7) for s in (fused_stage, layered, exact))):
         fused_out, layered_out, reference = (o.float() for o in outs)
         assert fused_out.dtype == torch.float32 and fused_out.shape == reference.shape

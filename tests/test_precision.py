@@ -176,7 +176,7 @@ def _forward(ms: float, floor: float) -> dict:
 
 def test_runtime_report_checks_every_target() -> None:
     """The report's arithmetic on a made-up run: targets met, missed and not measured."""
-    from splitllm.lab.bench.runtime import TARGETS, _met, markdown
+    from splitllm.lab.bench.runtime_report import TARGETS, markdown, met
 
     step = {"total_ms": 20.0, "head_ms": 2.0, "server_ms": 10.0, "network_ms": 0.5, "tail_ms": 3.0}
     run = {"rtt_ms": 0.0, "tok_s": 50.0, "tokens_per_step": 1.0, "mean_step_ms": step, "others_cores": 0.0}
@@ -190,11 +190,11 @@ def test_runtime_report_checks_every_target() -> None:
         "decoding": {"bfloat16-int8": {"sequential": {"0": run}}, "float32-none": {"sequential": {"0": {**run, "tok_s": 25.0}}}},
         "decoding_wire_dtype": "float16",
     }
-    met = _met(result)
-    assert met["server_1_token_ms_bfloat16-int8"] and met["client_1_token_ms"] and met["sequential_tok_s_at_0ms"]
-    assert met["speedup_over_float32_at_0ms"] and not met["server_1_token_floor_ratio"]  # float32 at 1.43x its floor
-    assert met["server_1_token_ms_bfloat16-none"] is None and met["sequential_tok_s_at_80ms"] is None
-    text = markdown({**result, "met": met})
+    verdicts = met(result)
+    assert verdicts["server_1_token_ms_bfloat16-int8"] and verdicts["client_1_token_ms"] and verdicts["sequential_tok_s_at_0ms"]
+    assert verdicts["speedup_over_float32_at_0ms"] and not verdicts["server_1_token_floor_ratio"]  # float32 at 1.43x its floor
+    assert verdicts["server_1_token_ms_bfloat16-none"] is None and verdicts["sequential_tok_s_at_80ms"] is None
+    text = markdown({**result, "met": verdicts})
     assert "| bfloat16-int8 | 1 | 88 | 9.0 | 8.0 (0.89x) |" in text and "| sequential_tok_s_at_80ms | 9.5 | not measured |" in text
 
 

@@ -21,7 +21,7 @@ from splitllm.lab.privacy.attacks.map_beam import fit, map_beam
 from splitllm.lab.privacy.attacks.whitebox import LanguageModelPrior, invert
 from splitllm.lab.privacy.checks import quick_checks
 from splitllm.lab.rates import clopper_pearson
-from splitllm.lab.privacy.report import DOCS, PUBLISHED, load, render_docs
+from splitllm.lab.privacy.published import DOCS, PUBLISHED, load, render_docs
 from splitllm.lab.privacy.states import WIRE_DTYPE, PublicModel
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility

@@ -23,7 +23,8 @@ from splitllm.client.session import SplitClient
 from splitllm.lab.launch import ServerThread
 from splitllm.model.precision import fastest
 from splitllm.model.weights import ModelFiles, packaged_gguf_path
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
+from splitllm.server.settings import ServerSettings
 
 pytestmark = pytest.mark.slow
 

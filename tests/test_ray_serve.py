@@ -14,7 +14,7 @@ from protocol_client import greedy
 from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
 from splitllm.lab.launch import free_port
-from splitllm.server.app import ServerSettings
+from splitllm.server.settings import ServerSettings
 
 ray = pytest.importorskip("ray")
 ray_deployment = pytest.importorskip("splitllm.server.ray_deployment")

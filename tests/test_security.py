@@ -44,9 +44,10 @@ from splitllm.client.connection import (
 from splitllm.client.remote import RemoteMiddle
 from splitllm.lab.launch import ServerThread
 from splitllm.model.weights import ModelFiles
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
 from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import formatter
+from splitllm.server.settings import ServerSettings
 from splitllm.server.transport import TlsFiles
 
 HEAD, TAIL = 1, 1

@@ -17,7 +17,8 @@ from splitllm.client.session import SplitClient
 from splitllm.model.precision import EXACT
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.model.weights import ModelFiles
-from splitllm.server.app import MiddleServer, ServerSettings
+from splitllm.server.app import MiddleServer
+from splitllm.server.settings import ServerSettings
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
 

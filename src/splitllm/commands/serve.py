@@ -106,9 +106,10 @@ def serve(
     """Run the middle layers behind a WebSocket endpoint (never loads embedding or LM head)."""
     import uvicorn
 
-    from splitllm.server.app import MiddleServer, ServerSettings
+    from splitllm.server.app import MiddleServer
     from splitllm.server.auth import TokenTable
     from splitllm.server.logs import configure
+    from splitllm.server.settings import ServerSettings
     from splitllm.server.transport import is_loopback, uvicorn_config
 
     if engine not in ("uvicorn", "ray"):

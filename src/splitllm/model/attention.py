@@ -1,4 +1,4 @@
-"""How a layer attends: PyTorch's fused attention, or splitllm's CPU kernel in 16-bit settings.
+"""How a layer attends: PyTorch's scaled-dot-product attention, or splitllm's CPU kernel in 16-bit settings.
 
 Both take queries (1, H, n, D) and a cache view (1, KV, L, D) with an additive mask (or None) and return
 (1, n, H * D). The kernel (`kernels/attention.cpp`) is 2-4x faster for one to eight rows and gives a row
@@ -20,7 +20,9 @@ import torch.nn.functional as F
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
 
 
-def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+def torch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
     """PyTorch's attention; `scale` None is 1 / sqrt(head size)."""
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).reshape(1, q.shape[2], -1)

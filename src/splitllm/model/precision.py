@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from splitllm.model import cpu_kernels
-from splitllm.model.attention import Attention, KernelAttention, fused
+from splitllm.model.attention import Attention, KernelAttention, torch_attention
 from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -80,7 +80,7 @@ class Precision:
             _warn_without_kernels(self.name)
         if kernels is not None and KernelAttention.supports(head_dim, self.attention_dtype):
             return KernelAttention(kernels)
-        return fused
+        return torch_attention
 
     @property
     def name(self) -> str:

@@ -68,8 +68,8 @@ class Stage(nn.Module):
 
     Weights are shared; each session brings its own cache (`new_cache`). `precision` (or a bare
     dtype: dense weights on the CPU) fixes how the stage stores and computes, once. Where the CPU
-    kernels run this precision, a step goes through all layers in one call (`fused.py`); `fuse =
-    False` runs it layer by layer instead (for comparison: the rounding differs slightly).
+    kernels run this precision, a step goes through all layers in one call (`fused.py`);
+    `use_fused_step = False` runs it layer by layer instead (for comparison: the rounding differs slightly).
     """
 
     def __init__(self, cfg: ModelConfig, start: int, end: int, precision: Precision | torch.dtype) -> None:
@@ -86,7 +86,7 @@ class Stage(nn.Module):
         self.layer_kinds = [distinct.index(k) for k in kinds]
         self.windows = [w for w, _ in distinct]
         self.rotaries = [Rotary(rope) for _, rope in distinct]
-        self.fuse = True
+        self.use_fused_step = True
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
@@ -168,9 +168,9 @@ class Stage(nn.Module):
                 segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
             row += n
         x = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])[None]
-        fused = self._fused_step()
-        if fused is not None:
-            x = fused(x[0], [s.cache for s in steps], segments)[None]
+        fused_step = self._active_fused_step()
+        if fused_step is not None:
+            x = fused_step(x[0], [s.cache for s in steps], segments)[None]
         else:
             for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
                 kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
@@ -178,15 +178,15 @@ class Stage(nn.Module):
         return list(x[0].split([s.hidden.shape[0] for s in steps]))
 
     @property
-    def fused(self) -> bool:
-        """Whether steps run through the fused kernel."""
-        return self._fused_step() is not None
+    def runs_fused_step(self) -> bool:
+        """Whether a step runs as the kernels' fused step (else layer by layer)."""
+        return self._active_fused_step() is not None
 
-    def _fused_step(self) -> FusedStep | None:
-        return self._fused if self.fuse else None
+    def _active_fused_step(self) -> FusedStep | None:
+        return self._fused_step if self.use_fused_step else None
 
     @cached_property
-    def _fused(self) -> FusedStep | None:
+    def _fused_step(self) -> FusedStep | None:
         """The fused step, built on first use (weights load after __init__); None where it does not apply."""
         if self.precision.exact or self.precision.torch_device.type != "cpu":
             return None  # the exact mode never compiles the kernels

@@ -17,14 +17,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,92 +29,17 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from splitllm import wire
-from splitllm.model.stage import Stage, StepInput
-from splitllm.model.precision import Precision
+from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.server.auth import ANONYMOUS, TokenTable
-from splitllm.server.logs import event, log, session_tag
-from splitllm.server.metrics import ServerMetrics
 from splitllm.server.batching import StepBatcher
 from splitllm.server.http_guard import TLS_IDENTITY
-from splitllm.server.sessions import RETRYABLE_CODES, Session, SessionStore
-from splitllm.visibility import Visibility
+from splitllm.server.logs import event, log
+from splitllm.server.metrics import ServerMetrics
+from splitllm.server.sessions import RETRYABLE_CODES, SessionStore
+from splitllm.server.settings import ServerSettings
+from splitllm.server.steps import PreparedStep, StepRunner
 from splitllm.wire import ProtocolError
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerSettings:
-    """Everything a server is configured with, by name (`splitllm serve` maps its options here)."""
-
-    head: int = 2
-    tail: int = 2
-    dtype: torch.dtype = torch.float32
-    quant: str = "none"  # weight-only quantization of the middle layers: none, int8 or int4
-    device: str = "cpu"
-    max_context: int = 4096
-    max_sessions: int = 64
-    session_ttl_s: float = 600.0
-    max_nodes_per_step: int = 256  # announced to clients, which split longer prefills into steps this size
-    max_frame_bytes: int = 64 << 20
-    max_sessions_per_principal: int | None = None  # None: a quarter of max_sessions with tokens, else all
-    max_kv_bytes: int = 8 << 30  # KV caches are preallocated: this bounds the memory sessions can take
-    idle_timeout_s: float = 600.0  # a connection silent this long is closed
-    send_timeout_s: float = 30.0  # a reply the peer does not take within this ends its connection
-    max_connections: int = 256  # further WebSockets are closed with 1013, try again later (/health never is)
-    batch_window_ms: float = 2.0  # steps of different sessions this close together share a forward; 0: off
-    # None: with a token table, a quarter of max_connections / max_sessions; without one, all of them.
-    max_connections_per_principal: int | None = None
-    operators: tuple[str, ...] = ()  # principals whose /health and /metrics show the whole server
-    max_batch_rows: int = 256  # positions in one shared forward; more waiting steps run in later forwards
-    slice_rows: int = 16  # a step longer than slice_above runs as forwards of this many positions, others' steps in between
-    slice_above: int = 64  # a step this long or shorter (a speculative tree) always runs in one forward
-    max_batch_bytes: int = 256 << 20  # estimated activation and mask bytes of one shared forward
-    handshake_timeout_s: float = 10.0  # a request head not complete this long after connecting is dropped
-    max_header_bytes: int = 16 << 10  # request line plus headers
-    max_header_lines: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("max_nodes_per_step", "max_batch_rows", "slice_rows", "slice_above"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-    @property
-    def precision(self) -> Precision:
-        return Precision(self.dtype, self.quant, self.device)
-
-
-@dataclass
-class PreparedStep:
-    """A validated step request, ready to run alone or in a batch with other sessions' steps.
-
-    A step longer than `slice_above` (a prompt) runs as forwards of `slice_rows` (`parts`, cut where the result stays
-    exact), one per turn, so other sessions' steps run in between: a long prompt delays everyone
-    else by one slice at a time, not by its whole length.
-    """
-
-    session: Session
-    request_id: Any
-    step: StepInput
-    parts: list[tuple[int, int]]
-    done: int = 0  # parts run so far
-    outs: list[torch.Tensor] = field(default_factory=list)
-    rollback: Callable[[], None] = lambda: None  # back to the cache before the first part
-    compute_s: float = 0.0
-
-    def next_input(self) -> StepInput:
-        """The next part as a step of its own: it commits the whole previous part."""
-        s = self.step
-        if len(self.parts) == 1:
-            return s
-        (a, b), keep = self.parts[self.done], s.keep
-        if self.done:
-            prev = self.parts[self.done - 1]
-            keep = list(range(prev[1] - prev[0]))
-        return StepInput(s.cache, s.hidden[a:b], s.positions[a:b], s.vis.part(a, b), keep)
-
-    def rows(self) -> int:
-        a, b = self.parts[self.done]
-        return b - a
 
 
 class MiddleServer:
@@ -148,6 +69,7 @@ class MiddleServer:
         )
         self._kv_bytes_per_position = self.stage.new_cache(1).nbytes  # caches are linear in max_context
         self.metrics = ServerMetrics(lambda: len(self.sessions), lambda: self.sessions.kv_bytes, settings.max_kv_bytes)
+        self.steps = StepRunner(self.stage, settings, self.metrics)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitllm-compute")
         self._connections = itertools.count(1)
         self._live: Counter[str] = Counter()  # open WebSockets per principal (event loop only)
@@ -158,26 +80,16 @@ class MiddleServer:
         if self._batcher is None and self.settings.batch_window_ms > 0:
             s = self.settings
             self._batcher = StepBatcher(
-                self._run_steps,
+                self.steps.run,
                 self._compute,
                 s.batch_window_ms / 1000,
                 lambda: len(self.sessions),
                 owner=lambda p: p.session.principal,
-                cost=self._step_cost,
+                cost=self.steps.cost,
                 max_rows=s.max_batch_rows,
                 max_bytes=s.max_batch_bytes,
             )
         return self._batcher
-
-    def _step_cost(self, prepared: PreparedStep) -> tuple[int, int]:
-        """Rows and estimated transient bytes of a step: activations (the MLP's widest) and its masks."""
-        cfg, step = self.files.config, prepared.step
-        n = prepared.rows()
-        context = step.cache.length + len(step.keep) + prepared.parts[prepared.done][1]
-        itemsize = torch.finfo(self.settings.dtype).bits // 8
-        activations = n * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * itemsize
-        masks = len(set(self.stage.windows)) * n * context * itemsize
-        return n, activations + masks
 
     def info(self, principal: str | None) -> dict[str, Any]:
         """Health: the model for anyone; load figures for an authenticated caller (its own, or all for
@@ -320,10 +232,11 @@ class MiddleServer:
             if op == "open":
                 return self._open(conn, principal, frame)
             if op == "step":
-                prepared = self._prepare_step(conn, principal, frame)
+                session = self.sessions.get(frame.header.get("session"), conn, principal)
+                prepared = self.steps.prepare(session, frame)
                 if not alone or (len(prepared.parts) > 1 and self._batcher is not None):
                     return prepared  # a sliced step takes turns even when it is alone now
-                while (reply := self._run_steps([prepared])[0]) is None:
+                while (reply := self.steps.run([prepared])[0]) is None:
                     pass
                 return reply
             if op == "close":
@@ -370,97 +283,6 @@ class MiddleServer:
                 "max_nodes": self.settings.max_nodes_per_step,
             }
         )
-
-    def _prepare_step(self, conn: int, principal: str, frame: wire.Frame) -> PreparedStep:
-        h = frame.header
-        session = self.sessions.get(h.get("session"), conn, principal)
-        hidden = frame.tensor
-        if hidden is None:
-            raise ProtocolError("bad_shape", "a step carries hidden states")
-        if h["dtype"] != session.wire_dtype:
-            raise ProtocolError("bad_dtype", f"session uses {session.wire_dtype} on the wire, got {h['dtype']}")
-        n, width = hidden.shape
-        if width != self.files.config.hidden_size:
-            raise ProtocolError("bad_shape", f"hidden size must be {self.files.config.hidden_size}, got {width}")
-        if n > self.settings.max_nodes_per_step:
-            raise ProtocolError("too_many_nodes", f"at most {self.settings.max_nodes_per_step} positions per step")
-        positions = h.get("positions")
-        if not isinstance(positions, list) or len(positions) != n or not all(
-            isinstance(p, int) and not isinstance(p, bool) for p in positions
-        ):
-            raise ProtocolError("bad_positions", f"positions must be a list of {n} integers")
-        keep = h.get("keep", [])
-        if not isinstance(keep, list):
-            raise ProtocolError("bad_keep", "keep must be a list of indices")
-        if not bool(torch.isfinite(hidden).all()):
-            raise ProtocolError("bad_values", "hidden states contain NaN or Inf")
-        try:
-            vis = Visibility.from_wire(h, n)
-            step = StepInput(session.cache, hidden.to(self.settings.dtype), torch.tensor(positions, dtype=torch.long), vis, keep)
-            self.stage.check_step(step.cache, step.hidden, step.positions, step.vis, step.keep)
-        except (ValueError, OverflowError, RuntimeError) as exc:
-            raise ProtocolError("bad_request", str(exc)) from None
-        parts = [(0, n)] if n <= self.settings.slice_above else vis.cuts(self.settings.slice_rows)
-        return PreparedStep(session, h.get("id"), step, parts)
-
-    def _run_steps(self, prepared: list[PreparedStep]) -> list[bytes | None]:
-        """Run the next part of validated steps (one session each) as one forward pass.
-
-        A reply is None while a step has parts left. All-or-nothing on the caches: when a shared
-        forward fails, every cache is restored and each step runs again alone, so the step that
-        caused the failure gets the error (its cache as before the step) and the bystanders their
-        exact results.
-        """
-        t0 = time.perf_counter()
-        inputs = [p.next_input() for p in prepared]
-        restores = [i.cache.checkpoint(i.keep) for i in inputs]
-        for p, restore in zip(prepared, restores):
-            if p.done == 0:
-                p.rollback = restore
-        try:
-            outs = self.stage.forward_many(inputs)
-        except Exception as exc:
-            # The steps passed validation, so a failure here is the server's: its caches are restored
-            # and the same step may be sent again.
-            for restore in restores:
-                restore()
-            if len(prepared) > 1:
-                log.warning("shared forward failed; its steps run again alone", extra={"fields": {"batch": len(prepared)}})
-                return [reply for p in prepared for reply in self._run_steps([p])]
-            prepared[0].rollback()
-            self.metrics.errors.labels("internal", prepared[0].session.principal).inc()
-            log.exception("step failed mid-forward; cache restored")
-            message = f"internal error: {type(exc).__name__}"
-            return [wire.error_frame(prepared[0].request_id, "internal", message, retryable=True)]
-        except BaseException:
-            for p in prepared:
-                p.rollback()
-            raise
-        elapsed = time.perf_counter() - t0
-        self.metrics.step_seconds.observe(elapsed)
-        self.metrics.batch_size.observe(len(prepared))
-        replies: list[bytes | None] = []
-        for p, part_out in zip(prepared, outs):
-            p.outs.append(part_out)
-            p.done += 1
-            p.compute_s += elapsed
-            if p.done < len(p.parts):
-                replies.append(None)
-                continue
-            if len(p.parts) > 1:
-                p.step.cache.reopen(p.parts[-1][0])  # as if one forward had run the whole step
-            out = torch.cat(p.outs) if len(p.outs) > 1 else part_out
-            p.session.steps += 1
-            n = out.shape[0]
-            self.metrics.steps.labels(p.session.principal).inc()
-            self.metrics.step_nodes.labels(p.session.principal).inc(n)
-            event(
-                "step", logging.DEBUG, session=session_tag(p.session.id), nodes=n, keep=len(p.step.keep),
-                batch=len(prepared), ms=p.compute_s * 1000,
-            )
-            header = {"op": "result", "id": p.request_id, "server_ms": p.compute_s * 1000}
-            replies.append(wire.encode(header, out, p.session.wire_dtype))
-        return replies
 
     async def reap(self) -> None:
         while True:

@@ -25,9 +25,10 @@ from typing import Any, get_type_hints
 
 
 from splitllm.model.weights import ModelFiles
-from splitllm.server.app import MiddleServer, ServerSettings, create_app
+from splitllm.server.app import MiddleServer, create_app
 from splitllm.server.auth import TokenTable
 from splitllm.server.logs import configure
+from splitllm.server.settings import ServerSettings
 from splitllm.server.transport import TlsFiles, is_loopback
 from splitllm.threads import set_compute_threads
 

@@ -193,7 +193,8 @@ def load(
     slice_rows: Annotated[int, typer.Option(help="the server's slice of a long step (--prefill runs)")] = 16,
 ) -> None:
     """Concurrent clients through the WAN proxy: correctness, step latency p50/p99, tokens/s, KV bound."""
-    from splitllm.lab.bench.load import LoadSettings, ServerKind, prefill_markdown, run_load, run_prefill
+    from splitllm.lab.bench.load import LoadSettings, ServerKind, run_load, run_prefill
+    from splitllm.lab.bench.load_report import prefill_markdown
 
     need_extra("bench")
     counts, windows, replicas = numbers(clients, int), numbers(batch_window_ms, float), numbers(ray_replicas, int)

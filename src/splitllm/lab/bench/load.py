@@ -35,115 +35,20 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from splitllm.lab.data.workload import workload
 from splitllm.client.connection import ConnectionOptions
-from splitllm.client.pipeline import SplitPipeline
-from splitllm.client.remote import RemoteMiddle
 from splitllm.client.session import SplitClient
-from splitllm.decoding.sequential import decode_sequential
+from splitllm.lab.bench.load_clients import ClientRun, Solo, decode, replay, solo_runs
+from splitllm.lab.bench.load_report import markdown, plot, prefill_markdown, scaling, summary
+from splitllm.lab.data.workload import workload
 from splitllm.lab.launch import ServerProcess, free_port
-from splitllm.stats import StepStats
 from splitllm.threads import set_compute_threads
-from splitllm.visibility import Visibility
 
 Progress = Callable[[str], None]
-
-
-@dataclass
-class ClientRun:
-    prompt: int
-    ids: list[int] = field(default_factory=list)
-    step_ms: list[float] = field(default_factory=list)  # wall time of each step as the client saw it
-    server_ms: list[float] = field(default_factory=list)  # the server's compute inside it
-    reconnects: int = 0
-    error: str | None = None
-    matches_solo: bool = True  # replayed steps: every reply within wire rounding of the solo run's
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One middle step of a solo run: what went out, what came back, and the client's compute before it."""
-
-    client_ms: float
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    vis: Visibility
-    keep: tuple[int, ...]
-    reply: torch.Tensor
-
-
-class _Recorder:
-    """A Middle that forwards steps to a real one and records them, for clients replayed on emulated devices."""
-
-    def __init__(self, inner: RemoteMiddle) -> None:
-        self.inner = inner
-        self.calls: list[_Call] = []
-        self._last = time.perf_counter()
-
-    def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
-    ) -> torch.Tensor:
-        client_ms = (time.perf_counter() - self._last) * 1000
-        out = self.inner.step(hidden, positions, vis, keep, stats)
-        self.calls.append(_Call(client_ms, hidden.clone(), positions.clone(), vis, tuple(keep), out.clone()))
-        self._last = time.perf_counter()
-        return out
-
-
-def _middle(client: SplitClient, url: str, context: int) -> RemoteMiddle:
-    files = client.files
-    return RemoteMiddle(url, files.fingerprint, client.local.middle_range, client.wire_dtype, context, client.connection)
-
-
-def _decode(
-    client: SplitClient, url: str, prompt: list[int], n: int, context: int, run: ClientRun, record: bool = False
-) -> tuple[ClientRun, list[_Call]]:
-    """A real client: head, tail and LM head computed here. `record` keeps its steps for replays."""
-    middle = _middle(client, url, context)
-    recorder = _Recorder(middle) if record else None
-    try:
-        pipeline = SplitPipeline(client.local, recorder or middle, context)
-        last = time.perf_counter()
-        for out in decode_sequential(pipeline, prompt, n, frozenset()):
-            now = time.perf_counter()
-            run.ids.extend(out.tokens)
-            run.step_ms.append((now - last) * 1000)
-            run.server_ms.append(out.stats.server_ms)
-            last = now
-        run.reconnects = middle.reconnects
-    finally:
-        middle.close()
-    return run, recorder.calls if recorder else []
-
-
-def _replay(client: SplitClient, url: str, calls: list[_Call], context: int, run: ClientRun) -> ClientRun:
-    """A client on its own device: its compute is a pause as long as the solo run's, its steps the same.
-
-    Replies are checked against the solo run's within float16 wire rounding (a batched forward may
-    round differently in float32 before the wire rounds again).
-    """
-    middle = _middle(client, url, context)
-    try:
-        last = time.perf_counter()
-        for call in calls:
-            time.sleep(call.client_ms / 1000)
-            stats = StepStats()
-            out = middle.step(call.hidden, call.positions, call.vis, call.keep, stats)
-            now = time.perf_counter()
-            run.step_ms.append((now - last) * 1000)
-            run.server_ms.append(stats.server_ms)
-            run.matches_solo &= torch.allclose(out, call.reply, rtol=2e-3, atol=1e-3)
-            last = now
-        run.reconnects = middle.reconnects
-    finally:
-        middle.close()
-    return run
 
 
 class _Netem:
@@ -239,24 +144,8 @@ class LoadSettings:
     clients_compute: str = "device"
 
 
-@dataclass(frozen=True)
-class _Solo:
-    """A prompt's run with nobody else connected: its tokens and its recorded steps."""
-
-    ids: list[int]
-    calls: list[_Call]
-
-
-def _solo_runs(client: SplitClient, url: str, prompt_ids: list[list[int]], s: LoadSettings) -> list[_Solo]:
-    """Each prompt decoded with nobody else connected, its steps recorded for replays."""
-    runs = (
-        _decode(client, url, p, s.max_new_tokens, s.context, ClientRun(i), record=True) for i, p in enumerate(prompt_ids)
-    )
-    return [_Solo(run.ids, calls) for run, calls in runs]
-
-
 def _load_once(
-    client: SplitClient, netem_port: int, prompt_ids: list[list[int]], solo: list[_Solo],
+    client: SplitClient, netem_port: int, prompt_ids: list[list[int]], solo: list[Solo],
     clients: int, s: LoadSettings, watch: _Watch,
 ) -> dict[str, Any]:
     """`clients` concurrent generations through the proxy; their latencies, speed and correctness."""
@@ -268,9 +157,9 @@ def _load_once(
         start.wait()
         try:
             if s.clients_compute == "device":
-                _replay(client, url, solo[run.prompt].calls, s.context, run)
+                replay(client, url, solo[run.prompt].calls, s.context, run)
             else:
-                _decode(client, url, prompt_ids[run.prompt], s.max_new_tokens, s.context, run)
+                decode(client, url, prompt_ids[run.prompt], s.max_new_tokens, s.context, run)
         except Exception as exc:  # reported, and counted as a failure
             run.error = f"{type(exc).__name__}: {exc}"
 
@@ -322,7 +211,7 @@ def _load_server(
         pid = None if kind.ray_replicas else server.proc.pid  # behind Ray the replicas are other processes
         rss_idle = _Watch(server.port, pid).rss()
         progress(f"{kind.label}: server up; solo runs of {len(prompt_ids)} prompts")
-        solo = _solo_runs(client, server.url, prompt_ids, s)
+        solo = solo_runs(client, server.url, prompt_ids, s.max_new_tokens, s.context)
         netem = _Netem(server.port, s.rtt_ms)
         try:
             for clients in client_counts:
@@ -376,71 +265,6 @@ def run_load(
     return result
 
 
-def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per server kind: each client count's tok/s and p50 step against the same kind's single client."""
-    out = []
-    for r in rows:
-        base = next((b for b in rows if b["server"] == r["server"] and b["clients"] == 1), None)
-        if base is None or r["clients"] == 1 or not r["step_ms"] or not base["step_ms"]:
-            continue
-        out.append({
-            "server": r["server"], "clients": r["clients"],
-            "throughput_x": round(r["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"], 2),
-            "p50_step_x": round(r["step_ms"]["p50"] / base["step_ms"]["p50"], 2),
-        })
-    return out
-
-
-def markdown(result: dict[str, Any]) -> str:
-    lines = [
-        f"`{result['command']}` ({result['settings']['clients_compute']} clients)", "",
-        "| server | clients | match solo | tok/s | vs 1 client | step p50 / p99 ms | p50 vs 1 client | server compute p50 ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    factors = {(f["server"], f["clients"]): f for f in result["scaling"]}
-    for r in result["rows"]:
-        f = factors.get((r["server"], r["clients"]), {"throughput_x": 1.0, "p50_step_x": 1.0})
-        step, compute = r["step_ms"], r["server_compute_ms"]
-        lines.append(
-            f"| {r['server']} | {r['clients']} | {r['correct_clients']}/{r['clients']} | {r['aggregate_tokens_per_s']} "
-            f"| {f['throughput_x']}x | {step.get('p50')} / {step.get('p99')} | {f['p50_step_x']}x | {compute.get('p50')} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Aggregate tok/s and p50 step latency against clients, one line per server kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (speed, latency) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind in dict.fromkeys(r["server"] for r in rows):
-        mine = [r for r in rows if r["server"] == kind and r["step_ms"]]
-        xs = [r["clients"] for r in mine]
-        speed.plot(xs, [r["aggregate_tokens_per_s"] for r in mine], marker="o", label=kind)
-        latency.plot(xs, [r["step_ms"]["p50"] for r in mine], marker="o", label=kind)
-    for ax, title in ((speed, "aggregate tokens/s"), (latency, "step latency p50, ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    speed.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def summary(r: dict[str, Any]) -> str:
-    return (
-        f"{r['correct_clients']}/{r['clients']} clients matched their solo runs, {len(r['errors'])} errors; "
-        f"{r['aggregate_tokens_per_s']} tok/s aggregate over {r['wall_s']} s; step p50 {r['step_ms'].get('p50')} ms, "
-        f"p99 {r['step_ms'].get('p99')} ms (server compute p50 {r['server_compute_ms'].get('p50')} ms); "
-        f"KV peak {r['kv_bytes_peak'] / 2**20:.0f} MiB; server RSS peak {r['server_rss_peak_mib']:.0f} MiB"
-    )
-
-
 def _long_prompt(prompt_ids: list[list[int]], length: int) -> list[int]:
     """`length` token ids: the workload prompts one after another, repeated as needed."""
     ids: list[int] = []
@@ -461,7 +285,7 @@ def run_prefill(
 ) -> dict[str, Any]:
     """Decoders' step latency without and with one long prefill arriving among them; writes
     prefill.json and prefill.md into `out`."""
-    torch.set_num_threads(1)
+    set_compute_threads(1)
     s = settings
     long_context = prefill + s.max_new_tokens + 8
     client = SplitClient(
@@ -478,8 +302,8 @@ def run_prefill(
     ]
     with ServerProcess(*args, log_path=str(folder / "prefill-server.log")) as server:
         progress(f"server up; solo runs of {len(prompt_ids)} prompts and of the {prefill}-position prompt")
-        solo = _solo_runs(client, server.url, prompt_ids, s)
-        long_run, long_calls = _decode(client, server.url, long_ids, 2, long_context, ClientRun(-1), record=True)
+        solo = solo_runs(client, server.url, prompt_ids, s.max_new_tokens, s.context)
+        long_run, long_calls = decode(client, server.url, long_ids, 2, long_context, ClientRun(-1), record=True)
         netem = _Netem(server.port, s.rtt_ms)
         try:
             progress(f"{decoders} decoders alone")
@@ -494,7 +318,7 @@ def run_prefill(
                 time.sleep(2 * s.rtt_ms / 1000 + 0.5)  # land among the decoders' steps, not before them
                 t0 = time.perf_counter()
                 try:
-                    _replay(client, url, long_calls[:1], long_context, prefill_run)
+                    replay(client, url, long_calls[:1], long_context, prefill_run)
                 except Exception as exc:  # reported, and counted as a failure
                     prefill_run.error = f"{type(exc).__name__}: {exc}"
                 prefill_run.step_ms = [(time.perf_counter() - t0) * 1000]
@@ -524,14 +348,3 @@ def run_prefill(
     (folder / "prefill.md").write_text(prefill_markdown(result))
     return result
 
-
-def prefill_markdown(r: dict[str, Any]) -> str:
-    a, d = r["alone"], r["with_prefill"]
-    return "\n".join([
-        f"`{r['command']}`", "",
-        "| decoders | with a prefill of | match solo | step p50 / p99 ms | p99 vs alone | prefill ms | prefill exact |",
-        "|---|---|---|---|---|---|---|",
-        f"| {r['decoders']} | (none) | {a['correct_clients']}/{a['clients']} | {a['step_ms']['p50']} / {a['step_ms']['p99']} | 1.0x | | |",
-        f"| {r['decoders']} | {r['prefill_positions']} positions | {d['correct_clients']}/{d['clients']} "
-        f"| {d['step_ms']['p50']} / {d['step_ms']['p99']} | {r['p99_ratio']}x | {r['prefill_ms']} | {r['prefill_ok']} |",
-    ]) + "\n"

@@ -1,2 +1,2 @@
 """How much the hidden states a split client sends and receives reveal, under real attacks
-(`audit.run_audit` with an `config.AuditConfig`)."""
+(`audit.run_audit` with an `audit_config.AuditConfig`)."""

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from splitllm.model.weights import ModelFiles
 from splitllm.lab.privacy.attacks import baselines
-from splitllm.lab.privacy.config import AuditConfig
+from splitllm.lab.privacy.audit_config import AuditConfig
 from splitllm.lab.data.corpus import Corpus, build_corpus
 from splitllm.lab.privacy.defense_sweep import defense_sweep
 from splitllm.lab.privacy.checks import quick_checks
@@ -25,7 +25,7 @@ from splitllm.lab.privacy.private_head import private_head_sweep
 from splitllm.lab.privacy.report import write_report
 from splitllm.lab import CHECKOUT, rates
 from splitllm.lab.privacy.states import TEMPERATURES, PublicModel
-from splitllm.lab.privacy.sweep import Context, head_ms, input_side, log, output_side
+from splitllm.lab.privacy.depth_sweep import Context, head_ms, input_side, log, output_side
 from splitllm.threads import set_compute_threads
 
 

@@ -38,8 +38,9 @@ def audit(
 ) -> None:
     """Train and run token-recovery attacks at each split depth, measure defenses, write a report."""
     from splitllm.lab.privacy.audit import run_audit
-    from splitllm.lab.privacy.config import AuditConfig
-    from splitllm.lab.privacy.report import PUBLISHED, markdown
+    from splitllm.lab.privacy.audit_config import AuditConfig
+    from splitllm.lab.privacy.published import PUBLISHED
+    from splitllm.lab.privacy.report_tables import markdown
 
     need_extra("privacy")
     _log_progress()
@@ -85,7 +86,7 @@ def private_head(
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
 ) -> None:
     """Fine-tune the client's first K layers with a secret seed and attack them without the secret."""
-    from splitllm.lab.privacy.config import AuditConfig
+    from splitllm.lab.privacy.audit_config import AuditConfig
     from splitllm.lab.privacy.audit import run_private_head
 
     _log_progress()
@@ -109,7 +110,7 @@ def docs(
 ) -> None:
     """Regenerate the privacy tables in the checkout's README.md and docs/privacy.md from a report."""
     from splitllm.lab import CHECKOUT
-    from splitllm.lab.privacy.report import PUBLISHED, update_docs
+    from splitllm.lab.privacy.published import PUBLISHED, update_docs
 
     path = Path(report) if report else PUBLISHED / "report.json"
     if not path.is_file():

@@ -25,7 +25,7 @@ from splitllm.lab.privacy.attacks.map_beam import map_beam
 from splitllm.lab.privacy.attacks.output_probe import whitebox_next_tokens
 from splitllm.lab.privacy.attacks.whitebox import WIRE_TOLERANCE
 from splitllm.lab.privacy.states import WIRE_DTYPE
-from splitllm.lab.privacy.sweep import (
+from splitllm.lab.privacy.depth_sweep import (
     Context,
     Target,
     flat,

@@ -33,7 +33,7 @@ from splitllm.lab import heldout
 from splitllm.lab.privacy import defenses
 from splitllm.lab.privacy.attacks.learned import Attacker, recovery, top_k
 from splitllm.lab.privacy.states import WIRE_DTYPE
-from splitllm.lab.privacy.sweep import (
+from splitllm.lab.privacy.depth_sweep import (
     Context,
     flat,
     fmt,

@@ -22,7 +22,7 @@ from splitllm.lab.privacy.attacks.mlp import mlp_attacker
 from splitllm.lab.privacy.attacks.output_probe import whitebox_next_tokens
 from splitllm.lab.privacy.attacks.sequence import sequence_attacker
 from splitllm.lab.privacy.attacks.whitebox import WIRE_TOLERANCE, LanguageModelPrior, invert
-from splitllm.lab.privacy.config import AuditConfig
+from splitllm.lab.privacy.audit_config import AuditConfig
 from splitllm.lab.data.corpus import KINDS, Corpus
 from splitllm.lab.privacy.states import WIRE_DTYPE, PublicModel, WindowStates
 from splitllm.visibility import Visibility
