@@ -89,12 +89,8 @@ def sweep(
     profile: Annotated[Optional[str], typer.Option(help="auto profile to use instead of calibrating one")] = None,
     merge: Annotated[bool, typer.Option(help="keep OUT/steps.json's runs at links not measured now")] = False,
     reanalyze: Annotated[bool, typer.Option(help="measure nothing: rebuild the report from OUT/steps.json")] = False,
-    max_other_cores: Annotated[
-        float, typer.Option(help="wait for, and redo generations until, others use fewer cores (0: never)")
-    ] = 0.3,
-    quiet_deadline_s: Annotated[
-        float, typer.Option(help="seconds to wait for quiet moments; then what is left runs regardless")
-    ] = 3600.0,
+    max_other_cores: Annotated[float, typer.Option(help="wait for, and redo generations until, others use fewer cores (0: never)")] = 0.3,
+    quiet_deadline_s: Annotated[float, typer.Option(help="seconds to wait for quiet moments; then what is left runs regardless")] = 3600.0,
     setting: Setting = None,
 ) -> None:
     """Tokens per second against RTT for every mode: measured, predicted (cross-validated), plotted."""

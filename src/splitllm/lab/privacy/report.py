@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from splitllm.lab.privacy.report_tables import markdown
+
+
+def _frame(ax: Any, xlabel: str, ylabel: str, title: str, loc: str = "best") -> None:
+    """One panel's labels, its 0-100% scale and legend: every panel plots rates."""
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, ylim=(0, 102))
+    ax.legend(fontsize=8, loc=loc)
 
 
 def plot(r: dict, path: Path) -> None:
@@ -26,13 +33,7 @@ def plot(r: dict, path: Path) -> None:
     ):
         ax.plot(ks, [100 * x[key]["rate"] for x in rows], marker="o", label=label)
     ax.axhline(100 * r["baselines"]["input"]["most_frequent_top1"], ls="--", c="gray", label="most frequent token")
-    ax.set(
-        xlabel="K (layers on the client before sending)",
-        ylabel="tokens recovered (%)",
-        title="Input side",
-        ylim=(0, 102),
-    )
-    ax.legend(fontsize=8)
+    _frame(ax, "K (layers on the client before sending)", "tokens recovered (%)", "Input side")
 
     ax = axes[1]
     out = r["output_side"]
@@ -40,13 +41,7 @@ def plot(r: dict, path: Path) -> None:
     ax.plot(ms, [100 * x["probe_top1"]["rate"] for x in out], marker="o", label="learned probe top-1")
     ax.plot(ms, [100 * x["whitebox_agreement"]["rate"] for x in out], marker="s", label="white-box (public tail)")
     ax.axhline(100 * r["baselines"]["output"]["most_frequent_top1"], ls="--", c="gray", label="most frequent")
-    ax.set(
-        xlabel="M (layers on the client after receiving)",
-        ylabel="next token predicted (%)",
-        title="Output side",
-        ylim=(0, 102),
-    )
-    ax.legend(fontsize=8)
+    _frame(ax, "M (layers on the client after receiving)", "next token predicted (%)", "Output side")
 
     ax = axes[2]
     ms = [x["client_ms_per_step"] for x in rows]
@@ -70,13 +65,8 @@ def plot(r: dict, path: Path) -> None:
         ls="",
         label="output side (M), white-box",
     )
-    ax.set(
-        xlabel="client compute per decoding step (ms, head K or tail M)",
-        ylabel="leakage (%)",
-        title="Leakage vs client compute",
-        ylim=(0, 102),
-    )
-    ax.legend(fontsize=8, loc="lower left")
+    _frame(ax, "client compute per decoding step (ms, head K or tail M)", "leakage (%)", "Leakage vs client compute",
+           loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
