@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from types import TracebackType
 
 import uvicorn
@@ -66,13 +67,29 @@ class ServerThread:
         self._thread.join(timeout=10)
 
 
-class ServerProcess:
-    """`splitllm serve` in a child process, as a real deployment runs it."""
+def split_cores() -> tuple[set[int], set[int]]:
+    """This process's cores in two halves (at least one each): a server's and a client's, so a benchmark
+    on one machine gives each side cores of its own, as two machines would."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(len(cores) // 2, 1)
+    return set(cores[:half]), set(cores[half:] or cores)
 
-    def __init__(self, *args: str, port: int | None = None, log_path: str | None = None, timeout: float = 300) -> None:
+
+def pinned(cores: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that keeps a child process on `cores` (None: wherever this one may run)."""
+    return None if cores is None else lambda: os.sched_setaffinity(0, cores)
+
+
+class ServerProcess:
+    """`splitllm serve` in a child process, as a real deployment runs it; `cores`: the only cores it may use."""
+
+    def __init__(
+        self, *args: str, port: int | None = None, log_path: str | None = None, timeout: float = 300,
+        cores: set[int] | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.args = [sys.executable, "-m", "splitllm.cli", "serve", "--port", str(self.port), *args]
-        self.log_path, self.timeout = log_path, timeout
+        self.log_path, self.timeout, self.cores = log_path, timeout, cores
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -81,7 +98,9 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.proc = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=pinned(self.cores)
+        )
         try:
             wait_healthy(self.port, self.timeout, self.proc)
         except BaseException:

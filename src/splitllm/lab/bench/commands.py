@@ -161,7 +161,7 @@ def defaults(
     max_new_tokens: int = 64,
     rtt_ms: RttMs = 0.0,
 ) -> None:
-    """`serve` + `generate` with no precision or thread options against the fastest setting named explicitly."""
+    """`serve` + `generate` with no precision or thread options against the fastest setting and threads named."""
     from splitllm.lab.bench.defaults import run_defaults
 
     typer.echo(run_defaults(out, prompts_per_category, max_new_tokens, rtt_ms, _progress)["markdown"])
