@@ -1,8 +1,8 @@
 """A model's tensors in the form one precision runs them: 16-bit or quantized, converted once.
 
 The exact mode (float32 or float64, no quantization) reads the model folder itself. Any other
-precision keeps its own copy under the cache directory, one safetensors file per layer (and one for the embedding,
-final norm and LM head), each written the first time a side asks for one of its tensors: a side
+precision keeps its own copy under the cache directory, one safetensors file per layer (and one each for the
+embedding, final norm and LM head), each written the first time a side asks for one of its tensors: a side
 converts only the layers it runs, and conversion holds one layer in memory at a time.
 """
 
@@ -35,8 +35,10 @@ def _is_dense(name: str) -> bool:
 
 
 def _group(name: str) -> str:
+    """A layer's tensors share a file; every other tensor (embedding, final norm, LM head) has its own, so
+    converting a 150k-row embedding never holds the LM head too."""
     match = _LAYER.match(name)
-    return f"layer-{int(match.group(1)):04d}" if match else "rest"
+    return f"layer-{int(match.group(1)):04d}" if match else name
 
 
 class StoredWeights:
