@@ -34,7 +34,7 @@ class PositionLog:
 def test_turns_send_the_server_only_new_positions(server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     thread = server(None, 2, 2)
     log = PositionLog(thread.server.stage)
-    monkeypatch.setattr(thread.server, "stage", log)
+    monkeypatch.setattr(thread.server.steps, "stage", log)  # where the server runs its forwards
     client = SplitClient(None, thread.url, head=2, tail=2)
     with client.conversation() as conv:
         for question in TURNS:
