@@ -141,9 +141,7 @@ def exactness(
     max_new_tokens: int = 128,
     out: Annotated[str, typer.Option(help="folder for exactness.json and exactness.md")] = "results",
     model: Model = "default",
-    setting: Annotated[str, typer.Option(help="dtype-quant of both sides (speculation against sequential in it)")] = (
-        "float32-none"
-    ),
+    setting: Setting = None,
 ) -> None:
     """Every speculative mode against sequential greedy on the real model; divergences with their logit gaps."""
     from splitllm.lab.bench.exactness import NEAR_TIE, run_exactness
