@@ -71,8 +71,8 @@ class SplitClient:
 
     `server=None` runs the middle layers in this process: the same code path minus the network,
     for tests and offline measurements. `precision` (default: the fastest here, `fastest()`) is the
-    client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a head folder from `splitllm draft train`
-    (default: the head shipped for this model, if any).
+    client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a
+    drafter folder from `splitllm draft train` (default: the one shipped for this model, if any).
     """
 
     def __init__(

@@ -62,10 +62,10 @@ class SpeculationConfig:
 
     mode: which proposers draft (`SPECULATIVE_MODES`).
     policy: sizes the steps the drafter does not draft in; None: `budget`, statically.
-    drafter_policy: sizes the steps it drafts in; None: `head_budget`, statically, in a mode that needs the
-        head, and no drafter in the others (`auto` drafts with the drafter only given a drafter policy, so the
+    drafter_policy: sizes the steps it drafts in; None: `drafter_budget`, statically, in a mode that needs the
+        drafter, and no drafter in the others (`auto` drafts with the drafter only given a drafter policy, so the
         budget sweep's fixed budgets keep to n-gram sources).
-    budget, head_budget: the static budgets of those steps (budget None: the mode's); a seeded sampled
+    budget, drafter_budget: the static budgets of those steps (budget None: the mode's); a seeded sampled
         generation always takes them, since it repeats only if every step's tree does.
     proposers: replaces the mode's n-gram proposers; a `LookaheadWindow` among them gets its Jacobi
         window into every step.
@@ -77,7 +77,7 @@ class SpeculationConfig:
     policy: BudgetPolicy | None = None
     drafter_policy: BudgetPolicy | None = None
     budget: SpecBudget | None = None
-    head_budget: SpecBudget = DRAFTER_BUDGET
+    drafter_budget: SpecBudget = DRAFTER_BUDGET
     proposers: Callable[[], list[Proposer]] | None = None
     gate: GateConfig = GateConfig()
     calibration: CalibrationConfig = CalibrationConfig()
@@ -93,5 +93,5 @@ class SpeculationConfig:
     def static_budget(self, with_head: bool) -> SpecBudget:
         """The static budget of steps the drafter drafts in (`with_head`) or not."""
         if with_head:
-            return self.head_budget
+            return self.drafter_budget
         return self.drafting.budget if self.budget is None else self.budget
