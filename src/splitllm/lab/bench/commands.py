@@ -117,6 +117,7 @@ def speculation(
     wire_dtype: Annotated[str, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",
     drafter: Annotated[Optional[str], typer.Option(help="drafter folder (default: the shipped one)")] = None,
     setting: Setting = None,
+    model: Model = "default",
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
     from splitllm.lab.bench.speculation import EXTRA_DECODERS, run_speculation
@@ -127,7 +128,7 @@ def speculation(
         raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt_ms, modes, out, progress=_progress, sampling=sampling,
-        wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting),
+        wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting), model=model,
     )
     typer.echo(result["markdown"])
 

@@ -140,7 +140,7 @@ def summarize(runs: Sequence[dict], modes: Sequence[str]) -> dict:
 
 def markdown(summary: dict, settings: dict) -> str:
     lines = [
-        f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, default model split "
+        f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, {settings.get('model', 'default')} model split "
         f"{settings['head']}+{settings['tail']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
         f"{settings['prompts_per_category']} prompts per category, one thread each side, "
         f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
@@ -196,6 +196,7 @@ def run_speculation(
     wire_dtype: str = "float32",
     drafter: str | None = None,
     precision: Precision | None = None,
+    model: str = "default",
 ) -> dict:
     """The benchmark end to end, both sides in `precision`; writes OUT/speculation.json and OUT/speculation.md.
 
@@ -206,16 +207,18 @@ def run_speculation(
         modes = ("sequential", *modes)
     set_compute_threads(1)
     precision = precision or fastest()
-    client = SplitClient(None, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter)
+    client = SplitClient(model, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter)
     if client.local.drafter is None and "draft" in modes:
         progress("no drafter for this model: the draft mode is left out")
         modes = tuple(m for m in modes if m != "draft")
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
-    settings = {"rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens, "prompts_per_category": prompts_per_category,
+    settings = {"model": model, "rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens,
+                "prompts_per_category": prompts_per_category,
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
                 "wire_dtype": wire_dtype, "drafter": drafter or ("shipped" if client.local.drafter else ""),
                 "precision": precision.name}
-    with ServerProcess("--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args()) as server:
+    serve = ("--model", model, "--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args())
+    with ServerProcess(*serve) as server:
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
