@@ -30,7 +30,6 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle
 from splitllm.model.stage import Stage
 from splitllm.lab import heldout
-from splitllm.lab.privacy import defenses
 from splitllm.lab.privacy.attacks.learned import Attacker, recovery, top_k
 from splitllm.lab.privacy.states import WIRE_DTYPE
 from splitllm.lab.privacy.depth_sweep import (
