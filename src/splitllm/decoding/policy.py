@@ -7,7 +7,9 @@ that changes:
 
 - the link: network time against bytes on the wire (intercept = RTT, slope = 1 / bandwidth), after
   the profile's framing cost; the prefill, much bigger than a decode step, pins the slope;
-- compute: how much slower or faster the client and the server run than the profile says;
+- compute: how much slower or faster the client and the server run than the profile says, apart for
+  a step's fixed part and for its rows (`_ComputeScale`): a bigger model or another precision changes
+  the two differently, and the cost per row is what prices a tree;
 - acceptance: how much more (or less) than the measured average the current text yields per step.
 
 `ValuePolicy` sizes trees by value from the same estimates.
@@ -25,7 +27,7 @@ import numpy as np
 
 from splitllm.decoding.auto_profile import AutoProfile, Candidate
 from splitllm.decoding.budget import AUTO_BUDGET, VALUE_BUDGET, NodeCost, SpecBudget
-from splitllm.latency import Breakdown, Link, step_features
+from splitllm.latency import Breakdown, LinearFit, Link, step_features
 from splitllm.stats import StepStats
 
 
@@ -66,6 +68,49 @@ class _Ratio:
         return (self.prior * self.weight + self.num) / (self.weight + self.den)
 
 
+ROW_FEATURES = ("nodes", "nodes*context", "accepted", "windowed")  # what grows with a step's rows
+
+
+def split_rows(fit: LinearFit, x: dict[str, float]) -> tuple[float, float]:
+    """A fitted compute time at features `x` as (fixed part, part that grows with the rows)."""
+    fixed = fit({**x, **{f: 0.0 for f in ROW_FEATURES}})
+    return fixed, fit(x) - fixed
+
+
+class _ComputeScale:
+    """measured ms ~= f * fixed + r * rows, where fixed and rows are the profile's two parts of a step.
+
+    A discounted least-squares fit in milliseconds, so a big step (the prefill's tens of rows, a large
+    tree) says more about the rows than a one-row step does, which pins the fixed part. It is shrunk
+    toward the profile's (1, 1) in proportion to the evidence on each part (ridge on the Gram diagonal):
+    steps all of one size cannot tell the parts apart, and then both keep the ratio the data shows.
+    """
+
+    def __init__(self, decay: float, shrink: float = 0.1) -> None:
+        self.decay, self.shrink = decay, shrink
+        self.a = np.zeros((2, 2))
+        self.b = np.zeros(2)
+
+    def update(self, measured: float, fixed: float, rows: float) -> None:
+        if measured <= 0 or fixed + rows <= 0:
+            return
+        x = np.array([fixed, rows])
+        self.a = self.decay * self.a + np.outer(x, x)
+        self.b = self.decay * self.b + x * measured
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        if not self.a.any():
+            return 1.0, 1.0
+        prior = self.shrink * np.diag(np.diag(self.a)) + 1e-9 * np.eye(2)
+        f, r = np.linalg.solve(self.a + prior, self.b + prior @ np.ones(2))
+        return max(float(f), 0.05), max(float(r), 0.05)
+
+    def __call__(self, fixed: float, rows: float) -> float:
+        f, r = self.scales
+        return f * fixed + r * rows
+
+
 class _LinkEstimate:
     """network ms = rtt + bytes * ms_per_byte, on two time scales.
 
@@ -102,9 +147,10 @@ class _Estimates:
 
     def __init__(self, halflife_steps: float) -> None:
         decay = 0.5 ** (1 / halflife_steps)
-        self.link = _LinkEstimate(decay, 0.5 ** (1 / (8 * halflife_steps)))
-        self.client = _Ratio(decay)
-        self.server = _Ratio(decay)
+        slow = 0.5 ** (1 / (8 * halflife_steps))
+        self.link = _LinkEstimate(decay, slow)
+        self.client = _ComputeScale(slow)
+        self.server = _ComputeScale(slow)
         self.gain = _Ratio(0.5 ** (1 / (4 * halflife_steps)), weight=4.0)  # one step says little: remember long
         self.chosen: list[Candidate | None] = []  # chosen[i] sized step i (None: the offline budget did)
         self.seen = 0
@@ -170,10 +216,13 @@ class AdaptivePolicy:
 
     def _predict(self, est: _Estimates, link: Link, candidate: Candidate, context: float) -> Breakdown:
         shape = candidate.shape(context, est.gain.value)
-        p = self.profile.latency.predict(shape, link, self.profile.decoder)
-        c, s = est.client.value, est.server.value
+        latency = self.profile.latency
+        p = latency.predict(shape, link, self.profile.decoder)
+        x = shape.features()
+        local, server = est.client(*split_rows(latency.local, x)), est.server(*split_rows(latency.server, x))
+        c = local / p.local if p.local > 0 else 1.0  # the client's own bookkeeping scales with its compute
         framing = p.framing - self._framing_intercept  # already inside the live RTT
-        return Breakdown(p.local * c, p.server * s, p.overhead * c, p.decode * c, p.rtt, p.transfer, framing, p.accepted)
+        return Breakdown(local, server, p.overhead * c, p.decode * c, p.rtt, p.transfer, framing, p.accepted)
 
     def _estimates(self, steps: Sequence[StepStats]) -> _Estimates:
         if steps is not self._steps:  # a new generation starts from what the last one learned
@@ -191,12 +240,10 @@ class AdaptivePolicy:
                 # The framing intercept fitted offline cannot be told apart from RTT live (it moves with
                 # load), so the live RTT absorbs it and only the per-byte part is taken off.
                 est.link.update(x["bytes"], s.network_ms - (latency.framing(x) - self._framing_intercept))
+            est.server.update(s.server_ms, *split_rows(latency.server, x))
+            est.client.update(s.head_ms + s.tail_ms, *split_rows(latency.local, x))
             if i == 0 or i >= len(est.chosen):
-                continue  # the prefill's compute is not a decode step's
-            est.server.update(s.server_ms, max(latency.server(x), 1e-3))
-            client = s.head_ms + s.tail_ms + s.serialize_ms + s.deserialize_ms + s.decode_ms
-            model = latency.local(x) + latency.overhead(x) + latency.decode[self.profile.decoder](x)
-            est.client.update(client, max(model, 1e-3))
+                continue  # the prefill sized no tree: it says nothing about acceptance
             chosen = est.chosen[i]
             expected = chosen.accepted - 1 if chosen else 0.0
             if expected > 0:

@@ -49,19 +49,22 @@ class Drafter(nn.Module):
             raise ValueError("a drafter has exactly one decoder layer; build its config with drafter_config()")
         d = cfg.hidden_size
         self.cfg, self.dtype = cfg, dtype
+        self.quant = "none"  # how its weights run once `packed`
         self.fc = nn.Linear(2 * d, d, bias=True, dtype=dtype)
         self.stage = Stage(cfg, 0, 1, dtype)
         self.register_buffer("vocab", torch.as_tensor(vocab, dtype=torch.long), persistent=True)
 
-    def packed(self) -> Drafter:
+    def packed(self, quant: str = "none") -> Drafter:
         """This drafter for drafting only: its linear weights in the form the CPU runs fastest (see
-        `Precision.linear`); training and saving use the plain modules."""
-        precision = Precision(self.dtype)
+        `Precision.linear`), int8 with `quant="int8"` (a head stored in int8 loses nothing more, and a
+        draft forward reads half the bytes); training and saving use the plain modules."""
+        precision = Precision(self.dtype, quant)
+        self.quant = quant
         layer = self.stage.layers[0]
         for name in ("qkv", "o_proj", "gate_up", "down"):
             linear = getattr(layer, name)
-            setattr(layer, name, precision.linear({"weight": linear.weight.data}, linear.bias))
-        self.fc = precision.linear({"weight": self.fc.weight.data}, self.fc.bias.data)
+            setattr(layer, name, precision.linear(precision.store_linear(linear.weight.data), linear.bias))
+        self.fc = precision.linear(precision.store_linear(self.fc.weight.data), self.fc.bias.data)
         return self
 
     def new_cache(self, max_context: int) -> KVCache:

@@ -1,7 +1,7 @@
 """Drafters on disk: a folder of weights plus metadata, bound to one target model by its fingerprint.
 
-A head folder holds `head.safetensors` (fc, the decoder layer and the draft vocabulary, in half
-precision) and `head.json` (what it was trained for, on what, how well it drafts, how to rebuild it).
+A head folder holds `head.safetensors` (fc, the decoder layer and the draft vocabulary; matrices in half
+precision, or int8 with one scale per row where a head must stay small) and `head.json` (what it was trained for, on what, how well it drafts, how to rebuild it).
 Heads shipped with the package live under `splitllm/draft/heads/<name>/` and are found by the
 fingerprint of the loaded model, the way the default model is found without a training step.
 A drafter only ever proposes: a wrong one costs speed, never correctness, but one trained for other
@@ -19,11 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitllm.draft.model import Drafter, drafter_config
+from splitllm.model.quant import Int8Linear
 from splitllm.model.weights import ModelFiles
 
 WEIGHTS = "head.safetensors"
 METADATA = "head.json"
 FINGERPRINT_KEY = "target_fingerprint"
+WEIGHT_FORMATS = ("float16", "int8")
+_SCALE = ".int8_scale"  # suffix of the per-row scales of an int8 matrix stored under its own name
 
 
 def shipped_drafters_root() -> Path:
@@ -31,22 +34,46 @@ def shipped_drafters_root() -> Path:
     return Path(str(package_files("splitllm.draft") / "heads"))
 
 
-def save_drafter(head: Drafter, folder: str | Path, metadata: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
-    """Write `head` (weights in `dtype`) and its metadata; metadata must name the target's fingerprint."""
+def _stored(tensors: dict[str, torch.Tensor], weights: str) -> dict[str, torch.Tensor]:
+    """Tensors as written: matrices in float16 or int8 with per-row scales, vectors in float16, ids as int32."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        t = t.detach()
+        if not t.is_floating_point():
+            out[name] = t.to(torch.int32).contiguous()
+        elif weights == "int8" and t.dim() == 2:
+            q = Int8Linear.quantize(t)
+            out[name], out[name + _SCALE] = q["q"].contiguous(), q["scales"].to(torch.float16).contiguous()
+        else:
+            out[name] = t.to(torch.float16).contiguous()
+    return out
+
+
+def _loaded(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `_stored`: int8 matrices times their scales, in float32."""
+    return {
+        name: t.float() * tensors[name + _SCALE].float()[:, None] if name + _SCALE in tensors else t
+        for name, t in tensors.items()
+        if not name.endswith(_SCALE)
+    }
+
+
+def save_drafter(head: Drafter, folder: str | Path, metadata: dict[str, Any], weights: str = "float16") -> Path:
+    """Write `head` (matrices in `weights`: float16 or int8) and its metadata; metadata must name the
+    target's fingerprint."""
     if not metadata.get(FINGERPRINT_KEY):
         raise ValueError(f"head metadata needs the target model's fingerprint under {FINGERPRINT_KEY!r}")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"drafter weights are stored as one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: (t.detach().to(dtype) if t.is_floating_point() else t.detach().to(torch.int32)).contiguous()
-        for name, t in head.state_dict().items()
-    }
-    save_file(tensors, folder / WEIGHTS, metadata={"format": "pt"})
+    save_file(_stored(head.state_dict(), weights), folder / WEIGHTS, metadata={"format": "pt"})
     meta = {
         **metadata,
         "intermediate_size": head.cfg.intermediate_size,
         "draft_vocab": int(head.vocab.numel()),
-        "weights_dtype": str(dtype).removeprefix("torch."),
+        "weights_dtype": weights,
+        "parameters": sum(int(t.numel()) for name, t in head.state_dict().items() if name != "vocab"),
         "size_bytes": (folder / WEIGHTS).stat().st_size,
     }
     (folder / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
@@ -71,7 +98,7 @@ def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.d
     weights_path = folder / WEIGHTS
     if not weights_path.is_file():
         raise ValueError(f"{folder} has {METADATA} but no {WEIGHTS}")
-    tensors = load_file(weights_path)
+    tensors = _loaded(load_file(weights_path))
     if "vocab" not in tensors:
         raise ValueError(f"{weights_path} holds no draft vocabulary")
     vocab = tensors["vocab"].long()
@@ -83,7 +110,8 @@ def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.d
         head.load_state_dict({k: v.long() if k == "vocab" else v for k, v in tensors.items()}, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{weights_path} does not fit a drafter for this model: {e}") from e
-    return head.eval().packed()
+    quant = "int8" if meta.get("weights_dtype") == "int8" and dtype != torch.float32 else "none"
+    return head.eval().packed(quant)
 
 
 def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:

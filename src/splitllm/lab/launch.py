@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 import uvicorn
@@ -78,6 +79,18 @@ def split_cores() -> tuple[set[int], set[int]]:
 def pinned(cores: set[int] | None) -> Callable[[], None] | None:
     """A `preexec_fn` that keeps a child process on `cores` (None: wherever this one may run)."""
     return None if cores is None else lambda: os.sched_setaffinity(0, cores)
+
+
+@contextmanager
+def on_cores(cores: set[int] | None) -> Iterator[None]:
+    """This process on `cores` for the block (None: unchanged), then back where it was allowed to run."""
+    before = os.sched_getaffinity(0)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class ServerProcess:

@@ -39,8 +39,25 @@ def runtime(
     settings: Annotated[Optional[str], typer.Option(help="comma-separated dtype-quant settings (default: all measured)")] = None,
     fastest: Annotated[Optional[str], typer.Option(help="the setting decoded end to end next to float32-none (default: the fastest here)")] = None,
     threads: Annotated[str, typer.Option(help="comma-separated thread counts of the server forward")] = "1,2",
+    model: Annotated[Optional[str], typer.Option(help="another model: its speed in-process and split, per precision, "
+                                                 "beside llama.cpp on the same GGUF (see `make peers`)")] = None,
 ) -> None:
-    """Server forward per precision vs the memory-bandwidth floor, client step, loads, RSS, decoding, wire dtypes."""
+    """Server forward per precision vs the memory-bandwidth floor, client step, loads, RSS, decoding, wire dtypes.
+
+    With --model: that model in-process and split per precision, the server's step in its own process, and
+    llama.cpp (whole model, and its RPC backend behind the same emulated link) on the same GGUF."""
+    if model:
+        from splitllm.lab.bench.runtime_model import MODEL_SETTINGS, run_model_runtime
+
+        path = Path(out, "runtime-model.json")
+        rtts = numbers(rtt_ms, float)
+        result = run_model_runtime(
+            model, path, head, tail, tuple(settings.split(",")) if settings else MODEL_SETTINGS,
+            max(numbers(threads, int)), max_new_tokens, rtts[-1], prompts_per_category, wire_dtype, _progress,
+        )
+        typer.echo(path.with_suffix(".md").read_text())
+        typer.echo(f"wrote {path}", err=True)
+        return
     from splitllm.lab.bench.runtime import SETTINGS, markdown, run_runtime
 
     path = Path(out, "runtime.json")

@@ -20,9 +20,12 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.lab.launch import ServerProcess
+from splitllm.lab import peers
+from splitllm.lab.launch import ServerProcess, on_cores, split_cores
+from splitllm.model.packaged import PACKAGED_MODELS
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
+from splitllm.model.weights import packaged_gguf_path
 from splitllm.lab.netem import LinkProfile, ProxyThread
 from splitllm.threads import set_compute_threads
 
@@ -183,6 +186,19 @@ def markdown(summary: dict, settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rpc_peer(
+    model: str, rtt_ms: float, tokens: int, server_cores: set[int], client_cores: set[int], progress: Callable[[str], None]
+) -> dict:
+    """llama.cpp's RPC backend over the same emulated link and cores, when it is built and the model has a GGUF."""
+    if model not in PACKAGED_MODELS:
+        return {"skipped": "only packaged models have a GGUF for llama.cpp here"}
+    if peers.find() is None:
+        return {"skipped": f"no llama.cpp build in {peers.install_dir()}: run `make peers`"}
+    result = peers.rpc(packaged_gguf_path(model), 1, rtt_ms, tokens, server_cores, client_cores).as_dict()
+    progress(f"llama.cpp RPC at {rtt_ms:g} ms: {result['tokens_per_second']:.2f} tok/s")
+    return result
+
+
 def run_speculation(
     prompts_per_category: int = 3,
     max_new_tokens: int = 200,
@@ -217,13 +233,16 @@ def run_speculation(
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
                 "wire_dtype": wire_dtype, "drafter": drafter or ("shipped" if client.local.drafter else ""),
                 "precision": precision.name}
+    server_cores, client_cores = split_cores()  # each side on cores of its own, as two machines would be
+    settings["cores"] = {"server": sorted(server_cores), "client": sorted(client_cores)}
     serve = ("--model", model, "--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args())
-    with ServerProcess(*serve) as server:
+    with ServerProcess(*serve, cores=server_cores) as server, on_cores(client_cores):
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
             runs = measure(client, prompts, max_new_tokens, modes, progress, sampling)
     summary = summarize(runs, modes)
+    peer = _rpc_peer(model, rtt_ms, max_new_tokens, server_cores, client_cores, progress)
     diverged = divergences(client, prompts, runs) if not (sampling and sampling.do_sample) else []
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -232,7 +251,13 @@ def run_speculation(
         report += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix):\n\n"
         report += "| prompt | mode | at token | top-2 gap |\n| --- | --- | --- | --- |\n"
         report += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
-    data = {"settings": settings, "summary": summary, "divergences": diverged, "runs": runs}
+    if "tokens_per_second" in peer:
+        auto = summary["overall"].get("auto", {}).get("tokens_per_second", 0.0)
+        report += (f"\nllama.cpp RPC (every layer remote, nothing private; one thread, pinned) over the same link: "
+                   f"{peer['tokens_per_second']:.2f} tok/s; auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
+    else:
+        report += f"\nllama.cpp RPC: {peer['skipped']}\n"
+    data = {"settings": settings, "summary": summary, "divergences": diverged, "llama_cpp_rpc": peer, "runs": runs}
     (folder / "speculation.json").write_text(json.dumps(data))
     (folder / "speculation.md").write_text(report)
     return {"summary": summary, "markdown": report}

@@ -6,6 +6,7 @@ keyed by what produced them, so a rerun with other training settings skips strai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -21,7 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from splitllm.client.local import LocalModel
 from splitllm.lab.training import data, train
-from splitllm.draft.store import FINGERPRINT_KEY, save_drafter
+from splitllm.lab.training.capture import FeatureCapture
+from splitllm.draft.store import FINGERPRINT_KEY, WEIGHT_FORMATS, save_drafter
 from splitllm.model.weights import ModelFiles, cache_root
 
 
@@ -32,6 +34,7 @@ class DataSettings:
     texts: int = 96  # passages of standard-library prose and code
     text_length: int = 256
     generate_batch: int = 32
+    dtype: str = "bfloat16"  # the target's precision while answering and taking features
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,6 +42,8 @@ class DataSettings:
             raise ValueError("training needs some data: --prompts and --texts must be >= 0, not both 0")
         if self.max_new_tokens < 1 or self.text_length < 16 or self.generate_batch < 1:
             raise ValueError("--max-new-tokens must be at least 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--capture-dtype must be float32 or bfloat16, not {self.dtype!r}")
 
 
 def _digest(obj: object) -> str:
@@ -66,42 +71,59 @@ class _Bar:
         self.progress.update(task, completed=total)
 
 
-def _answers(files: ModelFiles, tok, settings: DataSettings, work: Path, bar: _Bar) -> tuple[list[list[int]], float]:
-    """The target's answers, reusing a cached run over the same prompts (a longer one's prefix counts).
+def _feature_path(work: Path, files: ModelFiles, dtype: str, sequence: Sequence[int]) -> Path:
+    return work / "features" / f"{_digest([files.fingerprint, dtype, list(sequence)])}.pt"
+
+
+def _answers(
+    capture: Callable[[], FeatureCapture], files: ModelFiles, tok, settings: DataSettings, work: Path, bar: _Bar
+) -> tuple[list[list[int]], float]:
+    """The target's answers, reusing a cached run over the same prompts (a longer one's prefix counts);
+    their features are written to the feature cache in the same pass.
 
     The work folder keeps what each answering run cost (`seconds`), so a drafter built from cached answers
     still reports it."""
     prompts = data.build_prompts(settings.prompts, settings.seed)
-    path = work / f"answers-{_digest([files.fingerprint, settings.max_new_tokens, settings.seed])}.json"
+    key = [files.fingerprint, settings.max_new_tokens, settings.seed, settings.dtype]
+    path = work / f"answers-{_digest(key)}.json"
     cached = json.loads(path.read_text()) if path.is_file() else {"prompts": [], "sequences": [], "seconds": 0.0}
     n = len(cached["sequences"])
     if cached["prompts"][:n] == prompts[:n] and n >= len(prompts):
         return cached["sequences"][: len(prompts)], cached.get("seconds", 0.0) * len(prompts) / max(n, 1)
     done = cached["sequences"] if cached["prompts"][:n] == prompts[:n] else []
     seconds = cached.get("seconds", 0.0) if done else 0.0
+    (work / "features").mkdir(parents=True, exist_ok=True)
     with bar.phase("answering prompts", len(prompts)) as advance:
         advance(len(done))
+        model = capture() if len(done) < len(prompts) else None
         for i in range(len(done), len(prompts), settings.generate_batch):
             t0 = time.perf_counter()
-            chunk = prompts[i : i + settings.generate_batch]
-            done += data.generate_answers(files, tok, chunk, settings.max_new_tokens, len(chunk))
+            chunk = [data.chat_ids(tok, p) for p in prompts[i : i + settings.generate_batch]]
+            for ids, feats in model.answer(chunk, settings.max_new_tokens):
+                torch.save(feats, _feature_path(work, files, settings.dtype, ids))
+                done.append(ids)
             seconds += time.perf_counter() - t0
             path.write_text(json.dumps({"prompts": prompts[: len(done)], "sequences": done, "seconds": seconds}))
             advance(len(chunk))
     return done, seconds
 
 
-def _features(files: ModelFiles, sequences: list[list[int]], work: Path, bar: _Bar, name: str) -> data.Features:
-    """Features of `sequences`, each cached under the digest of the model and its token ids."""
-    folder = work / "features"
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{_digest([files.fingerprint, s])}.pt" for s in sequences]
+def _features(
+    capture: Callable[[], FeatureCapture], files: ModelFiles, sequences: list[list[int]], settings: DataSettings,
+    work: Path, bar: _Bar, name: str,
+) -> data.Features:
+    """Features of `sequences` (answers already have theirs), each cached under the digest of the model,
+    the precision and its token ids."""
+    (work / "features").mkdir(parents=True, exist_ok=True)
+    paths = [_feature_path(work, files, settings.dtype, s) for s in sequences]
     missing = [i for i, p in enumerate(paths) if not p.is_file()]
     with bar.phase(f"features of {name}", len(missing)) as advance:
-        extract = data.Extractor(files) if missing else None
-        for i in missing:
-            torch.save(extract(sequences[i]).to(torch.float16), paths[i])
-            advance()
+        model = capture() if missing else None
+        for j in range(0, len(missing), settings.generate_batch):
+            chunk = missing[j : j + settings.generate_batch]
+            for i, feats in zip(chunk, model.features([sequences[i] for i in chunk])):
+                torch.save(feats, paths[i])
+            advance(len(chunk))
     return data.Features([torch.tensor(s) for s in sequences], [torch.load(p).float() for p in paths])
 
 
@@ -119,10 +141,13 @@ def build_head(
     data_settings: DataSettings = DataSettings(),
     train_settings: train.TrainSettings = train.TrainSettings(),
     work: str | Path | None = None,
+    weights: str = "float16",
     show_progress: bool = True,
     command: Sequence[str] | None = None,
 ) -> dict:
     """Build the data, train a drafter for `model`, validate it and write it to `out`; returns the metadata."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
     files = ModelFiles(model)
     work = Path(work) if work else cache_root() / "draft-data" / files.fingerprint[:16]
     work.mkdir(parents=True, exist_ok=True)
@@ -131,15 +156,16 @@ def build_head(
     with Progress(*columns, disable=not show_progress) as progress:
         bar = _Bar(progress)
         t0 = time.perf_counter()
-        answers, answer_seconds = _answers(files, tok, data_settings, work, bar)
+        capture = functools.cache(lambda: FeatureCapture(files, getattr(torch, data_settings.dtype)))
+        answers, answer_seconds = _answers(capture, files, tok, data_settings, work, bar)
         texts = data.text_sequences(tok, data_settings.texts, data_settings.text_length)
         evaluation = data.evaluation_prompts(tok)
         answers, overlap_a = data.drop_overlapping(answers, evaluation)
         texts, overlap_t = data.drop_overlapping(texts, evaluation)
         t1 = time.perf_counter()
         feats = {
-            "answers": _features(files, answers, work, bar, "answers"),
-            "text": _features(files, texts, work, bar, "text"),
+            "answers": _features(capture, files, answers, data_settings, work, bar, "answers"),
+            "text": _features(capture, files, texts, data_settings, work, bar, "text"),
         }
         t2 = time.perf_counter()
         local = LocalModel(files, 1, 0)
@@ -151,7 +177,7 @@ def build_head(
         splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name, (tr, val) in splits.items()}
         train_seqs = [s for tr, _ in splits.values() for s in tr]
         vocab = train.draft_vocabulary(train_seqs, train_settings.vocab, files.config.vocab_size)
-        head = train.new_head(local, vocab)
+        head = train.new_head(local, vocab, train_settings.intermediate)
         total = train_settings.epochs * sum(int(s.ids.numel()) for s in train_seqs)
         with bar.phase("training", total) as advance:
             history = train.train(head, target, train_seqs, train_settings, advance)
@@ -177,7 +203,8 @@ def build_head(
         },
         "training_data": {
             "description": (
-                "the target's own greedy answers (float32, unsplit model) to prompts built from templates "
+                f"the target's own greedy answers (unsplit model in {data_settings.dtype}, batched, features taken "
+                "in the same pass) to prompts built from templates "
                 "over topic lists (everyday subjects, programming tasks, standard-library modules, Python "
                 "Language Reference topics), plus chat-templated passages of "
                 f"{data.corpus.SOURCE} from the privacy corpus' training documents only ({data.corpus.LICENCE}); "
@@ -208,5 +235,5 @@ def build_head(
         "reproduce": shlex.join(command) if command else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    save_drafter(head, out, meta)
+    save_drafter(head, out, meta, weights)
     return json.loads((Path(out) / "head.json").read_text())

