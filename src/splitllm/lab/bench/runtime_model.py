@@ -14,7 +14,6 @@ llama.cpp figures are left out, with the reason, when `make peers` has not built
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -27,9 +26,7 @@ from splitllm.lab.bench.runtime_compute import copy_bandwidth, server_forward
 from splitllm.lab.data.workload import workload
 from splitllm.lab.launch import ServerProcess, on_cores, split_cores
 from splitllm.lab.netem import LinkProfile, ProxyThread
-from splitllm.model.packaged import PACKAGED_MODELS
 from splitllm.model.precision import Precision
-from splitllm.model.weights import packaged_gguf_path
 from splitllm.stats import mean_stats
 from splitllm.threads import set_compute_threads
 
@@ -48,14 +45,6 @@ def _decode_speed(client: SplitClient, prompts: Sequence[str], new_tokens: int) 
             "mean_step_ms": {k: mean[k] for k in ("head_ms", "network_ms", "server_ms", "tail_ms", "total_ms")}}
 
 
-def _peer(run: Callable[[], peers.PeerResult], progress: Progress) -> dict[str, Any]:
-    if peers.find() is None:
-        return {"skipped": f"no llama.cpp build in {peers.install_dir()}: run `make peers`"}
-    result = run().as_dict()
-    progress(f"  {result['name']}: {result['tokens_per_second']:.2f} tok/s")
-    return result
-
-
 def run_model_runtime(
     model: str,
     out: str | Path = "results/runtime-model.json",
@@ -70,7 +59,6 @@ def run_model_runtime(
     progress: Progress = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     """(f)-(h) for `model`; writes the JSON and a Markdown table beside it."""
-    gguf = packaged_gguf_path(model) if model in PACKAGED_MODELS else None
     texts = [p.text for p in workload(prompts)]
     server_cores, client_cores = split_cores()
     result: dict[str, Any] = {"model": model, "split": [head, tail], "threads": threads, "new_tokens": new_tokens,
@@ -83,8 +71,7 @@ def run_model_runtime(
         row = result["in_process"][setting] = _decode_speed(client, texts, new_tokens)
         progress(f"  splitllm {setting}: {row['tok_s']:.2f} tok/s")
         del client
-    result["llama_cpp"] = _peer(lambda: peers.whole_model(gguf, threads, new_tokens), progress) if gguf else {
-        "skipped": "llama.cpp needs the model's GGUF: only packaged models have one here"}
+    result["llama_cpp"] = peers.measured(model, lambda gguf: peers.whole_model(gguf, threads, new_tokens), progress)
     progress("(g) the server's one-position step: in-process and in its own process beside a client, pinned")
     set_compute_threads(len(server_cores))
     with on_cores(server_cores):
@@ -118,8 +105,9 @@ def run_model_runtime(
     result["llama_cpp_rpc"] = {}
     runs = {f"{threads} threads, unpinned": (threads, None, None),
             f"{len(server_cores)} thread(s) per side, pinned": (len(server_cores), server_cores, client_cores)}
-    for label, (n, srv, cli) in runs.items() if gguf else ():
-        result["llama_cpp_rpc"][label] = _peer(lambda: peers.rpc(gguf, n, rtt_ms, new_tokens, srv, cli), progress)
+    for label, (n, srv, cli) in runs.items():
+        rpc = lambda gguf: peers.rpc(gguf, n, rtt_ms, new_tokens, srv, cli)  # noqa: E731
+        result["llama_cpp_rpc"][label] = peers.measured(model, rpc, progress)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

@@ -22,10 +22,8 @@ from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.lab import peers
 from splitllm.lab.launch import ServerProcess, on_cores, split_cores
-from splitllm.model.packaged import PACKAGED_MODELS
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
-from splitllm.model.weights import packaged_gguf_path
 from splitllm.lab.netem import LinkProfile, ProxyThread
 from splitllm.threads import set_compute_threads
 
@@ -186,19 +184,6 @@ def markdown(summary: dict, settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _rpc_peer(
-    model: str, rtt_ms: float, tokens: int, server_cores: set[int], client_cores: set[int], progress: Callable[[str], None]
-) -> dict:
-    """llama.cpp's RPC backend over the same emulated link and cores, when it is built and the model has a GGUF."""
-    if model not in PACKAGED_MODELS:
-        return {"skipped": "only packaged models have a GGUF for llama.cpp here"}
-    if peers.find() is None:
-        return {"skipped": f"no llama.cpp build in {peers.install_dir()}: run `make peers`"}
-    result = peers.rpc(packaged_gguf_path(model), 1, rtt_ms, tokens, server_cores, client_cores).as_dict()
-    progress(f"llama.cpp RPC at {rtt_ms:g} ms: {result['tokens_per_second']:.2f} tok/s")
-    return result
-
-
 def run_speculation(
     prompts_per_category: int = 3,
     max_new_tokens: int = 200,
@@ -242,7 +227,9 @@ def run_speculation(
             client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
             runs = measure(client, prompts, max_new_tokens, modes, progress, sampling)
     summary = summarize(runs, modes)
-    peer = _rpc_peer(model, rtt_ms, max_new_tokens, server_cores, client_cores, progress)
+    # llama.cpp's RPC backend over the same emulated link and cores
+    rpc = lambda gguf: peers.rpc(gguf, 1, rtt_ms, max_new_tokens, server_cores, client_cores)  # noqa: E731
+    peer = peers.measured(model, rpc, progress)
     diverged = divergences(client, prompts, runs) if not (sampling and sampling.do_sample) else []
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)

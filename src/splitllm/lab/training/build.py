@@ -92,14 +92,12 @@ def _answers(
         return cached["sequences"][: len(prompts)], cached.get("seconds", 0.0) * len(prompts) / max(n, 1)
     done = cached["sequences"] if cached["prompts"][:n] == prompts[:n] else []
     seconds = cached.get("seconds", 0.0) if done else 0.0
-    (work / "features").mkdir(parents=True, exist_ok=True)
     with bar.phase("answering prompts", len(prompts)) as advance:
         advance(len(done))
-        model = capture() if len(done) < len(prompts) else None
         for i in range(len(done), len(prompts), settings.generate_batch):
             t0 = time.perf_counter()
             chunk = [data.chat_ids(tok, p) for p in prompts[i : i + settings.generate_batch]]
-            for ids, feats in model.answer(chunk, settings.max_new_tokens):
+            for ids, feats in capture().answer(chunk, settings.max_new_tokens):
                 torch.save(feats, _feature_path(work, files, settings.dtype, ids))
                 done.append(ids)
             seconds += time.perf_counter() - t0
@@ -114,14 +112,12 @@ def _features(
 ) -> data.Features:
     """Features of `sequences` (answers already have theirs), each cached under the digest of the model,
     the precision and its token ids."""
-    (work / "features").mkdir(parents=True, exist_ok=True)
     paths = [_feature_path(work, files, settings.dtype, s) for s in sequences]
     missing = [i for i, p in enumerate(paths) if not p.is_file()]
     with bar.phase(f"features of {name}", len(missing)) as advance:
-        model = capture() if missing else None
         for j in range(0, len(missing), settings.generate_batch):
             chunk = missing[j : j + settings.generate_batch]
-            for i, feats in zip(chunk, model.features([sequences[i] for i in chunk])):
+            for i, feats in zip(chunk, capture().features([sequences[i] for i in chunk])):
                 torch.save(feats, paths[i])
             advance(len(chunk))
     return data.Features([torch.tensor(s) for s in sequences], [torch.load(p).float() for p in paths])
@@ -150,7 +146,7 @@ def build_head(
         raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
     files = ModelFiles(model)
     work = Path(work) if work else cache_root() / "draft-data" / files.fingerprint[:16]
-    work.mkdir(parents=True, exist_ok=True)
+    (work / "features").mkdir(parents=True, exist_ok=True)  # answers and their features
     tok = data.load_tokenizer(files)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, disable=not show_progress) as progress:

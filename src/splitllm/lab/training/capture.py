@@ -13,7 +13,7 @@ from these features by the client's final norm and LM head (`train.Target`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
