@@ -6,7 +6,10 @@ masked, or after its ancestors were committed."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,13 +82,33 @@ def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, 
         w, bias = w.bfloat16().float(), bias.bfloat16().float()
     assert isinstance(linear, BlockedLinear) and linear.out_features == outputs
     assert torch.equal(linear.weight, w.bfloat16())
-    x = torch.randn(1, 29, inputs, generator=gen).bfloat16()  # more rows than one tile of 12
+    x = torch.randn(1, 45, inputs, generator=gen).bfloat16()  # more rows than a pass (12 dot-product rows, 32 tile rows)
     out = linear(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (1, 29, outputs)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 45, outputs)
     assert _close(out, x.float() @ w.T + bias, 0.01)
     assert torch.equal(out[0], torch.cat([linear(row) for row in x[0].split(1)]))
     assert torch.equal(out[0, 5:9], linear(x[0, 5:9]))
+    assert torch.equal(out[0, 3:40], linear(x[0, 3:40]))  # a pass of two tiles, then a part of one
     assert linear(x.float()).dtype == torch.float32  # the input's dtype back, computed in bfloat16
+
+
+@needs_kernels
+def test_tiles_follow_the_cpu_and_the_switch() -> None:
+    """AMX's tiles run the bfloat16, int8 and int4 linears where the CPU has them, unless SPLITLLM_TILES=0."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    wanted = {"amx_tile", "amx_bf16"} <= set(flags) and os.environ.get("SPLITLLM_TILES") != "0"
+    assert KERNELS.tiles_available() == wanted
+
+
+@needs_kernels
+def test_the_dot_product_path_holds_without_tiles() -> None:
+    """CPUs without AMX (AMD Zen 4) take the dot-product path for every linear; it runs here with the tiles
+    switched off, in a process of its own since the choice is made once per process."""
+    env = {**os.environ, "SPLITLLM_TILES": "0"}
+    tests = "tiles_follow or blocked_linear or fused_step_is_batch or fused_step_matches"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:]
 
 
 @needs_kernels

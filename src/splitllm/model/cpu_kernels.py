@@ -23,7 +23,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("bindings.cpp", "linear.cpp", "attention.cpp", "decoder.cpp")]
 # A definition that matches no declaration in kernels.h fails the build (it would load as a missing symbol).
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp", "-Werror=missing-declarations"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-Werror=missing-declarations"]
 
 
 def cpu_has_instructions() -> bool:

@@ -14,9 +14,23 @@
 // load. Every output is accumulated over the input pairs in the same order
 // whatever the number of rows, the row's place in the batch or the thread count, so results are
 // batch-invariant.
+//
+// Where the CPU has AMX (Intel Sapphire Rapids and later) and the input width is a multiple of 32,
+// bfloat16 and int8 weights go through its tile unit instead, for every row count: one tile
+// instruction multiplies up to 16 rows by a 32-input, 16-output tile at the cost of one, so the rows of
+// a speculative tree cost almost nothing beyond the first, where the dot-product instruction pays for
+// each row again. A bfloat16 block's packed layout is already the tile unit's (pairs as rows, 64 bytes
+// apart), so its tiles load straight from the weight; int8 pairs are widened as above into a small
+// buffer first. The tile unit's rounding differs from the dot-product instruction's, so a weight takes
+// the same path whatever the rows, and a row's bits still never depend on the others.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -30,7 +44,10 @@ constexpr int kBlock = 16 * kVectors;       // outputs per block
 constexpr int kRowTile = 12;                // rows per pass over a block (24 accumulators)
 constexpr int kGroup = 32;                  // int4 inputs per scale and zero
 constexpr int kGroupPairs = kGroup / 2;
-constexpr int kInt4RowTile = 6;             // 12 accumulators and 12 group sums
+constexpr int kInt4RowTile = 4;             // 8 accumulators and 16 group sums (two chains)
+constexpr int kTileRows = 16;               // rows of an AMX input or result tile
+constexpr int kTilePairs = 16;              // input pairs per AMX step (a tile row of 32 bfloat16)
+constexpr int kAmxRowTile = 2 * kTileRows;  // rows per pass over a block: two input tiles, four result tiles
 
 // The bfloat16 bits of 0..127 as two 128-entry byte tables (low and high bytes), two registers each.
 struct Int8Tables {
@@ -82,6 +99,41 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
+}  // namespace
+
+bool tiles_available() {
+  static const bool usable = [] {
+    if (const char* off = std::getenv("SPLITLLM_TILES"); off && std::strcmp(off, "0") == 0) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+namespace {
+
+// The tiles of one pass: results 0-3 (rows 0-15 and 16-31, outputs 0-15 and 16-31 of the block), inputs
+// 4-5 (the two row groups' 32 inputs), weights 6-7 (the two output halves' 16 input pairs).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+
+  explicit TileConfig(int count) {
+    const int first = std::min(count, kTileRows), second = count - first;
+    for (int t : {0, 1, 4}) set(t, first);
+    if (second > 0)
+      for (int t : {2, 3, 5}) set(t, second);
+    for (int t : {6, 7}) set(t, kTilePairs);
+  }
+  void set(int tile, int count) {
+    rows[tile] = static_cast<uint8_t>(count);
+    bytes_per_row[tile] = 64;
+  }
+};
+
 // f(std::integral_constant<int, R>{}) with R = rows (1 <= rows <= Max): the tile's row count as a
 // compile-time constant, so its accumulators stay in registers.
 template <int Max, typename F>
@@ -116,27 +168,42 @@ void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
   const __m512 offset = _mm512_set1_ps(136.0f);  // 128 from the OR, 8 from q - 8
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 dot[Rows * kVectors];
-    for (int i = 0; i < Rows * kVectors; ++i) dot[i] = _mm512_setzero_ps();
-    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; ++p) {
+    // Even and odd pairs in two chains, added at the group's end: one chain's dot-product latency would
+    // bound a one-row step below the memory bandwidth.
+    __m512 dot[2][Rows * kVectors];
+    for (int i = 0; i < Rows * kVectors; ++i) dot[0][i] = dot[1][i] = _mm512_setzero_ps();
+    const auto step = [&](int64_t p, __m512* chain) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kBlock)));
       const __m512bh wv[kVectors] = {(__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA),  // a & b | c
                                      (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent)};
       for (int r = 0; r < Rows; ++r) {
         const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
-        for (int j = 0; j < kVectors; ++j) dot[r * kVectors + j] = _mm512_dpbf16_ps(dot[r * kVectors + j], xv, wv[j]);
+        for (int j = 0; j < kVectors; ++j) chain[r * kVectors + j] = _mm512_dpbf16_ps(chain[r * kVectors + j], xv, wv[j]);
       }
+    };
+    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; p += 2) {
+      step(p, dot[0]);
+      step(p + 1, dot[1]);
     }
+    for (int i = 0; i < Rows * kVectors; ++i) dot[0][i] = _mm512_add_ps(dot[0][i], dot[1][i]);
     for (int j = 0; j < kVectors; ++j) {
       const __m512 scale = load(sz + (g * 2) * kBlock + j * 16, 0xFFFF);
       const __m512 zero = load(sz + (g * 2 + 1) * kBlock + j * 16, 0xFFFF);
       for (int r = 0; r < Rows; ++r) {
         const __m512 sum = _mm512_set1_ps(sums[r * groups + g]);
-        const __m512 centered = _mm512_fnmadd_ps(offset, sum, dot[r * kVectors + j]);  // sum x (q - 8)
+        const __m512 centered = _mm512_fnmadd_ps(offset, sum, dot[0][r * kVectors + j]);  // sum x (q - 8)
         acc[r * kVectors + j] = _mm512_fmadd_ps(zero, sum, _mm512_fmadd_ps(centered, scale, acc[r * kVectors + j]));
       }
     }
   }
+}
+
+// y[col..col + 16) of one row (masked to the n outputs) = round_bf16(v * scale[col] + bias[col]).
+inline void emit(__m512 v, int64_t col, int64_t n, const float* scales, const float* bias, uint16_t* y) {
+  const __mmask16 mask = lanes(n - col);
+  if (scales) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scales + col));
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
+  store(y + col, v, mask);
 }
 
 // Every block of outputs for every row, `RowTile` rows at a time: tile(b, r0, rows, acc) sums block b
@@ -149,25 +216,146 @@ void run(int64_t rows, int64_t n, int64_t blocks, const float* scales, const flo
       for (int64_t r0 = 0; r0 < rows; r0 += RowTile) {
         const int count = static_cast<int>(std::min<int64_t>(RowTile, rows - r0));
         tile(b, r0, count, acc);
-        for (int r = 0; r < count; ++r) {
-          for (int j = 0; j < kVectors; ++j) {
-            const int64_t col = b * kBlock + j * 16;
-            if (col >= n) break;
-            const __mmask16 mask = lanes(n - col);
-            __m512 v = acc[r * kVectors + j];
-            if (scales) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scales + col));
-            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
-            store(y + (r0 + r) * n + col, v, mask);
-          }
-        }
+        for (int r = 0; r < count; ++r)
+          for (int j = 0; j < kVectors && b * kBlock + j * 16 < n; ++j)
+            emit(acc[r * kVectors + j], b * kBlock + j * 16, n, scales, bias, y + (r0 + r) * n);
       }
     }
+  });
+}
+
+// Where a pass's K steps get their weight tiles (6 and 7: 16 input pairs for each half of the block's
+// outputs). bfloat16 pairs load in place, 128 bytes apart; int8 pairs are widened into `staged` first.
+template <typename Pairs>
+struct DenseTiles {
+  static constexpr bool kGrouped = false;  // one scale per output, applied once at the end
+  Pairs widen;
+  const typename Pairs::Weight* w;
+  int64_t pairs;
+
+  void load(int64_t b, int64_t step, uint16_t (*staged)[kTilePairs][32]) const {
+    const typename Pairs::Weight* ws = w + (b * pairs + step * kTilePairs) * kBlock * 2;
+    if constexpr (std::is_same_v<Pairs, Bfloat16Pairs>) {
+      _tile_loadd(6, ws, kBlock * 4);
+      _tile_loadd(7, ws + 32, kBlock * 4);
+    } else {
+      for (int p = 0; p < kTilePairs; ++p) {
+        __m512bh v[kVectors];
+        widen(ws + p * kBlock * 2, v);
+        for (int j = 0; j < kVectors; ++j) _mm512_store_si512(staged[j][p], (__m512i)v[j]);
+      }
+      _tile_loadd(6, staged[0], 64);
+      _tile_loadd(7, staged[1], 64);
+    }
+  }
+};
+
+// int4: a K step is one group of 32 inputs, so each step's products are read out and corrected with
+// the group's scale, zero and input sums (as block_int4 does) before the next step.
+struct Int4Tiles {
+  static_assert(kGroup == 2 * kTilePairs, "a K step of the tile unit is one int4 group");
+  static constexpr bool kGrouped = true;
+  const uint8_t* w;
+  const uint16_t* sz;
+  const float* sums;  // (rows, groups)
+  int64_t pairs, groups;
+
+  void load(int64_t b, int64_t g, uint16_t (*staged)[kTilePairs][32]) const {
+    const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+    const uint8_t* wg = w + (b * pairs + g * kTilePairs) * kBlock;
+    for (int p = 0; p < kTilePairs; ++p) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * kBlock)));
+      _mm512_store_si512(staged[0][p], _mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA));  // a & b | c
+      _mm512_store_si512(staged[1][p], _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent));
+    }
+    _tile_loadd(6, staged[0], 64);
+    _tile_loadd(7, staged[1], 64);
+  }
+
+  void correct(int64_t b, int64_t g, int64_t r0, int count, const float (*dots)[kBlock], float (*acc)[kBlock]) const {
+    const __m512 offset = _mm512_set1_ps(136.0f);  // 128 from the OR, 8 from q - 8
+    const uint16_t* szb = sz + (b * groups + g) * 2 * kBlock;
+    for (int j = 0; j < kVectors; ++j) {
+      const __m512 scale = ::load(szb + j * 16, 0xFFFF), zero = ::load(szb + kBlock + j * 16, 0xFFFF);
+      for (int r = 0; r < count; ++r) {
+        const __m512 sum = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
+        const __m512 centered = _mm512_fnmadd_ps(offset, sum, _mm512_load_ps(dots[r] + j * 16));  // sum x (q - 8)
+        _mm512_store_ps(acc[r] + j * 16,
+                        _mm512_fmadd_ps(zero, sum, _mm512_fmadd_ps(centered, scale, _mm512_load_ps(acc[r] + j * 16))));
+      }
+    }
+  }
+};
+
+// The linear on the tile unit: each block's rows kAmxRowTile at a time, over K in 32-input steps.
+template <typename Weights>
+void run_tiles(const Weights& shared, const uint16_t* x, int64_t rows, int64_t n, int64_t blocks, int64_t pairs,
+               const float* scales, const float* bias, uint16_t* y) {
+  const int64_t k = 2 * pairs, steps = pairs / kTilePairs;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const Weights weights = shared;
+    alignas(64) uint16_t staged[kVectors][kTilePairs][32];
+    alignas(64) float dots[kAmxRowTile][kBlock], acc[kAmxRowTile][kBlock];
+    const auto zero = [](bool second) {
+      _tile_zero(0);
+      _tile_zero(1);
+      if (second) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+    };
+    const auto read = [](bool second, float (*into)[kBlock]) {
+      _tile_stored(0, into[0], kBlock * 4);
+      _tile_stored(1, into[0] + 16, kBlock * 4);
+      if (second) {
+        _tile_stored(2, into[kTileRows], kBlock * 4);
+        _tile_stored(3, into[kTileRows] + 16, kBlock * 4);
+      }
+    };
+    int configured = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kAmxRowTile) {
+        const int count = static_cast<int>(std::min<int64_t>(kAmxRowTile, rows - r0));
+        const bool second = count > kTileRows;
+        if (count != configured) {
+          const TileConfig config(count);
+          _tile_loadconfig(&config);
+          configured = count;
+        }
+        if constexpr (Weights::kGrouped) std::memset(acc, 0, sizeof acc);
+        else zero(second);
+        const uint16_t* xr = x + r0 * k;
+        for (int64_t step = 0; step < steps; ++step) {
+          if constexpr (Weights::kGrouped) zero(second);
+          weights.load(b, step, staged);
+          _tile_loadd(4, xr + step * 2 * kTilePairs, k * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (second) {
+            _tile_loadd(5, xr + kTileRows * k + step * 2 * kTilePairs, k * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          if constexpr (Weights::kGrouped) {
+            read(second, dots);
+            weights.correct(b, step, r0, count, dots, acc);
+          }
+        }
+        if constexpr (!Weights::kGrouped) read(second, acc);
+        for (int r = 0; r < count; ++r)
+          for (int j = 0; j < kVectors && b * kBlock + j * 16 < n; ++j)
+            emit(_mm512_load_ps(acc[r] + j * 16), b * kBlock + j * 16, n, scales, bias, y + (r0 + r) * n);
+      }
+    }
+    if (configured) _tile_release();
   });
 }
 
 template <typename Pairs>
 void run_dense(const Pairs& load, const uint16_t* x, const typename Pairs::Weight* w, int64_t rows, int64_t n,
                int64_t blocks, int64_t pairs, const float* scales, const float* bias, uint16_t* y) {
+  if (pairs % kTilePairs == 0 && tiles_available())
+    return run_tiles(DenseTiles<Pairs>{load, w, pairs}, x, rows, n, blocks, pairs, scales, bias, y);
   run<kRowTile>(rows, n, blocks, scales, bias, y, [&](int64_t b, int64_t r0, int count, __m512* acc) {
     with_rows<kRowTile>(count, [&](auto tile) {
       block<decltype(tile)::value>(load, w + b * pairs * kBlock * 2, x + r0 * 2 * pairs, 2 * pairs, pairs, acc);
@@ -184,6 +372,8 @@ void run_int4(const uint16_t* x, const uint8_t* w, const uint16_t* sz, int64_t r
       const uint16_t* xg = x + r * k + g * kGroup;
       sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(load(xg, 0xFFFF), load(xg + 16, 0xFFFF)));
     }
+  if (tiles_available())  // an int4 width is a multiple of 32: always whole tile steps
+    return run_tiles(Int4Tiles{w, sz, sums.data(), pairs, groups}, x, rows, n, blocks, pairs, nullptr, bias, y);
   run<kInt4RowTile>(rows, n, blocks, nullptr, bias, y, [&](int64_t b, int64_t r0, int count, __m512* acc) {
     with_rows<kInt4RowTile>(count, [&](auto tile) {
       block_int4<decltype(tile)::value>(w + b * pairs * kBlock, sz + b * groups * 2 * kBlock, x + r0 * k, k,
