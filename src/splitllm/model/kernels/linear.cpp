@@ -44,7 +44,7 @@ constexpr int kBlock = 16 * kVectors;       // outputs per block
 constexpr int kRowTile = 12;                // rows per pass over a block (24 accumulators)
 constexpr int kGroup = 32;                  // int4 inputs per scale and zero
 constexpr int kGroupPairs = kGroup / 2;
-constexpr int kInt4RowTile = 4;             // 8 accumulators and 16 group sums (two chains)
+constexpr int kInt4RowTile = 6;             // 12 accumulators and 12 group sums
 constexpr int kTileRows = 16;               // rows of an AMX input or result tile
 constexpr int kTilePairs = 16;              // input pairs per AMX step (a tile row of 32 bfloat16)
 constexpr int kAmxRowTile = 2 * kTileRows;  // rows per pass over a block: two input tiles, four result tiles
@@ -168,30 +168,23 @@ void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
   const __m512 offset = _mm512_set1_ps(136.0f);  // 128 from the OR, 8 from q - 8
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // Even and odd pairs in two chains, added at the group's end: one chain's dot-product latency would
-    // bound a one-row step below the memory bandwidth.
-    __m512 dot[2][Rows * kVectors];
-    for (int i = 0; i < Rows * kVectors; ++i) dot[0][i] = dot[1][i] = _mm512_setzero_ps();
-    const auto step = [&](int64_t p, __m512* chain) {
+    __m512 dot[Rows * kVectors];
+    for (int i = 0; i < Rows * kVectors; ++i) dot[i] = _mm512_setzero_ps();
+    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; ++p) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kBlock)));
       const __m512bh wv[kVectors] = {(__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA),  // a & b | c
                                      (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent)};
       for (int r = 0; r < Rows; ++r) {
         const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
-        for (int j = 0; j < kVectors; ++j) chain[r * kVectors + j] = _mm512_dpbf16_ps(chain[r * kVectors + j], xv, wv[j]);
+        for (int j = 0; j < kVectors; ++j) dot[r * kVectors + j] = _mm512_dpbf16_ps(dot[r * kVectors + j], xv, wv[j]);
       }
-    };
-    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; p += 2) {
-      step(p, dot[0]);
-      step(p + 1, dot[1]);
     }
-    for (int i = 0; i < Rows * kVectors; ++i) dot[0][i] = _mm512_add_ps(dot[0][i], dot[1][i]);
     for (int j = 0; j < kVectors; ++j) {
       const __m512 scale = load(sz + (g * 2) * kBlock + j * 16, 0xFFFF);
       const __m512 zero = load(sz + (g * 2 + 1) * kBlock + j * 16, 0xFFFF);
       for (int r = 0; r < Rows; ++r) {
         const __m512 sum = _mm512_set1_ps(sums[r * groups + g]);
-        const __m512 centered = _mm512_fnmadd_ps(offset, sum, dot[0][r * kVectors + j]);  // sum x (q - 8)
+        const __m512 centered = _mm512_fnmadd_ps(offset, sum, dot[r * kVectors + j]);  // sum x (q - 8)
         acc[r * kVectors + j] = _mm512_fmadd_ps(zero, sum, _mm512_fmadd_ps(centered, scale, acc[r * kVectors + j]));
       }
     }
