@@ -98,6 +98,7 @@ def test_tiles_follow_the_cpu_and_the_switch() -> None:
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
     wanted = {"amx_tile", "amx_bf16"} <= set(flags) and os.environ.get("SPLITLLM_TILES") != "0"
     assert KERNELS.tiles_available() == wanted
+    assert cpu_kernels.linear_path() == ("amx-tiles" if wanted else "avx512-dot-products")  # what benchmarks record
 
 
 @needs_kernels

@@ -62,3 +62,11 @@ def _gist(err: Exception) -> str:
     """The line of a failed build that says what went wrong: the first compiler error, else the message's last line."""
     lines = str(err).strip().splitlines() or [type(err).__name__]
     return next((line.strip() for line in lines if "error:" in line), lines[-1])
+
+
+def linear_path() -> str:
+    """Which instructions run the 16-bit and quantized linear layers here, for benchmark records."""
+    kernels = load()
+    if kernels is None:
+        return "pytorch"
+    return "amx-tiles" if kernels.tiles_available() else "avx512-dot-products"

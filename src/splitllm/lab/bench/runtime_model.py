@@ -26,6 +26,7 @@ from splitllm.lab.bench.runtime_compute import copy_bandwidth, server_forward
 from splitllm.lab.data.workload import workload
 from splitllm.lab.launch import ServerProcess, on_cores, split_cores
 from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.model import cpu_kernels
 from splitllm.model.precision import Precision
 from splitllm.stats import mean_stats
 from splitllm.threads import set_compute_threads
@@ -62,7 +63,8 @@ def run_model_runtime(
     texts = [p.text for p in workload(prompts)]
     server_cores, client_cores = split_cores()
     result: dict[str, Any] = {"model": model, "split": [head, tail], "threads": threads, "new_tokens": new_tokens,
-                              "rtt_ms": rtt_ms, "cores": {"server": sorted(server_cores), "client": sorted(client_cores)}}
+                              "rtt_ms": rtt_ms, "cores": {"server": sorted(server_cores), "client": sorted(client_cores)},
+                              "linear_kernels": cpu_kernels.linear_path()}
     progress(f"(f) in-process sequential decoding, {threads} threads, {len(texts)} prompts x {new_tokens} tokens")
     set_compute_threads(threads)
     result["in_process"] = {}

@@ -22,6 +22,7 @@ from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.lab import peers
 from splitllm.lab.launch import ServerProcess, on_cores, split_cores
+from splitllm.model import cpu_kernels
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
 from splitllm.lab.netem import LinkProfile, ProxyThread
@@ -217,7 +218,7 @@ def run_speculation(
                 "prompts_per_category": prompts_per_category,
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
                 "wire_dtype": wire_dtype, "drafter": drafter or ("shipped" if client.local.drafter else ""),
-                "precision": precision.name}
+                "precision": precision.name, "linear_kernels": cpu_kernels.linear_path()}
     server_cores, client_cores = split_cores()  # each side on cores of its own, as two machines would be
     settings["cores"] = {"server": sorted(server_cores), "client": sorted(client_cores)}
     serve = ("--model", model, "--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args())

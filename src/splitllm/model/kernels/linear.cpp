@@ -16,13 +16,14 @@
 // batch-invariant.
 //
 // Where the CPU has AMX (Intel Sapphire Rapids and later) and the input width is a multiple of 32,
-// bfloat16 and int8 weights go through its tile unit instead, for every row count: one tile
-// instruction multiplies up to 16 rows by a 32-input, 16-output tile at the cost of one, so the rows of
-// a speculative tree cost almost nothing beyond the first, where the dot-product instruction pays for
-// each row again. A bfloat16 block's packed layout is already the tile unit's (pairs as rows, 64 bytes
-// apart), so its tiles load straight from the weight; int8 pairs are widened as above into a small
-// buffer first. The tile unit's rounding differs from the dot-product instruction's, so a weight takes
-// the same path whatever the rows, and a row's bits still never depend on the others.
+// bfloat16, int8 and int4 weights go through its tile unit instead, for every row count: one tile
+// instruction multiplies up to 16 rows by a 32-input, 16-output tile in the time it takes for one, so
+// a speculative tree's rows cost little beyond the first, where the dot-product instruction pays for
+// each row again. A bfloat16 block's packed layout is already the tile unit's (pairs as rows, 128
+// bytes apart), so its tiles load straight from the weight; int8 and int4 pairs are widened as above
+// into a small buffer first, and an int4 step (one group) is read out and corrected before the next.
+// The tile unit's rounding differs from the dot-product instruction's, so a weight takes the same path
+// whatever the rows, and a row's bits still never depend on the others.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -159,13 +160,20 @@ void block(const Pairs& shared, const typename Pairs::Weight* w, const uint16_t*
   }
 }
 
+// acc + one int4 group's share of 16 outputs: dot is the group's sum of x (128 + q) (the nibbles as
+// bfloat16), sum its inputs' sum, so sum x (q - 8) = dot - 136 sum, then scale and zero apply.
+inline __m512 add_group(__m512 acc, __m512 dot, float sum, __m512 scale, __m512 zero) {
+  const __m512 s = _mm512_set1_ps(sum);
+  const __m512 centered = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), s, dot);  // 128 from the OR, 8 from q - 8
+  return _mm512_fmadd_ps(zero, s, _mm512_fmadd_ps(centered, scale, acc));
+}
+
 // One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) bfloat16 scales and zeros,
 // sums (Rows, groups) each row's input sum per group.
 template <int Rows>
 void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx, const float* sums,
                 int64_t groups, __m512* acc) {
   const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
-  const __m512 offset = _mm512_set1_ps(136.0f);  // 128 from the OR, 8 from q - 8
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 dot[Rows * kVectors];
@@ -182,11 +190,8 @@ void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
     for (int j = 0; j < kVectors; ++j) {
       const __m512 scale = load(sz + (g * 2) * kBlock + j * 16, 0xFFFF);
       const __m512 zero = load(sz + (g * 2 + 1) * kBlock + j * 16, 0xFFFF);
-      for (int r = 0; r < Rows; ++r) {
-        const __m512 sum = _mm512_set1_ps(sums[r * groups + g]);
-        const __m512 centered = _mm512_fnmadd_ps(offset, sum, dot[r * kVectors + j]);  // sum x (q - 8)
-        acc[r * kVectors + j] = _mm512_fmadd_ps(zero, sum, _mm512_fmadd_ps(centered, scale, acc[r * kVectors + j]));
-      }
+      for (int r = 0; r < Rows; ++r)
+        acc[r * kVectors + j] = add_group(acc[r * kVectors + j], dot[r * kVectors + j], sums[r * groups + g], scale, zero);
     }
   }
 }
@@ -266,16 +271,12 @@ struct Int4Tiles {
   }
 
   void correct(int64_t b, int64_t g, int64_t r0, int count, const float (*dots)[kBlock], float (*acc)[kBlock]) const {
-    const __m512 offset = _mm512_set1_ps(136.0f);  // 128 from the OR, 8 from q - 8
     const uint16_t* szb = sz + (b * groups + g) * 2 * kBlock;
     for (int j = 0; j < kVectors; ++j) {
       const __m512 scale = ::load(szb + j * 16, 0xFFFF), zero = ::load(szb + kBlock + j * 16, 0xFFFF);
-      for (int r = 0; r < count; ++r) {
-        const __m512 sum = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
-        const __m512 centered = _mm512_fnmadd_ps(offset, sum, _mm512_load_ps(dots[r] + j * 16));  // sum x (q - 8)
-        _mm512_store_ps(acc[r] + j * 16,
-                        _mm512_fmadd_ps(zero, sum, _mm512_fmadd_ps(centered, scale, _mm512_load_ps(acc[r] + j * 16))));
-      }
+      for (int r = 0; r < count; ++r)
+        _mm512_store_ps(acc[r] + j * 16, add_group(_mm512_load_ps(acc[r] + j * 16), _mm512_load_ps(dots[r] + j * 16),
+                                                   sums[(r0 + r) * groups + g], scale, zero));
     }
   }
 };
