@@ -16,8 +16,8 @@ from conftest import random_head
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.decoding.budget import SpecBudget
-from splitllm.decoding.gate import DraftGate
+from splitllm.decoding.budget import NodeCost, SpecBudget
+from splitllm.decoding.gate import DraftGate, GateConfig
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers.drafter import DrafterProposer
@@ -79,6 +79,19 @@ def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None
     assert seen and min(seen) >= 1 and max(seen) > 1
 
 
+def test_the_gate_tries_drafting_less_often_while_it_does_not_pay() -> None:
+    """Each try that finds drafting still not paying doubles the wait for the next (up to max_explore);
+    once it pays, every step drafts and the wait starts over."""
+    gate = DraftGate(GateConfig(explore=8, max_explore=32))
+    cost = NodeCost(step_ms=10.0, node_ms=1.0)
+    gate.ms = 50.0  # drafting costs more than the tokens it gains are worth
+    assert [step for step in range(200) if gate.worth(cost, step)] == [0, 8, 24, 56, 88, 120, 152, 184]
+    gate.ms = 0.0
+    assert all(gate.worth(cost, step) for step in range(200, 210))
+    gate.ms = 50.0
+    assert [step for step in range(210, 260) if gate.worth(cost, step)] == [216, 224, 240]
+
+
 def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ignore[no-untyped-def]
     local = local_model(tiny_models["llama"], 1, 1)
     pipeline = SplitPipeline(local, LocalMiddle(Stage.load(local.files, 1, 3, torch.float32), 32), 32)
@@ -87,18 +100,20 @@ def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ign
 
 
 def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: ignore[no-untyped-def]
-    """Fed step by step (features of each step's committed nodes, trees grown in between), the head's
-    cache holds exactly what one sync of the whole sequence computes, and drafts the same tree given
+    """Fed step by step (features of each step's committed nodes, trees grown in between, some steps
+    not drafting), the head's cache holds exactly what one sync of the whole sequence computes, and drafts the same tree given
     the same calibration (what the stepped proposer learned from the tokens it saw)."""
     local, _ = model
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     features, _ = _pipeline(model).forward(torch.tensor(ids[:-1]), torch.arange(29), Visibility.chain(29), [])
-    budget = SpecBudget(max_nodes=30, depth=5)
+    budget, idle = SpecBudget(max_nodes=30, depth=5), SpecBudget(max_nodes=0, depth=5)
     stepped = DrafterProposer(local.drafter, local, CONTEXT)
     start = 0
     for end in (7, 8, 11, 12, 13, 18, 25, 29):
         stepped.observe(start, features[start:end])
-        drafts = stepped.propose(ids[: end + 1], budget)
+        drafting = end in (8, 13, 29)  # steps that do not draft leave their positions for the next that does
+        drafts = stepped.propose(ids[: end + 1], budget if drafting else idle)
+        assert drafting == bool(drafts) and stepped.committed == (end if drafting else stepped.committed)
         start = end
     whole = DrafterProposer(local.drafter, local, CONTEXT)
     whole.observe(0, features)

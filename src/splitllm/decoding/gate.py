@@ -10,10 +10,12 @@ from splitllm.stats import StepStats
 
 @dataclass(frozen=True)
 class GateConfig:
-    """explore: every explore-th step drafts anyway; decay: of the running averages; prior_gain: the
-    tokens per drafting step only the drafter proposed before any step drafted (a prior worth one try)."""
+    """explore: steps between two drafting steps while drafting does not pay, doubled after each such
+    try up to max_explore; decay: of the running averages; prior_gain: the tokens per drafting step
+    only the drafter proposed before any step drafted (a prior worth one try)."""
 
     explore: int = 8
+    max_explore: int = 64
     decay: float = 0.8
     prior_gain: float = 0.5
 
@@ -21,8 +23,10 @@ class GateConfig:
 class DraftGate:
     """A step that drafts spends `draft_ms` to gain the tokens only the drafter proposed; each is worth
     the step time per token (`NodeCost.step_ms` over the tokens a step yields). Both sides are
-    running averages of the steps that drafted; every `explore`-th step drafts anyway, so a drafter
-    that starts paying (a text it knows) gets its trees back. The drafter's cache stays in step either way.
+    running averages of the steps that drafted. While drafting does not pay, a step drafts anyway
+    now and then, so a drafter that starts paying (a text it knows) gets its trees back; each try that
+    finds it still not paying waits twice as long for the next, since on a fast link a try costs a
+    sizeable share of a step. The drafter catches up on the committed positions when it next drafts.
     """
 
     def __init__(self, config: GateConfig = GateConfig()) -> None:
@@ -30,9 +34,18 @@ class DraftGate:
         self.gain = config.prior_gain  # tokens per drafting step only the drafter proposed
         self.ms = 0.0  # drafting time per drafting step
         self.tokens = 1.0  # tokens per step
+        self.interval = config.explore  # steps from one try to the next while drafting does not pay
+        self.next_try = 0  # the step of the next try
 
     def worth(self, cost: NodeCost, step: int) -> bool:
-        return step % self.config.explore == 0 or self.gain * cost.step_ms / self.tokens >= self.ms
+        if self.gain * cost.step_ms / self.tokens >= self.ms:
+            self.interval = self.config.explore
+            return True
+        if step < self.next_try:
+            return False
+        self.next_try = step + self.interval
+        self.interval = min(2 * self.interval, self.config.max_explore)
+        return True
 
     def observe(self, stats: StepStats, drafted: bool) -> None:
         d = self.config.decay

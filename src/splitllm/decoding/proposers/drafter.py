@@ -1,9 +1,9 @@
 """The drafter's proposer: a token tree grown EAGLE-2 style from the client's own top-layer features.
 
 The drafter's cache mirrors the committed sequence: after every step the decoder hands over the true
-features (tail output) of the positions it committed, and the next `propose` appends one entry per
-such position t with input (f_t, embed(x_{t+1})), after dropping the previous tree's speculative
-entries. The last entry predicts the feature after the bonus token, whose logits over the draft
+features (tail output) of the positions it committed, and the next `propose` that drafts appends one
+entry per such position t with input (f_t, embed(x_{t+1})), after dropping the previous tree's
+speculative entries (steps that do not draft leave them waiting, so they cost nothing). The last entry predicts the feature after the bonus token, whose logits over the draft
 vocabulary give the tree's first level. Each later depth runs the best `beam` frontier nodes at
 once (each sees the committed entries and its own ancestors) and offers every one's `top_k` tokens.
 
@@ -104,8 +104,10 @@ class DrafterProposer:
         try:
             self._resolve(history)
             self.tree = []
+            if not budget.max_nodes or not budget.depth:
+                return []  # the committed positions wait in `pending`: the next drafting step syncs them in one pass
             root = self._sync(history)
-            if root is None or not budget.max_nodes or not budget.depth:
+            if root is None:
                 return []
             self.tree_start = len(history)
             self._grow(root, len(history) - 2, budget)
