@@ -14,6 +14,7 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
+from splitllm.model import cpu_kernels
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear
 from splitllm.model.stage import Stage
@@ -128,6 +129,9 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
     expected = run(decode_sequential)
     for mode in SPECULATIVE_MODES:
         assert run(SpeculativeDecoder(SpeculationConfig(mode))) == expected, mode
+    kernels = cpu_kernels.load()
+    # On AMX's tiles a tree's logits come from one LM-head call, every row the bits it gets alone.
+    assert local.shared_logit_rows == (32 if kernels is not None and kernels.tiles_available() else 1)
 
 
 def test_lm_head_precision_is_its_own(tiny_models) -> None:  # type: ignore[no-untyped-def]

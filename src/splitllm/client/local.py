@@ -118,6 +118,12 @@ class LocalModel:
         hidden = hidden.to(self.precision.torch_device, self.dtype)
         return self.tail(caches.tail, hidden, positions, vis, keep) if self.tail else hidden
 
+    @property
+    def shared_logit_rows(self) -> int:
+        """How many rows' logits cost about one row's: a read of the LM head shared by a batch whose
+        rows keep their own bits (splitllm's kernels, on AMX's tiles); 1 where every row costs its own."""
+        return self.lm_head.shared_rows if isinstance(self.lm_head, BlockedLinear) else 1
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (on the CPU, at least float32) over the given rows only: callers pass just the nodes the verifier needs.

@@ -115,6 +115,10 @@ class SplitPipeline:
         self.score_ms += (time.perf_counter() - t0) * 1000
         return hidden, stats
 
+    @property
+    def shared_logit_rows(self) -> int:
+        return self.local.shared_logit_rows
+
     def logits(self, hidden: torch.Tensor, stats: StepStats, draft: bool = False) -> torch.Tensor:
         """LM head over `hidden`'s rows, timed as part of the step's tail; `draft`: the approximate head."""
         t0 = time.perf_counter()

@@ -58,6 +58,11 @@ class Scorer(Protocol):
         """Hidden states leaving the tail for every node, after one round trip."""
         ...
 
+    @property
+    def shared_logit_rows(self) -> int:
+        """How many rows' logits one call gives for about the cost of one row's (their bits the same as alone)."""
+        ...
+
     def logits(self, hidden: torch.Tensor, stats: StepStats, draft: bool = False) -> torch.Tensor:
         """LM head over `hidden`'s rows; `draft`: the approximate head."""
         ...

@@ -214,14 +214,23 @@ class _Generation:
         return self.window.layout(self.history, fitted) if fitted.window else None
 
     def _verify(self, tree: DraftTree, hidden: torch.Tensor, stats: StepStats) -> Verdict:
-        """Walk the tree with the sampler's choice at each node, asking for logits only along the way."""
+        """Walk the tree with the sampler's choice at each node. Where the whole tree's logits cost about
+        one row's (`Scorer.shared_logit_rows`), they come in one call, which reads the LM head once where
+        asking along the way would read it once per emitted token; else only the nodes along the way are
+        asked for. A row's logits are the same bits either way."""
         c = len(self.chain)
+        if 1 < len(tree) + 1 <= self.pipeline.shared_logit_rows:
+            every = self.pipeline.logits(hidden[c - 1 : c + len(tree)], stats)  # the root's row, then the nodes'
 
-        def choose(node: int, candidates: list[int]) -> int:
-            row = c - 1 if node == ROOT else c + node
-            return self.sampler.choose(self.pipeline.logits(hidden[row : row + 1], stats)[0], candidates)
+            def logits(node: int) -> torch.Tensor:
+                return every[0 if node == ROOT else node + 1]
+        else:
 
-        return verify(tree, choose, self.remaining, self.stop_ids)
+            def logits(node: int) -> torch.Tensor:
+                row = c - 1 if node == ROOT else c + node
+                return self.pipeline.logits(hidden[row : row + 1], stats)[0]
+
+        return verify(tree, lambda node, candidates: self.sampler.choose(logits(node), candidates), self.remaining, self.stop_ids)
 
     def _advance_window(self, window: LookaheadWindow, outputs: torch.Tensor, stats: StepStats) -> None:
         """Move the Jacobi window on by the approximate LM head's guesses at its outputs."""
