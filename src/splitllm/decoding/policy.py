@@ -90,6 +90,7 @@ class _ComputeScale:
         self.decay, self.shrink = decay, shrink
         self.a = np.zeros((2, 2))
         self.b = np.zeros(2)
+        self._scales: tuple[float, float] | None = None  # solved once per update: a step asks for it many times
 
     def update(self, measured: float, fixed: float, rows: float) -> None:
         if measured <= 0 or fixed + rows <= 0:
@@ -97,9 +98,15 @@ class _ComputeScale:
         x = np.array([fixed, rows])
         self.a = self.decay * self.a + np.outer(x, x)
         self.b = self.decay * self.b + x * measured
+        self._scales = None
 
     @property
     def scales(self) -> tuple[float, float]:
+        if self._scales is None:
+            self._scales = self._solve()
+        return self._scales
+
+    def _solve(self) -> tuple[float, float]:
         if not self.a.any():
             return 1.0, 1.0
         prior = self.shrink * np.diag(np.diag(self.a)) + 1e-9 * np.eye(2)
@@ -126,16 +133,20 @@ class _LinkEstimate:
         self.b = np.zeros(2)
         self.prior = np.diag([1e-6, lever**2])
         self.rtt = _Ratio(decay, prior=0.0, weight=1e-9)  # a weighted mean: sum(w*y) / sum(w*1)
+        self._per_byte: float | None = None  # solved once per update
 
     def update(self, nbytes: float, network_ms: float) -> None:
         x = np.array([1.0, nbytes])
         self.a = self.slow_decay * self.a + np.outer(x, x)
         self.b = self.slow_decay * self.b + x * network_ms
+        self._per_byte = None
         self.rtt.update(network_ms - self.per_byte * nbytes, 1.0)
 
     @property
     def per_byte(self) -> float:
-        return max(float(np.linalg.solve(self.a + self.prior, self.b)[1]), 0.0)
+        if self._per_byte is None:
+            self._per_byte = max(float(np.linalg.solve(self.a + self.prior, self.b)[1]), 0.0)
+        return self._per_byte
 
     def link(self) -> Link:
         rtt, per_byte = max(self.rtt.value, 0.0), self.per_byte
