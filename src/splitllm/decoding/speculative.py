@@ -218,17 +218,16 @@ class _Generation:
         one row's (`Scorer.shared_logit_rows`), they come in one call, which reads the LM head once where
         asking along the way would read it once per emitted token; else only the nodes along the way are
         asked for. A row's logits are the same bits either way."""
-        c = len(self.chain)
-        if 1 < len(tree) + 1 <= self.pipeline.shared_logit_rows:
-            every = self.pipeline.logits(hidden[c - 1 : c + len(tree)], stats)  # the root's row, then the nodes'
+        first = len(self.chain) - 1  # the root's row; node i's is first + 1 + i (ROOT is -1)
+        if 0 < len(tree) < self.pipeline.shared_logit_rows:  # the root's row and the nodes' in one call
+            every = self.pipeline.logits(hidden[first : first + 1 + len(tree)], stats)
 
             def logits(node: int) -> torch.Tensor:
-                return every[0 if node == ROOT else node + 1]
+                return every[node + 1]
         else:
 
             def logits(node: int) -> torch.Tensor:
-                row = c - 1 if node == ROOT else c + node
-                return self.pipeline.logits(hidden[row : row + 1], stats)[0]
+                return self.pipeline.logits(hidden[first + 1 + node : first + 2 + node], stats)[0]
 
         return verify(tree, lambda node, candidates: self.sampler.choose(logits(node), candidates), self.remaining, self.stop_ids)
 
