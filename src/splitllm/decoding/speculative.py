@@ -229,7 +229,10 @@ class _Generation:
             def logits(node: int) -> torch.Tensor:
                 return self.pipeline.logits(hidden[first + 1 + node : first + 2 + node], stats)[0]
 
-        return verify(tree, lambda node, candidates: self.sampler.choose(logits(node), candidates), self.remaining, self.stop_ids)
+        def choose(node: int, candidates: list[int]) -> int:
+            return self.sampler.choose(logits(node), candidates)
+
+        return verify(tree, choose, self.remaining, self.stop_ids)
 
     def _advance_window(self, window: LookaheadWindow, outputs: torch.Tensor, stats: StepStats) -> None:
         """Move the Jacobi window on by the approximate LM head's guesses at its outputs."""

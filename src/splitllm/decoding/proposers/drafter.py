@@ -3,8 +3,9 @@
 The drafter's cache mirrors the committed sequence: after every step the decoder hands over the true
 features (tail output) of the positions it committed, and the next `propose` that drafts appends one
 entry per such position t with input (f_t, embed(x_{t+1})), after dropping the previous tree's
-speculative entries (steps that do not draft leave them waiting, so they cost nothing). The last entry predicts the feature after the bonus token, whose logits over the draft
-vocabulary give the tree's first level. Each later depth runs the best `beam` frontier nodes at
+speculative entries (steps that do not draft leave them waiting, so they cost nothing). The last
+entry predicts the feature after the bonus token, whose logits over the draft vocabulary give the
+tree's first level. Each later depth runs the best `beam` frontier nodes at
 once (each sees the committed entries and its own ancestors) and offers every one's `top_k` tokens.
 
 Node scores are estimated acceptance chances: the product along the path of the drafter's probability,
