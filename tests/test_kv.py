@@ -99,7 +99,8 @@ def test_appending_in_steps_equals_one_pass(name, tiny_models, pipeline, random_
     for size in (7, 1, 12, 1, 1, 8):  # prefill, single tokens, chunks, as decoders send them
         rows.append(_chain(p, tokens[start : start + size], start, keep))
         keep, start = list(range(size)), start + size
-    assert (torch.cat(rows) - full).abs().max().item() < ATOL
+    # float32 sums in another order for 1 row than for 30 (MKL): logits of ~20 differ by ~1e-4 on some CPUs
+    torch.testing.assert_close(torch.cat(rows), full, rtol=1e-4, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", MODELS)
