@@ -11,6 +11,7 @@ import torch
 
 from splitllm.client.local import LocalModel
 from splitllm.draft import store
+from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
 from splitllm.model.stage import Stage
@@ -37,19 +38,29 @@ def _own_features(files: ModelFiles, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2"])
-def test_captured_features_are_the_clients_own(tiny_models, family) -> None:
-    """Answers and features come from one batched, left-padded pass; each position's feature is what
-    splitllm's own decoder computes there, prompts of different lengths alike."""
+def test_captured_answers_are_the_references_and_features_the_clients_own(tiny_models, hf_model, family) -> None:
+    """Answers and features come from one batched pass over prompts of different lengths: each answer is
+    transformers' greedy one, each position's feature what splitllm's decoder computes there alone."""
     files = ModelFiles(tiny_models[family])
     capture = FeatureCapture(files, torch.float32)
     prompts = [[5, 9, 13, 2, 7, 30, 11], [8, 3], [21, 4, 6, 17]]
     answers = capture.answer(prompts, max_new_tokens=6)
+    reference = hf_model(files.path)
     for prompt, (ids, feats) in zip(prompts, answers):
-        assert ids[: len(prompt)] == prompt and len(prompt) < len(ids) <= len(prompt) + 6
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0]
+        assert ids == want.tolist()
         assert feats.shape == (len(ids), files.config.hidden_size)
         torch.testing.assert_close(feats.float(), _own_features(files, ids), rtol=2e-3, atol=2e-2)
     for (ids, feats), again in zip(answers, capture.features([ids for ids, _ in answers])):
         torch.testing.assert_close(again.float(), feats.float(), rtol=2e-3, atol=2e-2)
+
+
+def test_an_answer_ends_at_its_stop_token_with_the_token_fed(tiny_models) -> None:
+    files = ModelFiles(tiny_models["llama"])
+    (ids, _), = FeatureCapture(files, torch.float32).answer([[5, 9, 13]], max_new_tokens=6)
+    stop = ids[4]  # the second answered token
+    (short, feats), = FeatureCapture(files, torch.float32, stop=[stop]).answer([[5, 9, 13]], max_new_tokens=6)
+    assert short == ids[: ids.index(stop) + 1] and feats.shape[0] == len(short)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -130,13 +141,47 @@ def test_overlap_check_drops_sequences_sharing_an_ngram() -> None:
 
 @pytest.mark.slow
 def test_prompts_share_no_ngram_with_the_benchmarks(default_files) -> None:
-    from splitllm.lab.data.workload import workload
-    from splitllm.lab.data.workload import DEMO_PROMPT
+    from splitllm.lab.data.workload import DEMO_PROMPT, workload
 
     tok = data.load_tokenizer(default_files)
     ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     evaluation = [ids(p.text) for p in workload()] + [ids(DEMO_PROMPT)]
-    assert data.longest_shared([ids(p) for p in data.build_prompts(512)], evaluation) < data.EVAL_NGRAM
+    turns = [t for c in instructions.build(1024, follow_up_share=1.0) for t in c.turns]
+    assert data.longest_shared([ids(t) for t in turns], evaluation) < data.EVAL_NGRAM
+
+
+def test_held_out_pools_are_unseen_and_name_no_benchmark_subject() -> None:
+    """Held-out conversations draw only from pools training never uses, and no pool names what the
+    benchmark workload or the demo asks about."""
+    from splitllm.lab.data.workload import DEMO_PROMPT, workload
+
+    training, held = instructions.TRAINING, instructions.HELD_OUT
+    for name in ("subjects", "tasks", "activities", "concepts"):
+        assert not set(getattr(training, name)) & set(getattr(held, name)), name
+    first_turns = {c.turns[0] for c in instructions.build(3000)}
+    held_out = instructions.held_out(32)
+    assert all(len(v) == 32 for v in held_out.values())
+    assert not first_turns & {c.turns[0] for v in held_out.values() for c in v}
+    benchmark = " ".join([p.text.lower() for p in workload()] + [DEMO_PROMPT.lower()])
+    for word in ("palindrome", "black hole", "purr", "camping", "houseplant", "planet", "lighthouse", "dragon",
+                 "ocean", "autumn", "robot", "mars", "tea", "flat tire", "binary search", "weather"):
+        assert word in benchmark  # the list names the workload's subjects
+        for pool in (training, held):
+            assert not any(word in x.lower().split() or f" {word} " in f" {x.lower()} "
+                           for x in [*pool.subjects, *pool.tasks, *pool.activities]), word
+
+
+def test_conversations_cycle_through_kinds_and_follow_ups() -> None:
+    made = instructions.build(600, follow_up_share=0.5)
+    assert len({c.turns[0] for c in made}) == 600
+    summary = instructions.describe(made)
+    assert summary["by_kind"]["code"] > 100 and summary["by_kind"]["conversation"] > 300
+    assert 200 < summary["with_follow_up"] < 400
+    assert all(c.turns[1] in instructions.FOLLOW_UPS[c.kind] or c.kind == "code" for c in made if len(c.turns) > 1)
+    with pytest.raises(ValueError, match="distinct prompts"):
+        instructions.build(10**6, tries=2)
+    with pytest.raises(ValueError, match="share"):
+        instructions.build(4, follow_up_share=1.5)
 
 
 @pytest.mark.slow
@@ -146,7 +191,7 @@ def test_shipped_head_drafts_well_above_chance(default_files) -> None:
     assert head is not None, "the default model ships a drafter"
     tok = data.load_tokenizer(default_files)
     docs = [d for d in data.corpus.reference_documents() if d.test and d.kind == "prose"][:3]
-    seqs = [data.chat_ids(tok, "Tell me about Python.", d.text[:600]) for d in docs]
+    seqs = [data.chat_ids(tok, [data.turn("user", "Tell me about Python."), data.turn("assistant", d.text[:600])]) for d in docs]
     target = train.Target(LocalModel(default_files, 1, 0))
     val = train.validate(head, target, train.prepare(_features(default_files, seqs), target), depth=2)
     assert val.positions > 200
@@ -177,13 +222,6 @@ def test_a_narrower_head_keeps_its_strongest_channels_and_stores_int8(tiny, tmp_
         store.save_drafter(narrow, tmp_path / "bad", meta, weights="int3")
 
 
-def test_prompt_templates_say_when_they_run_out() -> None:
-    prompts = data.build_prompts(600)
-    assert len(set(prompts)) == 600
-    with pytest.raises(ValueError, match="distinct prompts"):
-        data.build_prompts(10**6, tries=2)
-
-
 def test_bad_settings_are_refused_before_any_work() -> None:
     from splitllm.lab.training.build import DataSettings
 
@@ -191,3 +229,63 @@ def test_bad_settings_are_refused_before_any_work() -> None:
         train.TrainSettings(epochs=0)
     with pytest.raises(ValueError, match="needs some data"):
         DataSettings(prompts=0, texts=0)
+
+
+def test_follow_ups_are_answered_in_context_and_answers_cached(tmp_path) -> None:
+    """A second user turn is answered after the model's own first answer; a rerun answers nothing again."""
+    from splitllm.lab.privacy.tiny import tiny_model
+    from splitllm.lab.training.build import Bar, DataSettings, answer_conversations
+
+    files = ModelFiles(tiny_model(tmp_path / "model"))
+    tok = data.load_tokenizer(files)
+    (tmp_path / "work" / "features").mkdir(parents=True)
+    conversations = [
+        instructions.Instruction(("Say hello.", "Now make it shorter."), "conversation"),
+        instructions.Instruction(("Name a colour.",), "conversation"),
+    ]
+    calls: list[int] = []
+
+    def capture() -> FeatureCapture:
+        calls.append(1)
+        return FeatureCapture(files, torch.float32)
+
+    settings = DataSettings(max_new_tokens=5)
+    sequences, seconds = answer_conversations(capture, files, tok, conversations, settings, tmp_path / "work", Bar(None))
+    first = data.chat_ids(tok, [data.turn("user", "Say hello.")])
+    (alone, _), = FeatureCapture(files, torch.float32).answer([first], 5)
+    reply = tok.decode(alone[len(first):], skip_special_tokens=True).strip()
+    assert sequences[0][: len(first)] == first
+    text = tok.decode(sequences[0])
+    assert text.index("Say hello.") < text.index(reply) < text.index("Now make it shorter.")
+    assert len(sequences[0]) == len(data.chat_ids(tok, [
+        data.turn("user", "Say hello."), data.turn("assistant", reply), data.turn("user", "Now make it shorter.")
+    ])) + 5
+    assert seconds > 0 and calls
+    calls.clear()
+    again, cached_seconds = answer_conversations(capture, files, tok, conversations, settings, tmp_path / "work", Bar(None))
+    assert again == sequences and cached_seconds == pytest.approx(seconds) and not calls
+
+
+def test_training_resumes_after_its_last_saved_epoch(tiny, tmp_path) -> None:
+    """A run stopped in its second epoch and started again ends with the weights of one uninterrupted run."""
+    files, local, target, seqs = tiny
+    settings = train.TrainSettings(vocab=64, epochs=2, passes=2, batch_tokens=64)
+    vocab = list(range(64))
+    torch.manual_seed(0)
+    whole = train.new_head(local, vocab)
+    train.train(whole, target, seqs, settings)
+    checkpoint = tmp_path / "training.pt"
+
+    def stop_once_saved(_tokens: int, _loss: float | None) -> None:
+        if checkpoint.is_file():
+            raise KeyboardInterrupt
+
+    torch.manual_seed(0)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(train.new_head(local, vocab), target, seqs, settings, stop_once_saved, checkpoint)
+    torch.manual_seed(1)  # the resumed run takes its weights from the checkpoint, not from its start
+    resumed = train.new_head(local, vocab)
+    history = train.train(resumed, target, seqs, settings, checkpoint=checkpoint)
+    assert history["steps"] > 2
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

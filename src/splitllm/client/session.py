@@ -15,7 +15,7 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, Middle, SplitPipeline
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
-from splitllm.client.stopping import StopRule
+from splitllm.client.stopping import StopRule, stop_ids
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, Decoder, check_mode
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.step import StepOutput
@@ -96,12 +96,7 @@ class SplitClient:
         self.server, self.wire_dtype, self.max_context = server, wire_dtype, max_context
         self.dtype = self.precision.dtype
         self._local_middle: Stage | None = None
-        eos = self.tokenizer.eos_token_id
-        gen_eos = getattr(self.files.hf_config, "eos_token_id", None)
-        self.stop_ids = frozenset(
-            i for i in ([eos] if isinstance(eos, int) else []) + (gen_eos if isinstance(gen_eos, list) else [gen_eos])
-            if isinstance(i, int)
-        )
+        self.stop_ids = stop_ids(self.tokenizer, self.files.hf_config)
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = True) -> list[int]:
         """Token ids for a prompt; text goes through the chat template when the tokenizer has one."""

@@ -15,6 +15,17 @@ from transformers import PreTrainedTokenizerBase
 INCOMPLETE = "\ufffd"  # what a byte-level tokenizer decodes a partial UTF-8 character to
 
 
+def stop_ids(tokenizer: PreTrainedTokenizerBase, hf_config: object) -> frozenset[int]:
+    """The ids that end an answer: the tokenizer's end of sequence and the model config's (chat models
+    end a turn with a token of their own, such as <|im_end|>)."""
+    eos = tokenizer.eos_token_id
+    gen_eos = getattr(hf_config, "eos_token_id", None)
+    return frozenset(
+        i for i in ([eos] if isinstance(eos, int) else []) + (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        if isinstance(i, int)
+    )
+
+
 class IncrementalText:
     """The text of a growing token sequence, decoding only the tokens since the last complete piece.
 

@@ -21,6 +21,8 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from splitllm.client.local import LocalModel
+from splitllm.client.stopping import stop_ids
+from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
 from splitllm.draft.store import FINGERPRINT_KEY, WEIGHT_FORMATS, save_drafter
@@ -29,7 +31,8 @@ from splitllm.model.weights import ModelFiles, cache_root
 
 @dataclass(frozen=True)
 class DataSettings:
-    prompts: int = 480  # self-distillation prompts answered by the target (the shipped head's recipe)
+    prompts: int = 480  # self-distillation conversations answered by the target
+    follow_ups: float = 0.3  # share of conversations with a second user turn, answered in context
     max_new_tokens: int = 160
     texts: int = 96  # passages of standard-library prose and code
     text_length: int = 256
@@ -42,15 +45,20 @@ class DataSettings:
             raise ValueError("training needs some data: --prompts and --texts must be >= 0, not both 0")
         if self.max_new_tokens < 1 or self.text_length < 16 or self.generate_batch < 1:
             raise ValueError("--max-new-tokens must be at least 1")
+        if not 0 <= self.follow_ups <= 1:
+            raise ValueError(f"--follow-ups is a share of the conversations, in [0, 1], not {self.follow_ups}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--capture-dtype must be float32 or bfloat16, not {self.dtype!r}")
+
+
+CAPTURE = "splitllm stack, greedy, batched"  # what answers; part of their cache key
 
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class _Bar:
+class Bar:
     """One rich progress bar per phase, or nothing when quiet."""
 
     def __init__(self, progress: Progress | None) -> None:
@@ -75,40 +83,52 @@ def _feature_path(work: Path, files: ModelFiles, dtype: str, sequence: Sequence[
     return work / "features" / f"{_digest([files.fingerprint, dtype, list(sequence)])}.pt"
 
 
-def _answers(
-    capture: Callable[[], FeatureCapture], files: ModelFiles, tok, settings: DataSettings, work: Path, bar: _Bar
+def answer_conversations(
+    capture: Callable[[], FeatureCapture], files: ModelFiles, tok, conversations: Sequence[instructions.Instruction],
+    settings: DataSettings, work: Path, bar: Bar,
 ) -> tuple[list[list[int]], float]:
-    """The target's answers, reusing a cached run over the same prompts (a longer one's prefix counts);
-    their features are written to the feature cache in the same pass.
+    """Token ids of every conversation with each user turn answered by the target in context, and the
+    seconds answering them took; the features of each finished conversation go to the feature cache in
+    the same pass.
 
-    The work folder keeps what each answering run cost (`seconds`), so a drafter built from cached answers
-    still reports it."""
-    prompts = data.build_prompts(settings.prompts, settings.seed)
-    key = [files.fingerprint, settings.max_new_tokens, settings.seed, settings.dtype]
-    path = work / f"answers-{_digest(key)}.json"
-    cached = json.loads(path.read_text()) if path.is_file() else {"prompts": [], "sequences": [], "seconds": 0.0}
-    n = len(cached["sequences"])
-    if cached["prompts"][:n] == prompts[:n] and n >= len(prompts):
-        return cached["sequences"][: len(prompts)], cached.get("seconds", 0.0) * len(prompts) / max(n, 1)
-    done = cached["sequences"] if cached["prompts"][:n] == prompts[:n] else []
-    seconds = cached.get("seconds", 0.0) if done else 0.0
-    with bar.phase("answering prompts", len(prompts)) as advance:
-        advance(len(done))
-        for i in range(len(done), len(prompts), settings.generate_batch):
-            t0 = time.perf_counter()
-            chunk = [data.chat_ids(tok, p) for p in prompts[i : i + settings.generate_batch]]
-            for ids, feats in capture().answer(chunk, settings.max_new_tokens):
-                torch.save(feats, _feature_path(work, files, settings.dtype, ids))
-                done.append(ids)
-            seconds += time.perf_counter() - t0
-            path.write_text(json.dumps({"prompts": prompts[: len(done)], "sequences": done, "seconds": seconds}))
-            advance(len(chunk))
+    Answers are cached by their prompt's ids (with what each cost), so any run that asked the same
+    question (another count, another share of follow-ups) reuses it. Prompts are answered in batches of
+    similar length, so a batch pads little."""
+    path = work / f"answers-{_digest([files.fingerprint, settings.max_new_tokens, settings.dtype, CAPTURE])}.json"
+    cache = json.loads(path.read_text()) if path.is_file() else {"answers": {}, "seconds": {}}
+    messages = [[data.turn("user", c.turns[0])] for c in conversations]
+    done: list[list[int]] = [[] for _ in conversations]
+    seconds = 0.0
+    for depth in range(max((len(c.turns) for c in conversations), default=0)):
+        live = [i for i, c in enumerate(conversations) if len(c.turns) > depth]
+        prompts = {i: data.chat_ids(tok, messages[i]) for i in live}
+        keys = {i: _digest(prompts[i]) for i in live}
+        todo = sorted((i for i in live if keys[i] not in cache["answers"]), key=lambda i: len(prompts[i]))
+        with bar.phase(f"answering turn {depth + 1}", len(todo)) as advance:
+            for j in range(0, len(todo), settings.generate_batch):
+                chunk = todo[j : j + settings.generate_batch]
+                t0 = time.perf_counter()
+                answers = capture().answer([prompts[i] for i in chunk], settings.max_new_tokens)
+                each = (time.perf_counter() - t0) / len(chunk)
+                for i, (ids, feats) in zip(chunk, answers):
+                    if len(conversations[i].turns) == depth + 1:  # earlier turns' features come again in full
+                        torch.save(feats, _feature_path(work, files, settings.dtype, ids))
+                    cache["answers"][keys[i]], cache["seconds"][keys[i]] = ids, each
+                path.write_text(json.dumps(cache))
+                advance(len(chunk))
+        for i in live:
+            ids = cache["answers"][keys[i]]
+            seconds += cache["seconds"][keys[i]]
+            done[i] = ids
+            if len(conversations[i].turns) > depth + 1:
+                reply = tok.decode(ids[len(prompts[i]) :], skip_special_tokens=True).strip()
+                messages[i] += [data.turn("assistant", reply), data.turn("user", conversations[i].turns[depth + 1])]
     return done, seconds
 
 
-def _features(
+def cached_features(
     capture: Callable[[], FeatureCapture], files: ModelFiles, sequences: list[list[int]], settings: DataSettings,
-    work: Path, bar: _Bar, name: str,
+    work: Path, bar: Bar, name: str,
 ) -> data.Features:
     """Features of `sequences` (answers already have theirs), each cached under the digest of the model,
     the precision and its token ids."""
@@ -150,19 +170,19 @@ def build_head(
     tok = data.load_tokenizer(files)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, disable=not show_progress) as progress:
-        bar = _Bar(progress)
+        bar = Bar(progress)
         t0 = time.perf_counter()
-        capture = functools.cache(lambda: FeatureCapture(files, getattr(torch, data_settings.dtype)))
-        answers, answer_seconds = _answers(capture, files, tok, data_settings, work, bar)
-        texts = data.text_sequences(tok, data_settings.texts, data_settings.text_length)
+        capture = functools.cache(lambda: FeatureCapture(files, getattr(torch, data_settings.dtype), stop_ids(tok, files.hf_config)))
+        conversations = instructions.build(data_settings.prompts, follow_up_share=data_settings.follow_ups, seed=data_settings.seed)
+        answers, answer_seconds = answer_conversations(capture, files, tok, conversations, data_settings, work, bar)
+        sources = {kind: [a for a, c in zip(answers, conversations) if c.kind == kind] for kind in instructions.KINDS}
+        sources["text"] = data.text_sequences(tok, data_settings.texts, data_settings.text_length)
         evaluation = data.evaluation_prompts(tok)
-        answers, overlap_a = data.drop_overlapping(answers, evaluation)
-        texts, overlap_t = data.drop_overlapping(texts, evaluation)
+        overlap = {}
+        for name, seqs in sources.items():
+            sources[name], overlap[name] = data.drop_overlapping(seqs, evaluation)
         t1 = time.perf_counter()
-        feats = {
-            "answers": _features(capture, files, answers, data_settings, work, bar, "answers"),
-            "text": _features(capture, files, texts, data_settings, work, bar, "text"),
-        }
+        feats = {name: cached_features(capture, files, seqs, data_settings, work, bar, name) for name, seqs in sources.items() if seqs}
         t2 = time.perf_counter()
         local = LocalModel(files, 1, 0)
         target = train.Target(local)
@@ -176,7 +196,8 @@ def build_head(
         head = train.new_head(local, vocab, train_settings.intermediate)
         total = train_settings.epochs * sum(int(s.ids.numel()) for s in train_seqs)
         with bar.phase("training", total) as advance:
-            history = train.train(head, target, train_seqs, train_settings, advance)
+            checkpoint = work / f"training-{_digest([files.fingerprint, asdict(data_settings), asdict(train_settings)])}.pt"
+            history = train.train(head, target, train_seqs, train_settings, advance, checkpoint)
         t3 = time.perf_counter()
         validation = {
             name: asdict(train.validate(head, target, val, train_settings.validation_depth))
@@ -200,13 +221,19 @@ def build_head(
         "training_data": {
             "description": (
                 f"the target's own greedy answers (unsplit model in {data_settings.dtype}, batched, features taken "
-                "in the same pass) to prompts built from templates "
-                "over topic lists (everyday subjects, programming tasks, standard-library modules, Python "
-                "Language Reference topics), plus chat-templated passages of "
+                f"in the same pass) to conversations built offline from {len(instructions.TRAINING.subjects)} "
+                f"subjects, {len(instructions.TRAINING.tasks)} programming tasks in {len(instructions.LANGUAGES)} "
+                f"languages, {len(instructions.TRAINING.activities)} everyday activities and "
+                f"{len(instructions.TRAINING.concepts)} programming concepts through template families (explanation, "
+                "advice, facts, comparison, creative writing, role play, arithmetic reasoning, rewriting, extraction "
+                "and quizzes over library passages, letters, planning; implementing, explaining, reviewing and "
+                "testing code, shell, SQL, data formats), a share with a follow-up user turn answered in context; "
+                "plus chat-templated passages of "
                 f"{data.corpus.SOURCE} from the privacy corpus' training documents only ({data.corpus.LICENCE}); "
                 "labels are the target's own features and next-token distributions"
             ),
             **asdict(data_settings),
+            "conversations": instructions.describe(conversations),
             "sequences": {name: len(f.ids) for name, f in feats.items()},
             "tokens": {name: f.tokens for name, f in feats.items()},
             "validation_sequences": {name: len(val) for name, (_, val) in splits.items()},
@@ -214,8 +241,7 @@ def build_head(
         "evaluation_overlap": {
             "check": f"every training sequence against every evaluation prompt by shared {data.EVAL_NGRAM}-grams "
             "of tokens; sequences sharing one are dropped",
-            "answers": overlap_a,
-            "text": overlap_t,
+            **overlap,
         },
         "validation": validation,
         "training": history,

@@ -1,88 +1,84 @@
 """The target's answers and its features in one batched pass: what a drafter learns from.
 
-Generation runs the whole model in batches (left-padded prompts, greedy) with a hook on the last decoder
-layer, so each forward step hands over the feature the split client's tail would hand its drafter (the
-last layer's output, before the final norm) for every position it fed. A second pass over the answers
-would cost as much again as answering them; at 1.5B that is most of the data budget. Text that is not
-generated (library passages) goes through the same hook in batched forwards.
+Generation runs splitllm's own decoder over every layer, many sequences per step (`Stage.forward_many`:
+the rows of all sequences share each weight read, each attends to its own cache), greedy, and keeps the
+output of the last layer before the final norm for every position it feeds: the feature the split
+client's tail hands its drafter, computed by the same kernels. A second pass over the answers would cost
+as much again as answering them. Text that is not generated (library passages) goes through the same
+stack in batched forwards.
 
-bfloat16 is the default: on CPUs with AVX512-BF16 a batch runs ~3x the float32 rate, and it is the
-precision the fastest split setting drafts from. Labels stay the target's own distribution, computed
-from these features by the client's final norm and LM head (`train.Target`).
+bfloat16 is the default: the precision the fastest split setting drafts from, and on CPUs with AMX a
+step of 64 rows costs little more than one. Labels stay the target's own distribution, computed from
+these features by the client's final norm and LM head (`train.Target`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
-from torch import nn
-from transformers import AutoModelForCausalLM
 
+from splitllm.client.local import LocalModel
+from splitllm.kv import KVCache
+from splitllm.model.precision import Precision
+from splitllm.model.stage import Stage, StepInput
 from splitllm.model.weights import ModelFiles
+from splitllm.visibility import Visibility
+
+PREFILL_ROWS = 8192  # prompt rows fed in one pass at most (bounds the activations of a batch)
 
 
 class FeatureCapture:
-    """An HF model of the target whose last decoder layer reports its output on every forward."""
+    """The whole target on the client's kernels: embedding, every decoder layer, final norm, LM head."""
 
-    def __init__(self, files: ModelFiles, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).eval()
-        self.steps: list[torch.Tensor] = []
-        self._last_layer().register_forward_hook(self._record)
-        eos = self.model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+    def __init__(self, files: ModelFiles, dtype: torch.dtype = torch.bfloat16, stop: Iterable[int] = ()) -> None:
+        """`stop`: the ids that end an answer (`client.stopping.stop_ids`)."""
+        precision = Precision.of(dtype)
+        self.local = LocalModel(files, 1, 0, precision)  # embedding, final norm, LM head
+        self.stack = Stage.load(files, 0, files.config.num_layers, precision)
+        self.eos = frozenset(stop)
 
-    def _last_layer(self) -> nn.Module:
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        if not isinstance(layers, nn.ModuleList) or not len(layers):
-            raise ValueError(f"{type(self.model).__name__} has no model.layers to take features from")
-        return layers[-1]
-
-    def _record(self, _module: nn.Module, _inputs: object, output: torch.Tensor | tuple) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output
-        self.steps.append(hidden.detach().float())
-
-    @staticmethod
-    def _padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded ids and their attention mask (a padded position is never attended to, so any id pads)."""
-        width = max(map(len, sequences))
-        ids = torch.tensor([[0] * (width - len(s)) + list(s) for s in sequences])
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
-        return ids, mask
-
-    @torch.inference_mode()
-    def answer(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
-        """Per prompt: prompt + greedy answer ids (through the first end-of-turn token) and the features
-        (len(ids) - 1, d) of every position but the last, whose feature generation never computes."""
-        ids, mask = self._padded(prompts)
-        width = ids.shape[1]
-        self.steps.clear()
-        gen = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=min(self.eos) if self.eos else 0,  # finished rows are cut at their end-of-turn token
-        )
-        feats = torch.cat(self.steps, dim=1)  # (batch, width + generated - 1, d)
-        self.steps.clear()
-        out = []
-        for b, prompt in enumerate(prompts):
-            row = gen[b, width:].tolist()
-            end = next((j + 1 for j, t in enumerate(row) if t in self.eos), len(row))
-            full = list(prompt) + row[:end]
-            start = width - len(prompt)
-            have = feats[b, start:].shape[0]  # positions fed: the prompt and all generated tokens but the last
-            n = min(len(full), have)
-            out.append((full[:n], feats[b, start : start + n].to(torch.float16)))
+    def _prefill(self, caches: list[KVCache], sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Every position of each sequence through the stack (a fresh cache each), in passes of bounded rows."""
+        groups: list[list[int]] = [[]]
+        for i, s in enumerate(sequences):
+            if groups[-1] and sum(len(sequences[j]) for j in groups[-1]) + len(s) > PREFILL_ROWS:
+                groups.append([])
+            groups[-1].append(i)
+        out: list[torch.Tensor] = []
+        for group in groups:
+            out += self.stack.forward_many([
+                StepInput(caches[j], self.local.embed(torch.tensor(sequences[j])), torch.arange(len(sequences[j])),
+                          Visibility.chain(len(sequences[j])), [])
+                for j in group
+            ])
         return out
 
     @torch.inference_mode()
-    def features(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Features (len, d) of every position of each sequence, in one batched forward."""
-        ids, mask = self._padded(sequences)
-        self.steps.clear()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=1)
-        feats = self.steps.pop()
-        self.steps.clear()
-        width = ids.shape[1]
-        return [feats[b, width - len(s) :].to(torch.float16) for b, s in enumerate(sequences)]
+    def answer(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+        """Per prompt: prompt + greedy answer ids (through the first end-of-turn token, or max_new_tokens)
+        and the features (len(ids), d) of every position, the last token's included."""
+        width = max(map(len, prompts)) + max_new_tokens
+        caches = [self.stack.new_cache(width) for _ in prompts]
+        feats = [[f] for f in self._prefill(caches, prompts)]
+        ids = [list(p) for p in prompts]
+        live = list(range(len(prompts)))
+        for _ in range(max_new_tokens):
+            if not live:
+                break
+            tokens = self.local.logits(torch.stack([feats[i][-1][-1] for i in live])).argmax(-1).tolist()
+            steps = []
+            for i, t in zip(live, tokens):
+                ids[i].append(t)
+                steps.append(StepInput(caches[i], self.local.embed(torch.tensor([t])), torch.tensor([len(ids[i]) - 1]),
+                                       Visibility.chain(1), list(range(caches[i].pending))))
+            for i, out in zip(live, self.stack.forward_many(steps)):
+                feats[i].append(out)
+            live = [i for i in live if ids[i][-1] not in self.eos]
+        return [(ids[i], torch.cat(feats[i]).to(torch.float16)) for i in range(len(prompts))]
 
+    @torch.inference_mode()
+    def features(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Features (len, d) of every position of each sequence."""
+        caches = [self.stack.new_cache(len(s)) for s in sequences]
+        return [f.to(torch.float16) for f in self._prefill(caches, sequences)]

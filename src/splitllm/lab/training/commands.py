@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from splitllm.commands.options import Model, Threads, reported, set_threads
 
-app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train a drafter for a model.")
+app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train one for a model, compare heads on held-out conversations.")
 
 
 @app.command("train")
 def train(
     out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
     model: Model = "default",
-    prompts: Annotated[int, typer.Option(help="self-distillation prompts the model answers")] = 480,
+    prompts: Annotated[int, typer.Option(help="self-distillation conversations the model answers")] = 480,
+    follow_ups: Annotated[float, typer.Option(help="share of conversations with a second user turn")] = 0.3,
     max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
     texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 96,
     generate_batch: Annotated[int, typer.Option(help="prompts answered together (features are taken in the same pass)")] = 32,
@@ -39,10 +41,40 @@ def train(
     with reported(ValueError, FileNotFoundError):
         meta = build_head(
             model, out,
-            DataSettings(prompts=prompts, max_new_tokens=max_new_tokens, texts=texts, generate_batch=generate_batch,
+            DataSettings(prompts=prompts, follow_ups=follow_ups, max_new_tokens=max_new_tokens, texts=texts, generate_batch=generate_batch,
                          dtype=capture_dtype, seed=seed),
             TrainSettings(vocab=vocab, intermediate=intermediate, epochs=epochs, passes=passes, seed=seed),
             work=work, weights=weights, command=["splitllm", *sys.argv[1:]],
         )
     typer.echo(json.dumps({k: meta[k] for k in ("validation", "seconds", "size_bytes")}, indent=1))
     typer.echo(f"wrote {out}/head.safetensors and head.json", err=True)
+
+
+@app.command("compare")
+def compare(
+    drafter: Annotated[list[str], typer.Option(help="drafter folder to score (repeat; 'shipped' for the package's)")],
+    model: Model = "default",
+    per_kind: Annotated[int, typer.Option(help="held-out conversations per kind (conversation, code)")] = 48,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
+    depth: Annotated[int, typer.Option(help="draft depth scored")] = 5,
+    out: Annotated[Optional[str], typer.Option(help="file for the comparison's JSON")] = None,
+    threads: Threads = None,
+) -> None:
+    """Held-out acceptance per depth of drafters, on conversations and code no training prompt draws from."""
+    from splitllm.lab.training.build import DataSettings
+    from splitllm.lab.training.evaluate import compare_heads
+
+    set_threads(threads)
+    with reported(ValueError, FileNotFoundError):
+        result = compare_heads(
+            model, [None if d == "shipped" else d for d in drafter], per_kind, depth,
+            DataSettings(max_new_tokens=max_new_tokens),
+        )
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text)
+    for name, kinds in result["heads"].items():
+        for kind in ("conversation", "code"):
+            v = kinds[kind]
+            rates = " ".join(f"{a:.2f}" for a in v["acceptance"])
+            typer.echo(f"{name:40.40s} {kind:12s} acceptance per depth {rates}  mean accepted {v['mean_accepted']:.2f}")

@@ -1,9 +1,9 @@
 """Training data for a drafter, built offline: the target's own answers plus licensed text.
 
 Two sources, both chat-templated the way the client sends prompts:
-- self-distillation: prompts made from templates over topic lists (everyday subjects, programming
-  tasks, standard-library modules and language topics) answered greedily by the target model itself,
-  so the drafter sees the target's own style of text;
+- self-distillation: conversations from `lab.data.instructions` (requests of many kinds, some with a
+  follow-up turn) answered greedily by the target model itself, so the drafter sees the target's own
+  style of text;
 - text: running prose of the Python Language Reference and standard-library sources (the privacy
   corpus' training documents only; its test documents stay unseen), as assistant turns.
 Every sequence is checked against every evaluation prompt of this project by shared token n-grams;
@@ -14,8 +14,7 @@ distribution at every position (`capture`), so any text teaches the target's beh
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,96 +23,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from splitllm.lab.data import corpus
 from splitllm.model.weights import ModelFiles
 
-SUBJECTS = (
-    "volcanoes", "honey bees", "the printing press", "glaciers", "coral reefs", "the Roman aqueducts",
-    "electric cars", "sourdough bread", "chess openings", "migrating birds", "solar panels", "jazz music",
-    "the human heart", "rainforests", "submarines", "origami", "the moon landing", "coffee roasting",
-    "earthquakes", "recycling plastic", "the immune system", "desert plants", "wind turbines", "penguins",
-    "ancient Egypt", "photosynthesis", "the internet", "bicycles", "tea ceremonies", "hurricanes",
-    "fermentation", "the Great Wall", "octopuses", "public libraries", "batteries", "mountain climbing",
-    "the violin", "composting", "satellites", "dinosaurs", "saving money", "team sports", "public speaking",
-    "board games", "bird watching", "running a marathon", "knitting", "home cooking", "time management",
-)
-CODE_TASKS = (
-    "reverses the words of a sentence", "counts the vowels in a string", "merges two sorted lists",
-    "returns the n-th Fibonacci number", "removes duplicates from a list while keeping the order",
-    "checks whether a number is prime", "flattens a nested list", "computes the factorial of n",
-    "finds the largest element of a list without using max", "converts Celsius to Fahrenheit",
-    "groups words by their first letter", "counts how often each word appears in a text",
-    "validates that a string looks like an email address", "rotates a list by k positions",
-    "computes the greatest common divisor of two integers", "transposes a matrix given as nested lists",
-    "parses a date string in the form YYYY-MM-DD", "returns the second smallest number of a list",
-    "checks whether two strings are anagrams", "sums the digits of an integer",
-    "implements a queue with two stacks", "writes a dictionary to a JSON file",
-    "finds all pairs of numbers in a list that add up to a target", "capitalizes every word of a title",
-)
-LANGUAGES = ("Python", "JavaScript", "TypeScript", "Go", "Rust", "C", "C++", "Java", "Ruby", "Kotlin")
-ADVICE = (
-    "sleep better", "write a cover letter", "prepare for a job interview", "start running", "keep a journal",
-    "plan a birthday party", "learn to cook rice", "organize my desk", "ask for a raise", "read more books",
-    "make friends in a new city", "study for an exam", "reduce screen time", "fix a squeaky door",
-    "save for a holiday", "train a puppy", "give feedback to a colleague", "choose a laptop",
-)
-_TEMPLATES: tuple[tuple[str, Callable[[random.Random], dict[str, str]]], ...] = (
-    ("Tell me something interesting about {s}.", lambda r: {"s": r.choice(SUBJECTS)}),
-    ("I'm curious about {s}. How does it work?", lambda r: {"s": r.choice(SUBJECTS)}),
-    ("Give me five quick facts about {s}, as a bulleted list.", lambda r: {"s": r.choice(SUBJECTS)}),
-    ("Compose a limerick about {s}.", lambda r: {"s": r.choice(SUBJECTS)}),
-    ("Tell a bedtime story for children that involves {s}.", lambda r: {"s": r.choice(SUBJECTS)}),
-    ("Summarize the history of {s} in one paragraph.", lambda r: {"s": r.choice(SUBJECTS)}),
-    ("My friend keeps talking about {s}. What should I know before we chat?", lambda r: {"s": r.choice(SUBJECTS)}),
-    ("Compare {s} and {t} in a small table.", lambda r: dict(zip("st", r.sample(SUBJECTS, 2)))),
-    ("In {l}, implement a function that {t}.", lambda r: {"l": r.choice(LANGUAGES), "t": r.choice(CODE_TASKS)}),
-    ("Show {l} code that {t}, then explain it briefly.", lambda r: {"l": r.choice(LANGUAGES), "t": r.choice(CODE_TASKS)}),
-    ("What is the Python module {m} for? Show a short usage example.", lambda r: {"m": r.choice(corpus.CODE_MODULES)}),
-    ("Explain the Python language topic '{k}' to a beginner.", lambda r: {"k": r.choice(_topic_names())}),
-    ("Write unit tests in {l} for a function that {t}.", lambda r: {"l": r.choice(LANGUAGES), "t": r.choice(CODE_TASKS)}),
-    ("Here is my plan: a {l} function that {t}. What edge cases should it handle?",
-     lambda r: {"l": r.choice(LANGUAGES), "t": r.choice(CODE_TASKS)}),
-    ("Translate a Python function that {t} into {l}.", lambda r: {"l": r.choice(LANGUAGES[1:]), "t": r.choice(CODE_TASKS)}),
-    ("How do I {a}? Give me practical advice.", lambda r: {"a": r.choice(ADVICE)}),
-    ("Write a short email to a friend about {s}.", lambda r: {"s": r.choice(SUBJECTS)}),
-)
 EVAL_NGRAM = 8  # a training sequence sharing any 8-gram of tokens with an evaluation prompt is dropped
 
 
-def _topic_names() -> list[str]:
-    """Language Reference topics of the corpus' training documents (its test documents stay unseen)."""
-    return [d.name.split(":", 1)[1] for d in corpus.reference_documents() if d.kind == "prose" and not d.test]
-
-
-def build_prompts(n: int, seed: int = 0, tries: int = 200) -> list[str]:
-    """n distinct prompts from the templates, cycling through them so every kind is represented; a template
-    that yields no new prompt in `tries` draws is left out from then on."""
-    rng = random.Random(seed)
-    out: list[str] = []
-    seen: set[str] = set()
-    live = list(_TEMPLATES)
-    turn = 0
-    while len(out) < n:
-        if not live:
-            raise ValueError(f"the templates make only {len(out)} distinct prompts; ask for fewer than {n}")
-        text, fill = live[turn % len(live)]
-        prompt = next((p for p in (text.format(**fill(rng)) for _ in range(tries)) if p not in seen), None)
-        if prompt is None:
-            live.remove((text, fill))
-            continue
-        seen.add(prompt)
-        out.append(prompt)
-        turn += 1
-    return out
-
-
-def chat_ids(tokenizer: PreTrainedTokenizerBase, user: str, assistant: str | None = None) -> list[int]:
-    """Token ids of a chat turn as the client sends it (and the assistant's reply, if given)."""
-    messages = [{"role": "user", "content": user}]
-    if assistant is None:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = tokenizer.apply_chat_template(
-            messages + [{"role": "assistant", "content": assistant}], tokenize=False
-        )
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation as the client sends it: with the assistant's prompt after a user turn,
+    closed after an assistant turn."""
+    open_turn = messages[-1]["role"] == "user"
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=open_turn)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def turn(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
 
 
 def text_sequences(tokenizer: PreTrainedTokenizerBase, n: int, length: int) -> list[list[int]]:
@@ -130,7 +52,7 @@ def text_sequences(tokenizer: PreTrainedTokenizerBase, n: int, length: int) -> l
         passage = doc.text[start : start + chars]
         name = doc.name.split(":", 1)[1]
         question = f"Explain the Python topic '{name}'." if doc.kind == "prose" else f"Show code from the Python module {name}."
-        out.append(chat_ids(tokenizer, question, passage)[: length + 48])
+        out.append(chat_ids(tokenizer, [turn("user", question), turn("assistant", passage)])[: length + 48])
     return out
 
 

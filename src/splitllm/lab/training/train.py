@@ -19,6 +19,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -279,8 +280,13 @@ def train(
     data: Sequence[Sequence_],
     settings: TrainSettings,
     progress: Callable[[int, float], None] | None = None,
+    checkpoint: Path | None = None,
 ) -> dict:
-    """Train in place; returns the loss history. `progress(tokens, loss)` after every step."""
+    """Train in place; returns the loss history. `progress(tokens, loss)` after every step.
+
+    With `checkpoint`, the head, the optimizer and the history are saved there after every epoch, and a
+    run with the same settings and data resumes after the last saved epoch (the batches of every epoch are
+    drawn up front from the seed, so a resumed run takes the same steps)."""
     rng = random.Random(settings.seed)
     torch.manual_seed(settings.seed)
     rows = target.lm_head[head.vocab]
@@ -294,10 +300,21 @@ def train(
         opt, lambda i: min((i + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(i / steps, 1.0))))
     )
     history: list[float] = []
+    identity = [asdict(settings), sum(int(s.ids.numel()) for s in data), len(data), head.vocab.tolist()[:64]]
+    start = 0
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["identity"] == identity:
+            head.load_state_dict(saved["head"])
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+            history, start = saved["history"], saved["epochs"]
+            if progress:
+                progress(start * sum(int(s.ids.numel()) for s in data), history[-1] if history else None)
     head.train()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bfloat16)
-    for epoch in plan:
-        for batch in epoch:
+    for e in range(start, settings.epochs):
+        for batch in plan[e]:
             feats, probs = _labels(batch, target, rows)
             with autocast:
                 loss = _loss(unrolled(head, target, batch, settings.passes), batch, feats, probs, target, rows, scale, settings)
@@ -309,6 +326,11 @@ def train(
             history.append(loss.item())
             if progress:
                 progress(sum(int(s.ids.numel()) for s in batch), history[-1])
+        if checkpoint is not None:
+            state = {"identity": identity, "head": head.state_dict(), "opt": opt.state_dict(),
+                     "sched": sched.state_dict(), "history": history, "epochs": e + 1}
+            torch.save(state, checkpoint.with_suffix(".tmp"))
+            checkpoint.with_suffix(".tmp").replace(checkpoint)
     head.eval()
     for p in head.parameters():
         p.requires_grad_(False)

@@ -1,0 +1,54 @@
+"""Drafters compared on held-out conversations: acceptance per depth, conversation and code apart.
+
+The conversations come from the held-out pools of `lab.data.instructions` (subjects, tasks and activities
+no training prompt draws from, a share with a follow-up turn), answered by the target itself in the
+precision the fastest split setting drafts from. Every head is scored on the same sequences, so two heads
+trained on different data compare on text neither has seen.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from splitllm.client.local import LocalModel
+from splitllm.client.stopping import stop_ids
+from splitllm.draft.store import find_shipped, load_drafter, read_metadata
+from splitllm.lab.data import instructions
+from splitllm.lab.training import data, train
+from splitllm.lab.training.build import Bar, DataSettings, answer_conversations, cached_features
+from splitllm.lab.training.capture import FeatureCapture
+from splitllm.model.weights import ModelFiles, cache_root
+
+
+def compare_heads(
+    model: str | None, heads: list[str | None], per_kind: int = 48, depth: int = 5,
+    settings: DataSettings = DataSettings(), work: str | Path | None = None, show_progress: bool = True,
+) -> dict:
+    """Held-out acceptance of each head (a folder, or None for the shipped one) per kind of conversation."""
+    files = ModelFiles(model)
+    work = Path(work) if work else cache_root() / "draft-data" / files.fingerprint[:16]
+    (work / "features").mkdir(parents=True, exist_ok=True)
+    tok = data.load_tokenizer(files)
+    folders = [Path(h) if h else find_shipped(files.fingerprint) for h in heads]
+    if None in folders:
+        raise ValueError(f"{files.path.name} ships no drafter; name a folder with --drafter")
+    drafters = {str(h or "shipped"): load_drafter(files, f) for h, f in zip(heads, folders)}
+    target = train.Target(LocalModel(files, 1, 0))
+    capture = functools.cache(lambda: FeatureCapture(files, getattr(torch, settings.dtype), stop_ids(tok, files.hf_config)))
+    out: dict = {"model": files.path.name, "depth": depth, "heads": {}, "kinds": {}}
+    with Progress(disable=not show_progress) as progress:
+        bar = Bar(progress)
+        for kind, conversations in instructions.held_out(per_kind).items():
+            seqs, _ = answer_conversations(capture, files, tok, conversations, settings, work, bar)
+            held = train.prepare(cached_features(capture, files, seqs, settings, work, bar, kind), target)
+            out["kinds"][kind] = {"conversations": instructions.describe(conversations), "tokens": sum(len(s) for s in seqs)}
+            for name, head in drafters.items():
+                out["heads"].setdefault(name, {})[kind] = asdict(train.validate(head, target, held, depth))
+    for name, folder in zip(drafters, folders):
+        out["heads"][name]["trained"] = read_metadata(folder).get("created")
+    return out
