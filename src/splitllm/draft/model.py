@@ -108,5 +108,4 @@ class Drafter(nn.Module):
         cos, sin = self.stage.rotaries[self.stage.layer_kinds[0]](positions, self.stage.precision.attention_dtype)
         mask = torch.zeros(sees.shape, dtype=self.stage.precision.attention_dtype).masked_fill_(~sees, float("-inf"))[None, None]
         segment = Segment(slice(0, n), cos, sin, mask, cache.length)
-        x = self.stage.layers[0](self.combine(features, embeddings)[None], [segment], [cache.layer(0, n)[:2]])
-        return x[0]
+        return self.stage.run_layers(self.combine(features, embeddings), [cache], [[segment]])

@@ -167,15 +167,22 @@ class Stage(nn.Module):
                 cos, sin = (t.to(self.device) for t in rotary(s.positions, self.precision.attention_dtype))
                 segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
             row += n
-        x = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])[None]
+        x = self.run_layers(torch.cat([s.hidden.to(self.device, self.dtype) for s in steps]), [s.cache for s in steps], segments)
+        return list(x.split([s.hidden.shape[0] for s in steps]))
+
+    def run_layers(self, hidden: torch.Tensor, caches: Sequence[KVCache], segments: Sequence[Sequence[Segment]]) -> torch.Tensor:
+        """The layers over (rows, d) states whose caches already hold this step's positions as pending
+        entries; segments[kind][i]: sequence i's rows, rotary and mask for layers of that kind. For
+        callers that build their own masks (a drafter's tree sees entries no `Visibility` describes)."""
+        x = hidden.to(self.device, self.dtype)
         fused_step = self._active_fused_step()
         if fused_step is not None:
-            x = fused_step(x[0], [s.cache for s in steps], segments)[None]
-        else:
-            for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
-                kv = [s.cache.layer(i, s.hidden.shape[0])[:2] for s in steps]
-                x = layer(x, segments[kind], kv)
-        return list(x[0].split([s.hidden.shape[0] for s in steps]))
+            return fused_step(x, caches, segments)
+        x = x[None]
+        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
+            kv = [c.layer(i, seg.rows.stop - seg.rows.start)[:2] for c, seg in zip(caches, segments[kind])]
+            x = layer(x, segments[kind], kv)
+        return x[0]
 
     @property
     def runs_fused_step(self) -> bool:

@@ -146,14 +146,13 @@ class DrafterProposer:
         """Add the top_k children of each parent (-1: root), given its drafter output."""
         q, idx = self._probs(outputs).topk(min(self.top_k, self.vocab_head.out_features), dim=-1)
         bins = (q * self.bins).long().clamp_(0, self.bins - 1)
-        rates = [[self.calibration.rate(b, p) for b, p in zip(*row)] for row in zip(bins.tolist(), q.tolist())]
-        cal = torch.tensor(rates, dtype=torch.float64).clamp_(1e-4, 0.99).float()
-        tokens = self.head.vocab[idx]
-        for row, parent in enumerate(parents):
+        # Plain lists from here: a tree's few dozen offers cost microseconds, not a tensor read each.
+        rows = zip(parents, self.head.vocab[idx].tolist(), q.tolist(), bins.tolist())
+        for parent, tokens, probs, bins_ in rows:
             base = 1.0 if parent < 0 else self.tree[parent].score
-            for j in range(q.shape[1]):
-                score = base * float(cal[row, j])
-                self.tree.append(_Node(int(tokens[row, j]), parent, depth, float(q[row, j]), int(bins[row, j]), score))
+            for token, p, b in zip(tokens, probs, bins_):
+                score = base * min(max(self.calibration.rate(b, p), 1e-4), 0.99)
+                self.tree.append(_Node(token, parent, depth, p, b, score))
                 if parent >= 0:
                     self.tree[parent].children.append(len(self.tree) - 1)
 

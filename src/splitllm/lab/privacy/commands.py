@@ -33,6 +33,7 @@ def audit(
     whitebox_windows: Annotated[Optional[int], typer.Option(help="whole test windows the white-box search inverts (default: 6)")] = None,
     long_windows: Annotated[Optional[int], typer.Option(help="whole long contexts the white-box search also inverts (default: 2)")] = None,
     whitebox_max_candidates: Annotated[int, typer.Option(help="white-box candidates per position on defended states at most (0: whole vocabulary)")] = 8192,
+    whitebox_exhaustive_positions: Annotated[Optional[int], typer.Option(help="positions per window searched over the whole vocabulary for collisions (default: 4; --reduced: 1; each costs a forward of every token through the first K layers)")] = None,
     update_docs: Annotated[bool, typer.Option(help="also publish the report to docs/privacy-audit and regenerate the README and docs tables")] = False,
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
 ) -> None:
@@ -49,7 +50,7 @@ def audit(
         if value:
             settings[name] = numbers(value, int)
     sizes = dict(train_positions=train_positions, test_positions=test_positions, whitebox_windows=whitebox_windows,
-                 long_windows=long_windows)
+                 long_windows=long_windows, whitebox_exhaustive_positions=whitebox_exhaustive_positions)
     settings.update({name: n for name, n in sizes.items() if n is not None})
     if quick:
         cfg = AuditConfig.quick(**settings, **({"model": model} if model else {}))
