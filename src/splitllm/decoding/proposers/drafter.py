@@ -148,9 +148,9 @@ class DrafterProposer:
         bins = (q * self.bins).long().clamp_(0, self.bins - 1)
         # Plain lists from here: a tree's few dozen offers cost microseconds, not a tensor read each.
         rows = zip(parents, self.head.vocab[idx].tolist(), q.tolist(), bins.tolist())
-        for parent, tokens, probs, bins_ in rows:
+        for parent, tokens, probs, prob_bins in rows:
             base = 1.0 if parent < 0 else self.tree[parent].score
-            for token, p, b in zip(tokens, probs, bins_):
+            for token, p, b in zip(tokens, probs, prob_bins):
                 score = base * min(max(self.calibration.rate(b, p), 1e-4), 0.99)
                 self.tree.append(_Node(token, parent, depth, p, b, score))
                 if parent >= 0:
