@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from splitllm.lab.bench.exactness import first_difference
+from splitllm.lab.data.instructions import KINDS
 from splitllm.client.local import LocalModel
 from splitllm.client.session import SplitClient
 from splitllm.lab.launch import ServerThread
@@ -108,9 +109,9 @@ def test_the_shipped_drafter_fits_the_package_and_says_how_it_was_made(model: st
     meta = read_metadata(folder)
     assert meta["size_bytes"] <= 32 * 2**20 and meta["weights_dtype"] == "int8"
     assert meta["reproduce"].startswith("splitllm draft train --model qwen2.5-coder-1.5b")
-    assert all(meta["validation"][kind]["acceptance"][0] > 0.5 for kind in ("conversation", "code"))
+    assert all(meta["validation"][kind]["acceptance"][0] > 0.5 for kind in KINDS)
     assert all(max(meta["evaluation_overlap"][kind]["longest_shared_ngram_after_drop"].values()) < 8
-               for kind in ("conversation", "code", "text"))
+               for kind in (*KINDS, "text"))
 
 
 def test_qwen_split_greedy_over_loopback_equals_transformers(

@@ -74,7 +74,7 @@ def compare(
     if out:
         Path(out).write_text(text)
     for name, kinds in result["heads"].items():
-        for kind in ("conversation", "code"):
+        for kind in result["kinds"]:
             v = kinds[kind]
             rates = " ".join(f"{a:.2f}" for a in v["acceptance"])
             typer.echo(f"{name:40.40s} {kind:12s} acceptance per depth {rates}  mean accepted {v['mean_accepted']:.2f}")
