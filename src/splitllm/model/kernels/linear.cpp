@@ -5,13 +5,15 @@
 // W is packed at load as (N/32, K/2, 32, 2): for each block of 32 outputs, each pair of inputs is one
 // run of 32 pairs (128 bytes in bfloat16; 64 in int8, in the byte order its unpacking needs; 32 in
 // int4, the first 16 outputs' nibbles low and the other 16's high), so a block is one contiguous
-// stream and the hardware prefetcher sees a single sequential read. int8 pairs are widened to
-// bfloat16 in registers by byte-table lookups (exactly: every int8 value is a bfloat16); an int4
-// nibble q becomes the bfloat16 128 + q with one bitwise OR (its bits are 0x4300 | q), and each
-// group's sum is corrected by 136 times the group's input sum before its scale and zero apply.
+// stream and the hardware prefetcher sees a single sequential read (a block also asks for its bytes
+// 16 KiB ahead). int8 pairs are widened to bfloat16 in registers by byte-table lookups (exactly: every
+// int8 value is a bfloat16); an int4 nibble q becomes the bfloat16 128 + q with one bitwise OR (its
+// bits are 0x4300 | q), and each group's sum is corrected by 136 times the group's input sum before
+// its scale and zero apply.
 // AVX-512 BF16's dot-product instruction multiplies a broadcast input pair by the pairs of 16 outputs
 // at once, so accumulators hold outputs directly (no horizontal sums). Several rows share each weight
-// load. Every output is accumulated over the input pairs in the same order
+// load, and each output sums even and odd pairs in two chains, so a lone row does not wait on the
+// instruction's latency. Every output is accumulated over the input pairs in the same order
 // whatever the number of rows, the row's place in the batch or the thread count, so results are
 // batch-invariant.
 //
@@ -42,10 +44,12 @@ namespace {
 
 constexpr int kVectors = 2;                 // 16-output vectors per block
 constexpr int kBlock = 16 * kVectors;       // outputs per block
-constexpr int kRowTile = 12;                // rows per pass over a block (24 accumulators)
+constexpr int kChains = 2;                  // independent sums per output (see block)
+constexpr int kRowTile = 6;                 // rows per pass over a block (24 accumulators)
 constexpr int kGroup = 32;                  // int4 inputs per scale and zero
 constexpr int kGroupPairs = kGroup / 2;
-constexpr int kInt4RowTile = 6;             // 12 accumulators and 12 group sums
+constexpr int kInt4RowTile = 4;             // 8 accumulators and 16 group sums
+constexpr int kPrefetchBytes = 16384;       // how far ahead of its reads a block asks for its weights
 constexpr int kTileRows = 16;               // rows of an AMX input or result tile
 constexpr int kTilePairs = 16;              // input pairs per AMX step (a tile row of 32 bfloat16)
 constexpr int kAmxRowTile = 2 * kTileRows;  // rows per pass over a block: two input tiles, four result tiles
@@ -91,6 +95,13 @@ struct Int8Pairs {
     v[1] = (__m512bh)_mm512_unpackhi_epi8(low, high);
   }
 };
+
+// Asks for the weight bytes [p, p + bytes) kPrefetchBytes ahead, one cache line at a time: a core's
+// stream of weights reaches the memory bandwidth only with more reads in flight than the hardware
+// prefetcher starts on its own.
+inline void prefetch(const void* p, int bytes) {
+  for (int line = 0; line < bytes; line += 64) _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
+}
 
 // A row's pair of bfloat16 inputs at p in every 32-bit lane (copied out as one int32: reading uint16
 // data through an int32 pointer would break strict aliasing; the copy compiles to the same broadcast).
@@ -145,19 +156,30 @@ void with_rows(int rows, F&& f) {
   f(std::integral_constant<int, Max>{});
 }
 
+// One block of bfloat16 or int8 weights (pairs, 32 outputs) for Rows rows. Even and odd pairs add into
+// separate sums (kChains), added at the end: with one row, a single chain of dot products per output
+// would wait on each instruction's latency and read the weights at a fraction of the bandwidth.
 template <int Rows, typename Pairs>
 void block(const Pairs& shared, const typename Pairs::Weight* w, const uint16_t* x, int64_t ldx, int64_t pairs,
            __m512* acc) {
+  static_assert(kChains == 2, "two sums per output");
   const Pairs load = shared;
-  for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
+  __m512 odd[Rows * kVectors];
+  for (int i = 0; i < Rows * kVectors; ++i) acc[i] = odd[i] = _mm512_setzero_ps();
+  const auto add = [&](int64_t p, __m512* sums) {
+    prefetch(w + p * kVectors * 32, kBlock * 2 * sizeof(*w));
     __m512bh wv[kVectors];
     load(w + p * kVectors * 32, wv);
     for (int r = 0; r < Rows; ++r) {
       const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
-      for (int j = 0; j < kVectors; ++j) acc[r * kVectors + j] = _mm512_dpbf16_ps(acc[r * kVectors + j], xv, wv[j]);
+      for (int j = 0; j < kVectors; ++j) sums[r * kVectors + j] = _mm512_dpbf16_ps(sums[r * kVectors + j], xv, wv[j]);
     }
+  };
+  for (int64_t p = 0; p < pairs; p += kChains) {
+    add(p, acc);
+    if (p + 1 < pairs) add(p + 1, odd);
   }
+  for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_add_ps(acc[i], odd[i]);
 }
 
 // acc + one int4 group's share of 16 outputs: dot is the group's sum of x (128 + q) (the nibbles as
@@ -169,29 +191,38 @@ inline __m512 add_group(__m512 acc, __m512 dot, float sum, __m512 scale, __m512 
 }
 
 // One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) bfloat16 scales and zeros,
-// sums (Rows, groups) each row's input sum per group.
+// sums (Rows, groups) each row's input sum per group. Within a group, even and odd pairs add into
+// separate sums (kChains, as in block), added at the group's end.
 template <int Rows>
 void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx, const float* sums,
                 int64_t groups, __m512* acc) {
+  static_assert(kChains == 2 && kGroupPairs % kChains == 0, "a group's pairs split evenly over two sums");
   const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 dot[Rows * kVectors];
-    for (int i = 0; i < Rows * kVectors; ++i) dot[i] = _mm512_setzero_ps();
-    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; ++p) {
+    prefetch(w + g * kGroupPairs * kBlock, kGroupPairs * kBlock);
+    __m512 even[Rows * kVectors], odd[Rows * kVectors];
+    for (int i = 0; i < Rows * kVectors; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+    const auto add = [&](int64_t p, __m512* dots) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kBlock)));
       const __m512bh wv[kVectors] = {(__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA),  // a & b | c
                                      (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent)};
       for (int r = 0; r < Rows; ++r) {
         const __m512bh xv = broadcast_pair(x + r * ldx + 2 * p);
-        for (int j = 0; j < kVectors; ++j) dot[r * kVectors + j] = _mm512_dpbf16_ps(dot[r * kVectors + j], xv, wv[j]);
+        for (int j = 0; j < kVectors; ++j) dots[r * kVectors + j] = _mm512_dpbf16_ps(dots[r * kVectors + j], xv, wv[j]);
       }
+    };
+    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; p += kChains) {
+      add(p, even);
+      add(p + 1, odd);
     }
     for (int j = 0; j < kVectors; ++j) {
       const __m512 scale = load(sz + (g * 2) * kBlock + j * 16, 0xFFFF);
       const __m512 zero = load(sz + (g * 2 + 1) * kBlock + j * 16, 0xFFFF);
-      for (int r = 0; r < Rows; ++r)
-        acc[r * kVectors + j] = add_group(acc[r * kVectors + j], dot[r * kVectors + j], sums[r * groups + g], scale, zero);
+      for (int r = 0; r < Rows; ++r) {
+        const int i = r * kVectors + j;
+        acc[i] = add_group(acc[i], _mm512_add_ps(even[i], odd[i]), sums[r * groups + g], scale, zero);
+      }
     }
   }
 }
