@@ -9,6 +9,7 @@ from protocol_client import greedy
 from splitllm.client.pipeline import LocalMiddle
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.session import SplitClient
+from splitllm.model.precision import fastest
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
 
@@ -66,15 +67,19 @@ def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, l
 
 @pytest.fixture(scope="module")
 def default_client() -> SplitClient:
-    return SplitClient(None, head=2, tail=2, max_context=512)
+    """The default (fastest) precision, its hidden states sent in their own dtype, so nothing is rounded on the wire."""
+    precision = fastest()
+    return SplitClient(None, head=2, tail=2, max_context=512, precision=precision, wire_dtype=str(precision.dtype).removeprefix("torch."))
 
 
 @pytest.mark.parametrize("mode", ["sequential", "lookup"])
 def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server, mode) -> None:  # type: ignore[no-untyped-def]
+    """The prompt cut into 16-row steps gives the tokens of one in-process step, the server in the client's precision."""
     prompt = "Repeat this list back: " + ", ".join(f"item {i}" for i in range(20)) + "."
     default_client.server = None
     want = default_client.generate(prompt, 16, mode)
-    thread = server(None, 2, 2, max_nodes_per_step=16)
+    precision = default_client.precision
+    thread = server(None, 2, 2, max_nodes_per_step=16, dtype=precision.dtype, quant=precision.quant)
     default_client.server = thread.url
     try:
         got = default_client.generate(prompt, 16, mode)
