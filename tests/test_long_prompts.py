@@ -69,7 +69,7 @@ def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, l
 def default_client() -> SplitClient:
     """The default (fastest) precision, its hidden states sent in their own dtype, so nothing is rounded on the wire."""
     precision = fastest()
-    return SplitClient(None, head=2, tail=2, max_context=512, precision=precision, wire_dtype=str(precision.dtype).removeprefix("torch."))
+    return SplitClient(None, head=2, tail=2, max_context=512, precision=precision, wire_dtype=precision.dtype_name)
 
 
 @pytest.mark.parametrize("mode", ["sequential", "lookup"])

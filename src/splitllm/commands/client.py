@@ -51,7 +51,7 @@ def client(
     lm_head = None
     if lm_head_dtype or lm_head_quant:
         lm_head = Precision.parse(
-            lm_head_dtype or str(layers.dtype).removeprefix("torch."), lm_head_quant or layers.quant, device
+            lm_head_dtype or layers.dtype_name, lm_head_quant or layers.quant, device
         )
     return SplitClient(
         model, server, head, tail, wire_dtype, precision=layers, lm_head_precision=lm_head, connection=options,

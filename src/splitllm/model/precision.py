@@ -83,13 +83,18 @@ class Precision:
         return torch_attention
 
     @property
+    def dtype_name(self) -> str:
+        """'bfloat16': the compute dtype as `--dtype` and the wire name it."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def name(self) -> str:
         """'bfloat16-int8': names the stored form of the weights (the device does not change it)."""
-        return f"{str(self.dtype).removeprefix('torch.')}-{self.quant}"
+        return f"{self.dtype_name}-{self.quant}"
 
     def serve_args(self) -> list[str]:
         """The `splitllm serve` options that give a server this precision."""
-        return ["--dtype", str(self.dtype).removeprefix("torch."), "--quant", self.quant, "--device", self.device]
+        return ["--dtype", self.dtype_name, "--quant", self.quant, "--device", self.device]
 
     def store_linear(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors a linear weight is kept as on disk in this precision."""

@@ -39,7 +39,7 @@ class Setup:
 def setups() -> dict[str, Setup]:
     server, client = split_cores()
     fast = fastest()
-    named = ("--dtype", str(fast.dtype).removeprefix("torch."), "--quant", fast.quant, "--threads", str(len(server)))
+    named = ("--dtype", fast.dtype_name, "--quant", fast.quant, "--threads", str(len(server)))
     return {
         "defaults, a side per core set": Setup((), server, client),
         f"{fast.name} and --threads named, a side per core set": Setup(named, server, client),
