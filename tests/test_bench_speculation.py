@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from splitllm.lab.bench.speculation import markdown, run_speculation, summarize
 from splitllm.lab.data.workload import CATEGORIES, workload
+from splitllm.lab.launch import sides
 
 
 def _step(accepted: int, ms: float, proposer: str = "") -> dict:
     return {"accepted": accepted, "total_ms": ms, "nodes": 1 + 2 * (accepted > 1), "bytes_up": 10, "bytes_down": 10,
-            "proposer": proposer}
+            "proposer": proposer, "server_ms": ms / 4}
 
 
 def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() -> None:
@@ -32,9 +34,22 @@ def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() ->
     assert code["proposers"] == {"lookup": {"steps_won": 1, "draft_tokens_accepted": 2}}
     overall = summary["overall"]["lookup"]
     assert overall["tokens"] == 4 and overall["steps"] == 2 and overall["identical"] == 1
-    settings = {"rtt_ms": 80, "head": 2, "tail": 2, "max_new_tokens": 4, "prompts_per_category": 1, "sampling": "greedy"}
+    assert overall["server_ms_per_step"] == pytest.approx((120 + 110) / 4 / 2)
+    settings = {"rtt_ms": 80, "head": 2, "tail": 2, "max_new_tokens": 4, "prompts_per_category": 1, "sampling": "greedy",
+                "cores": {"layout": "alternate", "threads": 2}}
     text = markdown(summary, settings)
     assert "| overall | lookup | 2.00 |" in text and "| lookup | lookup | 1 | 2 |" in text
+    assert "2 threads a side, both sides on every core" in text and text.count("| 28.8 |") == 1
+
+
+def test_core_layouts_give_each_side_its_own_half_or_both_every_core() -> None:
+    cores = os.sched_getaffinity(0)
+    halves, alternate = sides("halves"), sides("alternate")
+    assert halves.server | halves.client == cores and halves.threads == len(halves.server) >= 1
+    assert len(cores) < 2 or not halves.server & halves.client
+    assert alternate.server == alternate.client == cores and alternate.threads == len(cores)
+    with pytest.raises(ValueError, match="halves, alternate"):
+        sides("quarters")
 
 
 def test_workload_has_every_category() -> None:

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import TracebackType
 
 import uvicorn
@@ -74,6 +75,36 @@ def split_cores() -> tuple[set[int], set[int]]:
     cores = sorted(os.sched_getaffinity(0))
     half = max(len(cores) // 2, 1)
     return set(cores[:half]), set(cores[half:] or cores)
+
+
+CORE_LAYOUTS = ("halves", "alternate")
+
+
+@dataclass(frozen=True)
+class Sides:
+    """The cores a one-machine benchmark gives its server and its client, and the threads each computes with."""
+
+    server: set[int]
+    client: set[int]
+    threads: int
+    layout: str
+
+
+def sides(layout: str = "halves") -> Sides:
+    """How a benchmark on one machine stands in for two.
+
+    halves: each side pinned to half the cores with a thread per core (two machines of half this size;
+    neither side ever waits for the other's cores). alternate: both sides on every core with a thread
+    per core (two machines of this size). A split step's client and server compute in turn, each
+    waiting for the other's message, so in `alternate` they share the cores without running at once;
+    what sharing still costs (the waiting side's idle threads) shows in the server's reported step time.
+    """
+    if layout not in CORE_LAYOUTS:
+        raise ValueError(f"core layout must be one of {', '.join(CORE_LAYOUTS)}, not {layout!r}")
+    server, client = split_cores()
+    if layout == "alternate":
+        server = client = server | client
+    return Sides(server, client, len(server), layout)
 
 
 def pinned(cores: set[int] | None) -> Callable[[], None] | None:

@@ -135,17 +135,23 @@ def speculation(
     drafter: Annotated[Optional[str], typer.Option(help="drafter folder (default: the shipped one)")] = None,
     setting: Setting = None,
     model: Model = "default",
+    cores: Annotated[str, typer.Option(help=(
+        "halves: each side pinned to half the cores (two machines of half this size); alternate: both sides on "
+        "every core, computing in turn (two machines of this size)"))] = "halves",
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
     from splitllm.lab.bench.speculation import EXTRA_DECODERS, run_speculation
+    from splitllm.lab.launch import CORE_LAYOUTS
 
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())
     unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
     if unknown:
         raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
+    if cores not in CORE_LAYOUTS:
+        raise typer.BadParameter(f"--cores is one of {', '.join(CORE_LAYOUTS)}, not {cores!r}")
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt_ms, modes, out, progress=_progress, sampling=sampling,
-        wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting), model=model,
+        wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting), model=model, core_layout=cores,
     )
     typer.echo(result["markdown"])
 

@@ -21,7 +21,7 @@ from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.lab import peers
-from splitllm.lab.launch import ServerProcess, on_cores, split_cores
+from splitllm.lab.launch import ServerProcess, on_cores, sides
 from splitllm.model import cpu_kernels
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
@@ -50,6 +50,7 @@ class Tally:
     drafted: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> draft tokens accepted
     sources: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # node sources -> draft tokens accepted
     draft_ms: float = 0.0  # the drafter's time (part of the client's critical path)
+    server_ms: float = 0.0  # the server's compute, as it reports it
 
     def add(self, run: dict, identical: bool) -> None:
         self.prompts += 1
@@ -67,6 +68,7 @@ class Tally:
             for source, n in s.get("sources", {}).items():
                 self.sources[source] += n
             self.draft_ms += s.get("draft_ms", 0.0)
+            self.server_ms += s["server_ms"]
 
     def summary(self, sequential: Tally | None) -> dict:
         tps = self.tokens / self.ms * 1000 if self.ms else 0.0
@@ -85,6 +87,7 @@ class Tally:
             "bytes_up_per_step": per_step(self.bytes_up),
             "bytes_down_per_step": per_step(self.bytes_down),
             "draft_ms_per_step": per_step(self.draft_ms),
+            "server_ms_per_step": per_step(self.server_ms),
             "proposers": {
                 p: {"steps_won": self.won[p], "draft_tokens_accepted": self.drafted[p]} for p in sorted(self.won)
             },
@@ -140,24 +143,31 @@ def summarize(runs: Sequence[dict], modes: Sequence[str]) -> dict:
     return {g: {m: groups[g][m].summary(groups[g].get("sequential")) for m in modes if m in groups[g]} for g in order}
 
 
+def _cores(cores: dict) -> str:
+    threads = f"{cores['threads']} thread{'s' * (cores['threads'] > 1)} a side"
+    if cores["layout"] == "alternate":
+        return f"{threads}, both sides on every core computing in turn (two machines of this size)"
+    return f"{threads}, each side pinned to its own cores"
+
+
 def markdown(summary: dict, settings: dict) -> str:
     lines = [
         f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, {settings.get('model', 'default')} model split "
         f"{settings['head']}+{settings['tail']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
-        f"{settings['prompts_per_category']} prompts per category, one thread each side, "
+        f"{settings['prompts_per_category']} prompts per category, {_cores(settings['cores'])}, "
         f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
         f"{', drafter ' + settings['drafter'] if settings.get('drafter') else ''}.",
         "",
         "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
-        "| draft ms/step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| draft ms/step | server ms/step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for group, modes in summary.items():
         for mode, s in modes.items():
             lines.append(
                 f"| {group} | {mode} | {s['tokens_per_step']:.2f} | {s['tokens_per_second']:.2f} | "
                 f"{s['speedup']:.2f}x | {s['identical']}/{s['prompts']} | {s['nodes_per_step']:.1f} | "
-                f"{s['bytes_up_per_step']:.0f} | {s.get('draft_ms_per_step', 0.0):.1f} |"
+                f"{s['bytes_up_per_step']:.0f} | {s['draft_ms_per_step']:.1f} | {s['server_ms_per_step']:.1f} |"
             )
     lines += [
         "",
@@ -199,15 +209,18 @@ def run_speculation(
     drafter: str | None = None,
     precision: Precision | None = None,
     model: str = "default",
+    core_layout: str = "halves",
 ) -> dict:
-    """The benchmark end to end, both sides in `precision`; writes OUT/speculation.json and OUT/speculation.md.
+    """The benchmark end to end, both sides in `precision`, on the cores `core_layout` names (launch.sides);
+    writes OUT/speculation.json and OUT/speculation.md.
 
     `drafter`: a head folder (default: the one shipped for the model); without any head the
     `draft` mode is left out and `auto` drafts with n-gram sources only.
     """
     if "sequential" not in modes:
         modes = ("sequential", *modes)
-    set_compute_threads(1)
+    cores = sides(core_layout)
+    set_compute_threads(cores.threads)
     precision = precision or fastest()
     client = SplitClient(model, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter)
     if client.local.drafter is None and "draft" in modes:
@@ -219,17 +232,18 @@ def run_speculation(
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
                 "wire_dtype": wire_dtype, "drafter": drafter or ("shipped" if client.local.drafter else ""),
                 "precision": precision.name, "linear_kernels": cpu_kernels.linear_path()}
-    server_cores, client_cores = split_cores()  # each side on cores of its own, as two machines would be
-    settings["cores"] = {"server": sorted(server_cores), "client": sorted(client_cores)}
-    serve = ("--model", model, "--head", str(head), "--tail", str(tail), "--threads", "1", *precision.serve_args())
-    with ServerProcess(*serve, cores=server_cores) as server, on_cores(client_cores):
+    settings["cores"] = {"layout": cores.layout, "threads": cores.threads,
+                         "server": sorted(cores.server), "client": sorted(cores.client)}
+    serve = ("--model", model, "--head", str(head), "--tail", str(tail), "--threads", str(cores.threads),
+             *precision.serve_args())
+    with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
             runs = measure(client, prompts, max_new_tokens, modes, progress, sampling)
     summary = summarize(runs, modes)
     # llama.cpp's RPC backend over the same emulated link and cores
-    rpc = lambda gguf: peers.rpc(gguf, 1, rtt_ms, max_new_tokens, server_cores, client_cores)  # noqa: E731
+    rpc = lambda gguf: peers.rpc(gguf, cores.threads, rtt_ms, max_new_tokens, cores.server, cores.client)  # noqa: E731
     peer = peers.measured(model, rpc, progress)
     diverged = divergences(client, prompts, runs) if not (sampling and sampling.do_sample) else []
     folder = Path(out)
@@ -241,7 +255,7 @@ def run_speculation(
         report += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
     if "tokens_per_second" in peer:
         auto = summary["overall"].get("auto", {}).get("tokens_per_second", 0.0)
-        report += (f"\nllama.cpp RPC (every layer remote, nothing private; one thread, pinned) over the same link: "
+        report += (f"\nllama.cpp RPC (every layer remote, nothing private; the same cores and threads) over the same link: "
                    f"{peer['tokens_per_second']:.2f} tok/s; auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
     else:
         report += f"\nllama.cpp RPC: {peer['skipped']}\n"
