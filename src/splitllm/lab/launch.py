@@ -96,8 +96,8 @@ def sides(layout: str = "halves") -> Sides:
     halves: each side pinned to half the cores with a thread per core (two machines of half this size;
     neither side ever waits for the other's cores). alternate: both sides on every core with a thread
     per core (two machines of this size). A split step's client and server compute in turn, each
-    waiting for the other's message, so in `alternate` they share the cores without running at once;
-    what sharing still costs (the waiting side's idle threads) shows in the server's reported step time.
+    waiting for the other's message, so in `alternate` they share the cores without running at once.
+    Sharing still costs something (the README's 1.5B figures): it shows in the server's reported step time.
     """
     if layout not in CORE_LAYOUTS:
         raise ValueError(f"core layout must be one of {', '.join(CORE_LAYOUTS)}, not {layout!r}")
