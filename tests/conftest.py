@@ -97,9 +97,10 @@ def _build_tiny(name: str, folder: Path) -> Path:
     return folder
 
 
-def random_head(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0) -> Drafter:
-    """An untrained drafter over the whole vocabulary: drafts are noise, which exactness must survive."""
-    head = Drafter(drafter_config(files.config), range(files.config.vocab_size), dtype)
+def random_head(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0, taps: tuple[int, ...] = ()) -> Drafter:
+    """An untrained drafter over the whole vocabulary (fusing the outputs of layers `taps`): drafts are
+    noise, which exactness must survive."""
+    head = Drafter(drafter_config(files.config), range(files.config.vocab_size), dtype, taps)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():

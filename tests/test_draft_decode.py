@@ -51,8 +51,19 @@ def _ids(decoder, pipeline: SplitPipeline, prompt: list[int], n: int) -> tuple[l
     return [t for o in outs for t in o.tokens], outs
 
 
+@pytest.fixture(scope="module")
+def fused_model(vocab16_model: Path) -> tuple[LocalModel, Stage]:
+    """The same split with a random fused drafter: it reads the head's and the middle's outputs too."""
+    files = ModelFiles(str(vocab16_model))
+    local = LocalModel(files, 1, 1, torch.float64)
+    local.drafter = random_head(files, torch.float64, taps=(1, 2))
+    return local, Stage.load(files, 1, 2, torch.float64)
+
+
 @pytest.mark.parametrize("mode", ["draft", "auto"])
-def test_draft_modes_match_sequential(model, mode: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("fused", [False, True])
+def test_draft_modes_match_sequential(model, fused_model, mode: str, fused: bool) -> None:  # type: ignore[no-untyped-def]
+    model = fused_model if fused else model
     accepted_from_head = 0
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()

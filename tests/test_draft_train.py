@@ -4,10 +4,12 @@ head trains and round-trips through its folder, foreign heads are refused, the s
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import pytest
 import torch
+import typer
 
 from splitllm.client.local import LocalModel
 from splitllm.draft import store
@@ -113,6 +115,67 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
     x = seqs[0]
     args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
     torch.testing.assert_close(loaded(loaded.new_cache(8), *args), head(head.new_cache(8), *args), rtol=2e-2, atol=2e-2)
+
+
+def test_taps_come_beside_the_top_feature(tiny_models) -> None:
+    """A tapped capture runs the stack cut at its taps: the top features are the untapped capture's bits,
+    and the tap the output of the layers below it run alone."""
+    files = ModelFiles(tiny_models["llama"])
+    d = files.config.hidden_size
+    seqs = [[5, 9, 13, 2, 7], [8, 3, 4]]
+    plain = FeatureCapture(files, torch.float32).features(seqs)
+    tapped = FeatureCapture(files, torch.float32, taps=(1, 3)).features(seqs)
+    below = Stage.load(files, 0, 1, torch.float32)
+    for ids, p, t in zip(seqs, plain, tapped):
+        assert t.shape == (len(ids), 3 * d) and torch.equal(t[:, -d:], p)
+        x = LocalModel(files, 1, 0).embed(torch.tensor(ids))
+        want = below(below.new_cache(len(ids)), x, torch.arange(len(ids)), Visibility.chain(len(ids)), [])
+        torch.testing.assert_close(t[:, :d].float(), want, rtol=2e-3, atol=2e-3)  # float32 rounds by batch
+    (ids, feats), = FeatureCapture(files, torch.float32, taps=(1, 3)).answer([[5, 9, 13]], max_new_tokens=4)
+    (same, top), = FeatureCapture(files, torch.float32).answer([[5, 9, 13]], max_new_tokens=4)
+    assert ids == same and torch.equal(feats[:, -d:], top)
+    with pytest.raises(ValueError, match="taps must be increasing"):
+        FeatureCapture(files, torch.float32, taps=(3, 1))
+
+
+def test_a_fused_head_continues_a_plain_one_and_drafts_as_it_trained(tiny, tmp_path, monkeypatch, caplog) -> None:
+    """Continued from a plain head, a fused head first computes what that head did (its `fuse` passes
+    the top feature); trained on tapped data it learns, round-trips with its taps, drafts through its
+    cache what training computed, and a split that does not hold its taps refuses it."""
+    files, local, target, _ = tiny
+    n = files.config.num_layers
+    feats = _sequences(files, 6, 24, 0)
+    tapped = FeatureCapture(files, torch.float32, taps=(1, n - 1)).features([x.tolist() for x in feats.ids])
+    seqs = train.prepare(data.Features(feats.ids, tapped, (1, n - 1)), target)
+    settings = train.TrainSettings(vocab=64, epochs=2, passes=2, batch_tokens=64, lr=3e-3)
+    plain = train.new_head(local, train.draft_vocabulary(seqs, 64, files.config.vocab_size))
+    train.train(plain, target, seqs[1:], settings)
+    meta = {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"}
+    start = store.load_drafter(files, store.save_drafter(plain, tmp_path / "plain", meta), packed=False)
+    fused = train.new_head(local, [], taps=(1, n - 1), init=start)
+    with torch.no_grad():
+        for a, b in zip(train.unrolled(fused, target, seqs[:2], 2), train.unrolled(start, target, seqs[:2], 2)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    history = train.train(fused, target, seqs[1:], settings)
+    assert history["last_loss"] < history["first_loss"]
+    folder = store.save_drafter(fused, tmp_path / "fused", meta)
+    assert json.loads((folder / store.METADATA).read_text())["taps"] == [1, n - 1]
+    loaded = store.load_drafter(files, folder)
+    assert loaded is not None and loaded.taps == (1, n - 1)
+    s = seqs[0]
+    with torch.no_grad():
+        want = train.unrolled(loaded, target, [s], 1)[0]
+    got = loaded(loaded.new_cache(32), s.feats[:-1], target.embed[s.ids[1:]], torch.arange(len(s.ids) - 1),
+                 Visibility.chain(len(s.ids) - 1), [], s.taps[:-1])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="does not hold"):
+        LocalModel(files, 2, 1, drafter=folder)
+    assert LocalModel(files, 1, 1, drafter=folder).drafter.taps == (1, n - 1)
+    monkeypatch.setattr(store, "shipped_drafters_root", lambda: tmp_path)  # as if the package shipped it
+    assert LocalModel(files, 1, 1).drafter.taps == (1, n - 1)
+    with caplog.at_level(logging.WARNING):
+        assert LocalModel(files, 2, 1).drafter is None
+    assert "does not hold" in caplog.text
 
 
 def test_foreign_or_broken_heads_are_refused(tiny, tiny_models, tmp_path) -> None:
@@ -229,6 +292,15 @@ def test_bad_settings_are_refused_before_any_work() -> None:
         train.TrainSettings(epochs=0)
     with pytest.raises(ValueError, match="needs some data"):
         DataSettings(prompts=0, texts=0)
+    with pytest.raises(ValueError, match="--taps must be increasing"):
+        DataSettings(taps=(26, 2))
+    with pytest.raises(ValueError, match="--lr must be positive"):
+        train.TrainSettings(lr=0)
+    from splitllm.lab.training.commands import layer_counts
+
+    assert layer_counts("2, 26") == (2, 26) and layer_counts("") == ()
+    with pytest.raises(typer.BadParameter, match="--taps takes layer counts"):
+        layer_counts("2;26")
 
 
 def test_follow_ups_are_answered_in_context_and_answers_cached(tmp_path) -> None:

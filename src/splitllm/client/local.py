@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,6 +20,8 @@ from splitllm.model.stage import Stage, read_norm
 from splitllm.model.store import StoredWeights
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
+
+log = logging.getLogger(__name__)
 
 ROW_BY_ROW = 8  # up to this many rows, the LM head runs row by row (see LocalModel.logits)
 
@@ -74,12 +77,29 @@ class LocalModel:
         if drafter is not None:
             self.drafter  # a drafter folder that does not fit is refused now, not at the first generation
 
+    @property
+    def tap_layers(self) -> tuple[int, int]:
+        """The layers whose outputs this client holds besides the top one: its head's (K) and the
+        middle's it receives (N - M). A fused drafter reads some of them."""
+        return self.middle_range
+
     @cached_property
     def drafter(self) -> Drafter | None:
         """The drafter of `drafter_path`, else the one shipped for this model, else None (drafting
         then uses n-gram sources only). Loaded on first use; assign to swap it. It runs in bfloat16:
-        half the drafting time of float32 on this CPU, and drafts are only ever verified."""
-        return load_drafter(self.files, self.drafter_path, torch.bfloat16)
+        half the drafting time of float32 on this CPU, and drafts are only ever verified.
+
+        A fused drafter needs this split to hold the layers it taps: one named by `drafter_path` is
+        refused otherwise; the shipped one is left out, with a warning."""
+        head = load_drafter(self.files, self.drafter_path, torch.bfloat16)
+        if head is None or set(head.taps) <= set(self.tap_layers):
+            return head
+        why = (f"the drafter reads the outputs of layers {list(head.taps)}, which the split "
+               f"{self.head_layers}+{self.tail_layers} does not hold on the client (it holds {list(self.tap_layers)})")
+        if self.drafter_path is not None:
+            raise ValueError(why)
+        log.warning("%s: drafting from context only", why)
+        return None
 
     def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dense rows of the LM head for token `ids` (a draft vocabulary), whatever form the head is

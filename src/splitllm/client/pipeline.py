@@ -55,6 +55,7 @@ class SplitPipeline:
         self.middle = middle
         self.caches = local.new_caches(max_context)
         self.score_ms = 0.0  # wall time spent in score() since the last take_score_ms()
+        self._outputs: dict[int, torch.Tensor] = {}  # the last step's head and middle outputs, by layer count
 
     @property
     def committed(self) -> int:
@@ -103,17 +104,25 @@ class SplitPipeline:
         t0 = time.perf_counter()
         stats = stats or StepStats()
         stats.nodes = tokens.numel()
-        hidden = self.local.run_head(self.caches, tokens, positions, vis, keep)
+        low = self.local.run_head(self.caches, tokens, positions, vis, keep)
         t1 = time.perf_counter()
-        hidden = self.middle.step(hidden, positions, vis, keep, stats)
+        mid = self.middle.step(low, positions, vis, keep, stats)
         t2 = time.perf_counter()
-        hidden = self.local.run_tail(self.caches, hidden, positions, vis, keep)
+        hidden = self.local.run_tail(self.caches, mid, positions, vis, keep)
+        self._outputs = dict(zip(self.local.tap_layers, (low, mid)))
         t3 = time.perf_counter()
         stats.head_ms = (t1 - t0) * 1000
         stats.tail_ms = (t3 - t2) * 1000
         stats.context = self.committed
         self.score_ms += (time.perf_counter() - t0) * 1000
         return hidden, stats
+
+    def tapped(self, layers: Sequence[int]) -> torch.Tensor:
+        """The last step's outputs of `layers` (among `local.tap_layers`) side by side: (n, len(layers) d)."""
+        missing = [t for t in layers if t not in self._outputs]
+        if missing:
+            raise ValueError(f"this client holds the outputs of layers {list(self.local.tap_layers)}, not {missing}")
+        return torch.cat([self._outputs[t].to(self.local.dtype) for t in layers], dim=-1)
 
     @property
     def shared_logit_rows(self) -> int:

@@ -58,6 +58,10 @@ class Scorer(Protocol):
         """Hidden states leaving the tail for every node, after one round trip."""
         ...
 
+    def tapped(self, layers: Sequence[int]) -> torch.Tensor:
+        """The last step's outputs of the client's head and the middle, by layer count, side by side."""
+        ...
+
     @property
     def shared_logit_rows(self) -> int:
         """How many rows' logits one call gives for about the cost of one row's (their bits the same as alone)."""

@@ -187,7 +187,8 @@ class _Generation:
             self._advance_window(self.window, hidden[plan.window_rows], stats)
         record(stats, tree, layout, verdict)  # before the gate reads what the step yielded
         if self.drafter is not None:
-            self._feed_drafter(self.drafter, hidden[keep], stats, grow)
+            taps = self.pipeline.tapped(self.drafter.head.taps)[keep] if self.drafter.head.taps else None
+            self._feed_drafter(self.drafter, hidden[keep], taps, stats, grow)
         self._commit(verdict, stats, keep)
         return StepOutput(verdict.tokens, stats, keep)
 
@@ -239,9 +240,11 @@ class _Generation:
         guesses = self.pipeline.logits(outputs, stats, draft=True).argmax(-1).tolist()
         window.advance(self.chain[-1], guesses)
 
-    def _feed_drafter(self, drafter: DrafterProposer, features: torch.Tensor, stats: StepStats, grew: bool) -> None:
-        """Hand the drafter the committed nodes' features, and the gate what drafting cost."""
-        drafter.observe(self.start, features)
+    def _feed_drafter(
+        self, drafter: DrafterProposer, features: torch.Tensor, taps: torch.Tensor | None, stats: StepStats, grew: bool
+    ) -> None:
+        """Hand the drafter the committed nodes' features (and a fused one's taps), and the gate what drafting cost."""
+        drafter.observe(self.start, features, taps)
         stats.draft_ms = drafter.take_draft_ms()
         self.gate.observe(stats, grew)
 

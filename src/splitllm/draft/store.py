@@ -70,6 +70,7 @@ def save_drafter(head: Drafter, folder: str | Path, metadata: dict[str, Any], we
     save_file(_stored(head.state_dict(), weights), folder / WEIGHTS, metadata={"format": "pt"})
     meta = {
         **metadata,
+        "taps": list(head.taps),
         "intermediate_size": head.cfg.intermediate_size,
         "draft_vocab": int(head.vocab.numel()),
         "weights_dtype": weights,
@@ -94,7 +95,7 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
 
 
 def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.dtype) -> Drafter:
-    """Rebuild the drafter from its folder; shapes are checked against the target's config."""
+    """Rebuild the drafter from its folder, unpacked; shapes are checked against the target's config."""
     weights_path = folder / WEIGHTS
     if not weights_path.is_file():
         raise ValueError(f"{folder} has {METADATA} but no {WEIGHTS}")
@@ -105,13 +106,20 @@ def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.d
     if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= files.config.vocab_size:
         raise ValueError(f"{weights_path}: draft vocabulary ids must lie in [0, {files.config.vocab_size})")
     cfg = drafter_config(files.config, int(meta.get("intermediate_size") or files.config.intermediate_size))
-    head = Drafter(cfg, vocab, dtype)
+    taps = meta.get("taps", [])
+    if not isinstance(taps, list) or any(not isinstance(t, int) or not 0 < t < files.config.num_layers for t in taps):
+        raise ValueError(f"{folder / METADATA}: taps must be layer counts between 1 and {files.config.num_layers - 1}, not {taps!r}")
+    head = Drafter(cfg, vocab, dtype, taps)
     try:
         head.load_state_dict({k: v.long() if k == "vocab" else v for k, v in tensors.items()}, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{weights_path} does not fit a drafter for this model: {e}") from e
-    quant = "int8" if meta.get("weights_dtype") == "int8" and dtype != torch.float32 else "none"
-    return head.eval().packed(quant)
+    return head.eval()
+
+
+def _packed(head: Drafter, meta: dict[str, Any]) -> Drafter:
+    quant = "int8" if meta.get("weights_dtype") == "int8" and head.dtype != torch.float32 else "none"
+    return head.packed(quant)
 
 
 def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
@@ -125,14 +133,16 @@ def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
     return None
 
 
-def load_drafter(files: ModelFiles, path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> Drafter | None:
+def load_drafter(
+    files: ModelFiles, path: str | Path | None = None, dtype: torch.dtype = torch.float32, packed: bool = True
+) -> Drafter | None:
     """`path` (a folder written by `splitllm draft train`) if given: refused with a clear ValueError when its
     target fingerprint differs from files.fingerprint. Otherwise the drafter shipped in the package for this
-    model (matched by fingerprint), or None when there is none."""
-    if path is None:
-        folder = find_shipped(files.fingerprint)
-        return None if folder is None else _build(files, folder, read_metadata(folder), dtype)
-    folder = Path(path)
+    model (matched by fingerprint), or None when there is none. `packed`: for drafting (see
+    `Drafter.packed`); else the plain modules, to train on."""
+    folder = find_shipped(files.fingerprint) if path is None else Path(path)
+    if folder is None:
+        return None
     meta = read_metadata(folder)
     if meta[FINGERPRINT_KEY] != files.fingerprint:
         raise ValueError(
@@ -141,4 +151,5 @@ def load_drafter(files: ModelFiles, path: str | Path | None = None, dtype: torch
             f"{files.path} (fingerprint {files.fingerprint[:12]}...): train one with "
             f"`splitllm draft train --model <model> --out <folder>`"
         )
-    return _build(files, folder, meta, dtype)
+    head = _build(files, folder, meta, dtype)
+    return _packed(head, meta) if packed else head

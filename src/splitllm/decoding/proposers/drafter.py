@@ -83,18 +83,21 @@ class DrafterProposer:
         self.vocab_head = precision.linear(precision.store_linear(rows))
         self.bins = calibration_config.head_bins
         self.calibration: Calibration[int] = Calibration(calibration_config.prior_weight)  # P(right | bin of q)
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, true features) not in the cache yet
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (first position, true features, taps) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
         self.committed = 0  # drafter-cache entries holding committed positions
         self.tree: list[_Node] = []
         self.tree_start = 0  # history index of the tree's depth-1 tokens
         self.draft_ms = 0.0  # time spent drafting since the last take_draft_ms()
 
-    def observe(self, start: int, features: torch.Tensor) -> None:
-        """True features (tail outputs) of newly committed fed positions start, start + 1, ..."""
+    def observe(self, start: int, features: torch.Tensor, taps: torch.Tensor | None = None) -> None:
+        """True features (tail outputs) of newly committed fed positions start, start + 1, ..., and for
+        a fused head the outputs of the layers it taps at those positions."""
+        if (taps is None) != (not self.head.taps):
+            raise ValueError(f"this drafter reads the outputs of layers {list(self.head.taps)} beside the features")
         if self.next_position is None:
             self.next_position = start
-        self.pending.append((start, features.detach()))
+        self.pending.append((start, features.detach(), None if taps is None else taps.detach()))
 
     def take_draft_ms(self) -> float:
         ms, self.draft_ms = self.draft_ms, 0.0
@@ -121,7 +124,8 @@ class DrafterProposer:
         """Append the committed entries not in the cache yet; the predicted feature after the last one."""
         if not self.pending or self.next_position is None:
             return None
-        features = torch.cat([f for _, f in self.pending])
+        features = torch.cat([f for _, f, _ in self.pending])
+        taps = torch.cat([t for _, _, t in self.pending]) if self.head.taps else None
         first = self.pending[0][0]
         self.pending = []
         if first != self.next_position:
@@ -132,7 +136,8 @@ class DrafterProposer:
             raise ValueError("every committed feature needs the token that followed it")
         self.cache.crop(self.committed)
         sees = torch.cat([torch.ones(n, self.committed, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
-        out = self.head.grow(self.cache, features, self.local.embed(torch.tensor(history[first + 1 : first + n + 1])), positions, sees)
+        embeddings = self.local.embed(torch.tensor(history[first + 1 : first + n + 1]))
+        out = self.head.grow(self.cache, features, embeddings, positions, sees, taps)
         self.committed += n
         self.next_position = first + n
         return out[-1:]

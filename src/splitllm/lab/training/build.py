@@ -25,7 +25,7 @@ from splitllm.client.stopping import stop_ids
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
-from splitllm.draft.store import FINGERPRINT_KEY, WEIGHT_FORMATS, save_drafter
+from splitllm.draft.store import FINGERPRINT_KEY, WEIGHT_FORMATS, find_shipped, load_drafter, read_metadata, save_drafter
 from splitllm.model.weights import ModelFiles, cache_root
 
 
@@ -38,6 +38,7 @@ class DataSettings:
     text_length: int = 256
     generate_batch: int = 32
     dtype: str = "bfloat16"  # the target's precision while answering and taking features
+    taps: tuple[int, ...] = ()  # layer counts whose outputs are taken beside the top feature (a fused drafter's)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -47,6 +48,8 @@ class DataSettings:
             raise ValueError("--max-new-tokens must be at least 1")
         if not 0 <= self.follow_ups <= 1:
             raise ValueError(f"--follow-ups is a share of the conversations, in [0, 1], not {self.follow_ups}")
+        if list(self.taps) != sorted(set(self.taps)) or any(t < 1 for t in self.taps):
+            raise ValueError(f"--taps must be increasing layer counts, not {list(self.taps)}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--capture-dtype must be float32 or bfloat16, not {self.dtype!r}")
 
@@ -79,8 +82,14 @@ class Bar:
         self.progress.update(task, completed=total)
 
 
-def _feature_path(work: Path, files: ModelFiles, dtype: str, sequence: Sequence[int]) -> Path:
-    return work / "features" / f"{_digest([files.fingerprint, dtype, list(sequence)])}.pt"
+def _feature_path(work: Path, files: ModelFiles, settings: DataSettings, sequence: Sequence[int]) -> Path:
+    taps = [list(settings.taps)] if settings.taps else []  # top features alone keep their key
+    return work / "features" / f"{_digest([files.fingerprint, settings.dtype, list(sequence), *taps])}.pt"
+
+
+def feature_capture(files: ModelFiles, tok, settings: DataSettings) -> Callable[[], FeatureCapture]:
+    """The capture the settings ask for, built on first use (a run whose data is all cached never loads it)."""
+    return functools.cache(lambda: FeatureCapture(files, getattr(torch, settings.dtype), stop_ids(tok, files.hf_config), settings.taps))
 
 
 def answer_conversations(
@@ -112,7 +121,7 @@ def answer_conversations(
                 each = (time.perf_counter() - t0) / len(chunk)
                 for i, (ids, feats) in zip(chunk, answers):
                     if len(conversations[i].turns) == depth + 1:  # earlier turns' features come again in full
-                        torch.save(feats, _feature_path(work, files, settings.dtype, ids))
+                        torch.save(feats, _feature_path(work, files, settings, ids))
                     cache["answers"][keys[i]], cache["seconds"][keys[i]] = ids, each
                 path.write_text(json.dumps(cache))
                 advance(len(chunk))
@@ -132,7 +141,7 @@ def cached_features(
 ) -> data.Features:
     """Features of `sequences` (answers already have theirs), each cached under the digest of the model,
     the precision and its token ids."""
-    paths = [_feature_path(work, files, settings.dtype, s) for s in sequences]
+    paths = [_feature_path(work, files, settings, s) for s in sequences]
     missing = [i for i, p in enumerate(paths) if not p.is_file()]
     with bar.phase(f"features of {name}", len(missing)) as advance:
         for j in range(0, len(missing), settings.generate_batch):
@@ -140,7 +149,7 @@ def cached_features(
             for i, feats in zip(chunk, capture().features([sequences[i] for i in chunk])):
                 torch.save(feats, paths[i])
             advance(len(chunk))
-    return data.Features([torch.tensor(s) for s in sequences], [torch.load(p).float() for p in paths])
+    return data.Features([torch.tensor(s) for s in sequences], [torch.load(p) for p in paths], settings.taps)
 
 
 def _split(seqs: list[train.Sequence_], share: float, seed: int) -> tuple[list[train.Sequence_], list[train.Sequence_]]:
@@ -160,11 +169,19 @@ def build_head(
     weights: str = "float16",
     show_progress: bool = True,
     command: Sequence[str] | None = None,
+    init: str | None = None,
 ) -> dict:
-    """Build the data, train a drafter for `model`, validate it and write it to `out`; returns the metadata."""
+    """Build the data, train a drafter for `model`, validate it and write it to `out`; returns the metadata.
+
+    The head reads the layers `data_settings.taps` names beside the top feature. `init` ("shipped" or a
+    drafter folder): start from that head (its vocabulary and width) rather than from the target's last layer."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
     files = ModelFiles(model)
+    init_folder = None if init is None else find_shipped(files.fingerprint) if init == "shipped" else Path(init)
+    if init is not None and init_folder is None:
+        raise ValueError(f"{files.path.name} ships no drafter to start from")
+    start = None if init_folder is None else load_drafter(files, init_folder, packed=False)
     work = Path(work) if work else cache_root() / "draft-data" / files.fingerprint[:16]
     (work / "features").mkdir(parents=True, exist_ok=True)  # answers and their features
     tok = data.load_tokenizer(files)
@@ -172,7 +189,7 @@ def build_head(
     with Progress(*columns, disable=not show_progress) as progress:
         bar = Bar(progress)
         t0 = time.perf_counter()
-        capture = functools.cache(lambda: FeatureCapture(files, getattr(torch, data_settings.dtype), stop_ids(tok, files.hf_config)))
+        capture = feature_capture(files, tok, data_settings)
         conversations = instructions.build(data_settings.prompts, follow_up_share=data_settings.follow_ups, seed=data_settings.seed)
         answers, answer_seconds = answer_conversations(capture, files, tok, conversations, data_settings, work, bar)
         sources = {kind: [a for a, c in zip(answers, conversations) if c.kind == kind] for kind in instructions.KINDS}
@@ -193,10 +210,11 @@ def build_head(
         splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name, (tr, val) in splits.items()}
         train_seqs = [s for tr, _ in splits.values() for s in tr]
         vocab = train.draft_vocabulary(train_seqs, train_settings.vocab, files.config.vocab_size)
-        head = train.new_head(local, vocab, train_settings.intermediate)
+        head = train.new_head(local, vocab, train_settings.intermediate, data_settings.taps, start)
         total = train_settings.epochs * sum(int(s.ids.numel()) for s in train_seqs)
         with bar.phase("training", total) as advance:
-            checkpoint = work / f"training-{_digest([files.fingerprint, asdict(data_settings), asdict(train_settings)])}.pt"
+            started = [] if start is None else [_digest(start.state_dict()["fc.weight"][:8].tolist())]  # which head it continues
+            checkpoint = work / f"training-{_digest([files.fingerprint, asdict(data_settings), asdict(train_settings), *started])}.pt"
             history = train.train(head, target, train_seqs, train_settings, advance, checkpoint)
         t3 = time.perf_counter()
         validation = {
@@ -210,12 +228,15 @@ def build_head(
         FINGERPRINT_KEY: files.fingerprint,
         "model": files.path.name,
         "architecture": {
-            "kind": "EAGLE-style: fc([feature, next embedding]) + one decoder layer of the target's shape",
+            "kind": "EAGLE-style: fc([feature, next embedding]) + one decoder layer of the target's shape"
+            + (", the feature fused from the tapped layers' outputs and the top one (EAGLE-3)" if data_settings.taps else ""),
             "target_model_type": cfg.model_type,
             "hidden_size": cfg.hidden_size,
             "num_heads": cfg.num_heads,
             "num_kv_heads": cfg.num_kv_heads,
             "feature": "output of the target's last decoder layer, before the final norm",
+            "taps": "outputs of these layer counts, fused with the feature at committed positions: the split "
+            "client's head and the middle's return for the split they match" if data_settings.taps else None,
             "logits": "client's final norm and LM head rows of the draft vocabulary",
         },
         "training_data": {
@@ -245,6 +266,7 @@ def build_head(
         },
         "validation": validation,
         "training": history,
+        "continued_from": None if init_folder is None else read_metadata(init_folder).get("reproduce"),
         "seconds": {
             "answering": round(answer_seconds, 1),  # when the work folder's answers were generated
             "data": round(t1 - t0, 1),

@@ -10,11 +10,16 @@ stack in batched forwards.
 bfloat16 is the default: the precision the fastest split setting drafts from, and on CPUs with AMX a
 step of 64 rows costs little more than one. Labels stay the target's own distribution, computed from
 these features by the client's final norm and LM head (`train.Target`).
+
+With `taps` (layer counts, such as the split's 2 and N - 2), the outputs of those layers come beside
+the top feature, each row [tap outputs..., top feature]: what a fused drafter reads (`draft.model`).
+The stack then runs as consecutive stages cut at the taps, the way the split client and server run it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -31,15 +36,36 @@ PREFILL_ROWS = 8192  # prompt rows fed in one pass at most (bounds the activatio
 class FeatureCapture:
     """The whole target on the client's kernels: embedding, every decoder layer, final norm, LM head."""
 
-    def __init__(self, files: ModelFiles, dtype: torch.dtype = torch.bfloat16, stop: Iterable[int] = ()) -> None:
-        """`stop`: the ids that end an answer (`client.stopping.stop_ids`)."""
+    def __init__(
+        self, files: ModelFiles, dtype: torch.dtype = torch.bfloat16, stop: Iterable[int] = (), taps: Sequence[int] = ()
+    ) -> None:
+        """`stop`: the ids that end an answer (`client.stopping.stop_ids`); `taps`: layer counts whose
+        outputs come beside the top feature."""
+        n = files.config.num_layers
+        if list(taps) != sorted(set(taps)) or any(not 0 < t < n for t in taps):
+            raise ValueError(f"taps must be increasing layer counts between 1 and {n - 1}, not {list(taps)}")
         precision = Precision.of(dtype)
         self.local = LocalModel(files, 1, 0, precision)  # embedding, final norm, LM head
-        self.stack = Stage.load(files, 0, files.config.num_layers, precision)
+        cuts = [0, *taps, n]
+        self.stages = [Stage.load(files, a, b, precision) for a, b in zip(cuts, cuts[1:])]
         self.eos = frozenset(stop)
 
-    def _prefill(self, caches: list[KVCache], sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Every position of each sequence through the stack (a fresh cache each), in passes of bounded rows."""
+    def _new_caches(self, width: int) -> list[KVCache]:
+        return [stage.new_cache(width) for stage in self.stages]
+
+    def _run(self, steps: Sequence[tuple[list[KVCache], StepInput]]) -> list[torch.Tensor]:
+        """One step of several sequences through every stage, each sequence with one cache per stage (its
+        step names the first stage's); per sequence, [tap outputs..., top feature] along the last dim."""
+        outs: list[list[torch.Tensor]] = [[] for _ in steps]
+        hidden = [s.hidden for _, s in steps]
+        for k, stage in enumerate(self.stages):
+            hidden = stage.forward_many([replace(s, cache=caches[k], hidden=h) for (caches, s), h in zip(steps, hidden)])
+            for out, h in zip(outs, hidden):
+                out.append(h)
+        return [torch.cat(out, dim=-1) for out in outs]
+
+    def _prefill(self, caches: list[list[KVCache]], sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Every position of each sequence through the stack (fresh caches each), in passes of bounded rows."""
         groups: list[list[int]] = [[]]
         for i, s in enumerate(sequences):
             if groups[-1] and sum(len(sequences[j]) for j in groups[-1]) + len(s) > PREFILL_ROWS:
@@ -47,9 +73,9 @@ class FeatureCapture:
             groups[-1].append(i)
         out: list[torch.Tensor] = []
         for group in groups:
-            out += self.stack.forward_many([
-                StepInput(caches[j], self.local.embed(torch.tensor(sequences[j])), torch.arange(len(sequences[j])),
-                          Visibility.chain(len(sequences[j])), [])
+            out += self._run([
+                (caches[j], StepInput(caches[j][0], self.local.embed(torch.tensor(sequences[j])), torch.arange(len(sequences[j])),
+                                      Visibility.chain(len(sequences[j])), []))
                 for j in group
             ])
         return out
@@ -57,28 +83,29 @@ class FeatureCapture:
     @torch.inference_mode()
     def answer(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
         """Per prompt: prompt + greedy answer ids (through the first end-of-turn token, or max_new_tokens)
-        and the features (len(ids), d) of every position, the last token's included."""
+        and the features (len(ids), d times 1 + taps) of every position, the last token's included."""
         width = max(map(len, prompts)) + max_new_tokens
-        caches = [self.stack.new_cache(width) for _ in prompts]
+        d = self.local.cfg.hidden_size
+        caches = [self._new_caches(width) for _ in prompts]
         feats = [[f] for f in self._prefill(caches, prompts)]
         ids = [list(p) for p in prompts]
         live = list(range(len(prompts)))
         for _ in range(max_new_tokens):
             if not live:
                 break
-            tokens = self.local.logits(torch.stack([feats[i][-1][-1] for i in live])).argmax(-1).tolist()
+            tokens = self.local.logits(torch.stack([feats[i][-1][-1, -d:] for i in live])).argmax(-1).tolist()
             steps = []
             for i, t in zip(live, tokens):
                 ids[i].append(t)
-                steps.append(StepInput(caches[i], self.local.embed(torch.tensor([t])), torch.tensor([len(ids[i]) - 1]),
-                                       Visibility.chain(1), list(range(caches[i].pending))))
-            for i, out in zip(live, self.stack.forward_many(steps)):
+                steps.append((caches[i], StepInput(caches[i][0], self.local.embed(torch.tensor([t])), torch.tensor([len(ids[i]) - 1]),
+                                                   Visibility.chain(1), list(range(caches[i][0].pending)))))
+            for i, out in zip(live, self._run(steps)):
                 feats[i].append(out)
             live = [i for i in live if ids[i][-1] not in self.eos]
         return [(ids[i], torch.cat(feats[i]).to(torch.float16)) for i in range(len(prompts))]
 
     @torch.inference_mode()
     def features(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Features (len, d) of every position of each sequence."""
-        caches = [self.stack.new_cache(len(s)) for s in sequences]
+        """Features (len, d times 1 + taps) of every position of each sequence."""
+        caches = [self._new_caches(len(s)) for s in sequences]
         return [f.to(torch.float16) for f in self._prefill(caches, sequences)]

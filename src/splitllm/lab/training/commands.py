@@ -14,6 +14,14 @@ from splitllm.commands.options import Model, Threads, reported, set_threads
 app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train one for a model, compare heads on held-out conversations.")
 
 
+def layer_counts(text: str) -> tuple[int, ...]:
+    """'2,26' -> (2, 26); '' -> ()."""
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise typer.BadParameter(f"--taps takes layer counts separated by commas, such as 2,26, not {text!r}") from None
+
+
 @app.command("train")
 def train(
     out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
@@ -29,6 +37,11 @@ def train(
     weights: Annotated[str, typer.Option(help="how the drafter's matrices are stored: float16 or int8")] = "float16",
     epochs: Annotated[int, typer.Option(help="passes over the training data")] = 6,
     passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 3,
+    lr: Annotated[float, typer.Option(help="peak learning rate (lower to continue a trained head with --init)")] = 1e-3,
+    taps: Annotated[str, typer.Option(help="layers whose outputs the head fuses with the top feature, e.g. '2,26' for "
+                                      "a 28-layer model split 2+2 (the client's head output and the middle's return)")] = "",
+    init: Annotated[Optional[str], typer.Option(help="continue from this drafter folder ('shipped': the package's) "
+                                                "instead of the target's last layer")] = None,
     seed: int = 0,
     work: Annotated[Optional[str], typer.Option(help="folder caching answers and features (default: under the cache)")] = None,
     threads: Threads = None,
@@ -42,9 +55,9 @@ def train(
         meta = build_head(
             model, out,
             DataSettings(prompts=prompts, follow_ups=follow_ups, max_new_tokens=max_new_tokens, texts=texts, generate_batch=generate_batch,
-                         dtype=capture_dtype, seed=seed),
-            TrainSettings(vocab=vocab, intermediate=intermediate, epochs=epochs, passes=passes, seed=seed),
-            work=work, weights=weights, command=["splitllm", *sys.argv[1:]],
+                         dtype=capture_dtype, taps=layer_counts(taps), seed=seed),
+            TrainSettings(vocab=vocab, intermediate=intermediate, epochs=epochs, passes=passes, lr=lr, seed=seed),
+            work=work, weights=weights, command=["splitllm", *sys.argv[1:]], init=init,
         )
     typer.echo(json.dumps({k: meta[k] for k in ("validation", "seconds", "size_bytes")}, indent=1))
     typer.echo(f"wrote {out}/head.safetensors and head.json", err=True)

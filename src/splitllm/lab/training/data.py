@@ -58,10 +58,12 @@ def text_sequences(tokenizer: PreTrainedTokenizerBase, n: int, length: int) -> l
 
 @dataclass
 class Features:
-    """Per sequence: token ids (T,) and the target's top-layer features (T, d) before the final norm."""
+    """Per sequence: token ids (T,) and the target's features (T, (len(taps) + 1) d): the outputs of the
+    tapped layers, then the top layer's before the final norm."""
 
     ids: list[torch.Tensor]
     features: list[torch.Tensor]
+    taps: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:

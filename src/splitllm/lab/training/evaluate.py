@@ -8,20 +8,17 @@ trained on different data compare on text neither has seen.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
 from splitllm.client.local import LocalModel
-from splitllm.client.stopping import stop_ids
 from splitllm.draft.store import find_shipped, load_drafter, read_metadata
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
-from splitllm.lab.training.build import Bar, DataSettings, answer_conversations, cached_features
-from splitllm.lab.training.capture import FeatureCapture
+from splitllm.lab.training.build import Bar, DataSettings, answer_conversations, cached_features, feature_capture
 from splitllm.model.weights import ModelFiles, cache_root
 
 
@@ -39,7 +36,9 @@ def compare_heads(
         raise ValueError(f"{files.path.name} ships no drafter; name a folder with --drafter")
     drafters = {str(h or "shipped"): load_drafter(files, f) for h, f in zip(heads, folders)}
     target = train.Target(LocalModel(files, 1, 0))
-    capture = functools.cache(lambda: FeatureCapture(files, getattr(torch, settings.dtype), stop_ids(tok, files.hf_config)))
+    taps = sorted({t for d in drafters.values() for t in d.taps})
+    settings = replace(settings, taps=tuple(taps))
+    capture = feature_capture(files, tok, settings)
     out: dict = {"model": files.path.name, "depth": depth, "heads": {}, "kinds": {}}
     with Progress(disable=not show_progress) as progress:
         bar = Bar(progress)

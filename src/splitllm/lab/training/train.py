@@ -6,7 +6,9 @@ guess of f_t, e(g_t)) where g_t is the target's greedy token after position t, a
 entries of positions <= t-k plus the one guess per deeper pass on its own chain (training-time test,
 as in HASS/EAGLE-3). Every pass is scored against the real f_{t+1} (smooth-L1) and the target's
 next-token distribution restricted to the draft vocabulary (cross-entropy). The drafter's decoder layer
-starts as a copy of the target's last layer, and `fc` as the identity on the feature half.
+starts as a copy of the target's last layer, and `fc` as the identity on the feature half; or, with
+`init`, as another drafter (a fused head then starts as that head: its `fuse` adds nothing yet).
+A fused drafter's pass 0 fuses each real feature with the tapped layers' outputs at its position.
 
 Validation on held-out sequences measures greedy acceptance per depth: the share of chains where the
 depth-k draft equals the target's greedy token, given the first k-1 were accepted.
@@ -49,6 +51,8 @@ class TrainSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, not {self.lr}")
         for name in ("vocab", "epochs", "passes", "batch_tokens", "validation_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -63,7 +67,8 @@ class Sequence_:
     """One training sequence: tokens, real features, the target's greedy next tokens and vocab labels."""
 
     ids: torch.Tensor  # (T,)
-    feats: torch.Tensor  # (T, d)
+    feats: torch.Tensor  # (T, d) top-layer features
+    taps: torch.Tensor | None = None  # (T, taps * d) the tapped layers' outputs (float16), for a fused drafter
     greedy: torch.Tensor | None = None  # (T,) target's greedy token after each position (validation only)
 
 
@@ -123,6 +128,7 @@ def unrolled(
     cfg = head.cfg
     lens = [int(s.ids.numel()) - 1 for s in batch]
     feats_in = torch.cat([s.feats[:-1] for s in batch])
+    taps_in = _taps(head, batch)
     tokens = torch.cat([s.ids[1:] for s in batch])
     deep_tokens = torch.cat([s.greedy[:-1] for s in batch]) if greedy else tokens
     rope = [rotary(torch.arange(n), torch.float32) for n in lens]
@@ -137,7 +143,7 @@ def unrolled(
             shifted = torch.cat([torch.cat([f[:1], p[:-1]]) for f, p in zip(feats_in.split(lens), prev.split(lens))])
             x = head.combine(shifted, target.embed[deep_tokens])
         else:
-            x = head.combine(feats_in, target.embed[tokens])
+            x = head.combine(feats_in, target.embed[tokens], taps_in)
         segments, bufs, row = [], [], 0
         for n, (cos, sin), (kc, vc) in zip(lens, rope, kv):
             pad = torch.zeros(1, cfg.num_kv_heads, n, cfg.head_dim)
@@ -147,6 +153,15 @@ def unrolled(
         outs.append(layer(x[None], segments, bufs)[0])
         kv = bufs
     return outs
+
+
+def _taps(head: Drafter, batch: Sequence[Sequence_]) -> torch.Tensor | None:
+    """The tapped outputs of every row that has a next token, for a fused head; None for another."""
+    if not head.taps:
+        return None
+    if any(s.taps is None for s in batch):
+        raise ValueError(f"a drafter fusing the outputs of layers {list(head.taps)} needs them in its data")
+    return torch.cat([s.taps[:-1].float() for s in batch])
 
 
 def _labels(batch: Sequence[Sequence_], target: Target, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,22 +191,34 @@ def batches(data: Sequence[Sequence_], tokens: int, rng: random.Random) -> list[
 
 def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
     """Training sequences; with `target`, also its greedy tokens (a full LM-head pass: validation only)."""
-    return [
-        Sequence_(ids, f, target.greedy(f) if target else None)
-        for ids, f in zip(feats.ids, feats.features)
-        if ids.numel() > 2
-    ]
+    out = []
+    for ids, f in zip(feats.ids, feats.features):
+        if ids.numel() > 2:
+            d = f.shape[-1] // (len(feats.taps) + 1)
+            top = f[:, -d:].float()
+            out.append(Sequence_(ids, top, f[:, :-d].half() if feats.taps else None, target.greedy(top) if target else None))
+    return out
 
 
-def new_head(local: LocalModel, vocab: Sequence[int], intermediate: int | None = None) -> Drafter:
-    """A head whose layer starts as the target's last layer and whose fc passes the feature through.
+def new_head(
+    local: LocalModel, vocab: Sequence[int], intermediate: int | None = None, taps: Sequence[int] = (), init: Drafter | None = None
+) -> Drafter:
+    """A head whose layer starts as the target's last layer and whose fc passes the feature through;
+    with `init` (an unpacked drafter), a copy of that one instead (its vocabulary and width), continued.
+    A fused head's `fuse` starts at zero, so it starts as the plain one.
 
     A narrower MLP (`intermediate` below the target's) keeps the last layer's channels that carry the most,
     by the product of their up and down weights' norms: at 1.5B a full layer (52 M parameters) would not
     fit the package, and costs as much to draft with as a tenth of the client's head."""
     cfg = local.cfg
+    if init is not None:
+        if init.taps:
+            raise ValueError("a drafter continues from a plain head (one without taps)")
+        head = Drafter(init.cfg, init.vocab, taps=taps)
+        head.load_state_dict(init.state_dict(), strict=False)
+        return _trainable(head)
     width = min(intermediate or cfg.intermediate_size, cfg.intermediate_size)
-    head = Drafter(drafter_config(cfg, width), vocab)
+    head = Drafter(drafter_config(cfg, width), vocab, taps=taps)
     last = cfg.num_layers - 1
     weights = Stage.load(local.files, last, last + 1, torch.float32).state_dict()
     if width < cfg.intermediate_size:
@@ -207,6 +234,14 @@ def new_head(local: LocalModel, vocab: Sequence[int], intermediate: int | None =
         head.fc.weight[:, :d] = torch.eye(d)
         head.fc.weight[:, d:].normal_(0, 0.02)
         head.fc.bias.zero_()
+    return _trainable(head)
+
+
+def _trainable(head: Drafter) -> Drafter:
+    """`fuse` (if any) at zero, adding nothing to the top feature yet; every parameter trainable."""
+    if head.fuse is not None:
+        with torch.no_grad():
+            head.fuse.weight.zero_()
     for p in head.parameters():
         p.requires_grad_(True)
     return head
