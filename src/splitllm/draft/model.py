@@ -5,8 +5,9 @@ last decoder layer, before the final norm) and the embedding of the token that f
 the pair into one hidden state, one decoder layer of the target's shape (with its own KV cache, masks
 and rotary from `Stage`) turns it into a guess of f_{t+1}, and the target's own final norm and LM head,
 restricted to a reduced draft vocabulary, turn that guess into the distribution of x_{t+2}.
-Deeper guesses feed predicted features back in place of real ones. Only `fc`, the layer and the
-vocabulary are learned and shipped; the embedding, norm and LM head are the client's.
+Deeper guesses feed predicted features back in place of real ones. Only `fc` (and a fused head's
+`fuse`), the layer and the vocabulary are learned and shipped; the embedding, norm and LM head are
+the client's.
 
 A fused drafter (EAGLE-3's low, middle and high features) also reads, at committed positions, the
 outputs of other layers the client holds for free: its first K layers' and the middle state the server
