@@ -162,6 +162,10 @@ def test_a_fused_head_continues_a_plain_one_and_drafts_as_it_trained(tiny, tmp_p
     assert json.loads((folder / store.METADATA).read_text())["taps"] == [1, n - 1]
     loaded = store.load_drafter(files, folder)
     assert loaded is not None and loaded.taps == (1, n - 1)
+    broken = store.save_drafter(fused, tmp_path / "elsewhere" / "broken", meta)  # not where the package's heads are
+    (broken / store.METADATA).write_text(json.dumps({**json.loads((broken / store.METADATA).read_text()), "taps": [n - 1, 1]}))
+    with pytest.raises(ValueError, match="head.json: taps must be increasing"):
+        store.load_drafter(files, broken)
     s = seqs[0]
     with torch.no_grad():
         want = train.unrolled(loaded, target, [s], 1)[0]

@@ -45,6 +45,13 @@ def drafter_config(target: ModelConfig, intermediate_size: int | None = None) ->
     )
 
 
+def check_taps(taps: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Taps as a fused drafter and its capture take them: increasing layer counts inside the model."""
+    if any(not isinstance(t, int) or not 0 < t < num_layers for t in taps) or list(taps) != sorted(set(taps)):
+        raise ValueError(f"taps must be increasing layer counts between 1 and {num_layers - 1}, not {list(taps)}")
+    return tuple(taps)
+
+
 class Drafter(nn.Module):
     """fc([feature, next embedding]) -> one decoder layer -> predicted next feature.
 

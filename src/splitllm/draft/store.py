@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitllm.draft.model import Drafter, drafter_config
+from splitllm.draft.model import Drafter, check_taps, drafter_config
 from splitllm.model.quant import Int8Linear
 from splitllm.model.weights import ModelFiles
 
@@ -107,8 +107,10 @@ def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.d
         raise ValueError(f"{weights_path}: draft vocabulary ids must lie in [0, {files.config.vocab_size})")
     cfg = drafter_config(files.config, int(meta.get("intermediate_size") or files.config.intermediate_size))
     taps = meta.get("taps", [])
-    if not isinstance(taps, list) or any(not isinstance(t, int) or not 0 < t < files.config.num_layers for t in taps):
-        raise ValueError(f"{folder / METADATA}: taps must be layer counts between 1 and {files.config.num_layers - 1}, not {taps!r}")
+    try:
+        check_taps(taps if isinstance(taps, list) else [taps], files.config.num_layers)
+    except ValueError as e:
+        raise ValueError(f"{folder / METADATA}: {e}") from None
     head = Drafter(cfg, vocab, dtype, taps)
     try:
         head.load_state_dict({k: v.long() if k == "vocab" else v for k, v in tensors.items()}, strict=True)

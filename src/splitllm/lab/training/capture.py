@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 
 from splitllm.client.local import LocalModel
+from splitllm.draft.model import check_taps
 from splitllm.kv import KVCache
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage, StepInput
@@ -42,8 +43,7 @@ class FeatureCapture:
         """`stop`: the ids that end an answer (`client.stopping.stop_ids`); `taps`: layer counts whose
         outputs come beside the top feature."""
         n = files.config.num_layers
-        if list(taps) != sorted(set(taps)) or any(not 0 < t < n for t in taps):
-            raise ValueError(f"taps must be increasing layer counts between 1 and {n - 1}, not {list(taps)}")
+        taps = check_taps(taps, n)
         precision = Precision.of(dtype)
         self.local = LocalModel(files, 1, 0, precision)  # embedding, final norm, LM head
         cuts = [0, *taps, n]
