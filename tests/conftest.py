@@ -122,19 +122,28 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: _build_tiny(name, root / name) for name in TINY_CONFIGS}
 
 
+def _vocab16(folder: Path, seed: int, layers: int) -> Path:
+    cfg = LlamaConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def vocab16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with 16 tokens (max position 64), peaked enough that speculative candidates are
     accepted often and rejected often, even a random drafter's."""
-    cfg = LlamaConfig(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=3, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder: Path = tmp_path_factory.mktemp("vocab16")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    return folder
+    return _vocab16(tmp_path_factory.mktemp("vocab16"), seed=0, layers=3)
+
+
+@pytest.fixture(scope="session")
+def vocab16_draft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another random 16-token Llama (two layers): a draft model for `vocab16_model` that is right only sometimes."""
+    return _vocab16(tmp_path_factory.mktemp("vocab16-draft"), seed=1, layers=2)
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,12 @@ and steps that shrink to the room left near the end of the context.
 
 A random head drafts noise over a 16-token vocabulary, so its top-k children are often right by
 chance: head nodes get accepted and rejected at every depth, which is what exactness must survive.
+A second random 16-token model drafts the same way as a whole draft model.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,12 @@ from splitllm.decoding.budget import NodeCost, SpecBudget
 from splitllm.decoding.gate import DraftGate, GateConfig
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.policy import StaticPolicy
+from splitllm.decoding.proposers import draft_model as draft_model_proposer
+from splitllm.decoding.proposers.draft_model import DraftModelProposer
 from splitllm.decoding.proposers.drafter import DrafterProposer
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
+from splitllm.draft.draft_model import DraftModel
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -60,15 +65,37 @@ def fused_model(vocab16_model: Path) -> tuple[LocalModel, Stage]:
     return local, Stage.load(files, 1, 2, torch.float64)
 
 
+@pytest.fixture(scope="module")
+def draft_model_split(vocab16_model: Path, vocab16_draft_model: Path) -> tuple[LocalModel, Stage]:
+    """The same split drafting with a whole (random, two-layer) draft model of the same vocabulary."""
+    files = ModelFiles(str(vocab16_model))
+    local = LocalModel(files, 1, 1, torch.float64)
+    local.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
+    return local, Stage.load(files, 1, 2, torch.float64)
+
+
+@pytest.fixture(scope="module")
+def two_drafters_split(vocab16_model: Path, vocab16_draft_model: Path) -> tuple[LocalModel, Stage]:
+    """The same split with a random head and a draft model: the gates pick one a step when a cost prices them."""
+    files = ModelFiles(str(vocab16_model))
+    local = LocalModel(files, 1, 1, torch.float64)
+    local.drafter = random_head(files, torch.float64)
+    local.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
+    return local, Stage.load(files, 1, 2, torch.float64)
+
+
 @pytest.mark.parametrize("mode", ["draft", "auto"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_draft_modes_match_sequential(model, fused_model, mode: str, fused: bool) -> None:  # type: ignore[no-untyped-def]
-    model = fused_model if fused else model
+@pytest.mark.parametrize("drafter", ["head", "fused head", "draft model", "both, priced"])
+def test_draft_modes_match_sequential(  # type: ignore[no-untyped-def]
+    model, fused_model, draft_model_split, two_drafters_split, mode: str, drafter: str
+) -> None:
+    model = {"head": model, "fused head": fused_model, "draft model": draft_model_split, "both, priced": two_drafters_split}[drafter]
+    budget = replace(BIG, cost=NodeCost(step_ms=100.0, node_ms=0.5)) if "priced" in drafter else BIG
     accepted_from_head = 0
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected, _ = _ids(decode_sequential, _pipeline(model), prompt, 40)
-        ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, drafter_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
+        ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, drafter_policy=StaticPolicy(budget))), _pipeline(model), prompt, 40)
         assert ids == expected, seed
         accepted_from_head += sum(n for o in outs for src, n in o.stats.sources.items() if "draft" in src)
         assert all(o.stats.draft_ms > 0 for o in outs[1:])
@@ -80,14 +107,24 @@ def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None
     seen: list[int] = []
     observe = DraftGate.observe
 
-    def spy(gate: DraftGate, stats, drafted: bool) -> None:  # type: ignore[no-untyped-def]
+    def spy(gate: DraftGate, stats, source: str, drafted_ms: float | None) -> None:  # type: ignore[no-untyped-def]
         seen.append(stats.accepted)
-        observe(gate, stats, drafted)
+        observe(gate, stats, source, drafted_ms)
 
     monkeypatch.setattr(DraftGate, "observe", spy)
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(0)).tolist()
     _ids(SpeculativeDecoder(SpeculationConfig(Mode.AUTO, drafter_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
     assert seen and min(seen) >= 1 and max(seen) > 1
+
+
+def test_of_two_drafters_that_pay_the_one_that_saves_more_drafts() -> None:
+    """A cheap head gaining one token a drafting step against a draft model gaining three for 30 ms:
+    over a fast link (20 ms a step) the head saves more, over a slow one (200 ms) the draft model."""
+    head, big = DraftGate(), DraftGate()
+    head.gain, head.ms, head.tokens = 1.0, 2.0, 2.0
+    big.gain, big.ms, big.tokens = 3.0, 30.0, 2.0
+    assert head.offer(NodeCost(20.0, 1.0), 0) == 8.0 and big.offer(NodeCost(20.0, 1.0), 0) == 0.0
+    assert head.offer(NodeCost(200.0, 1.0), 1) == 98.0 and big.offer(NodeCost(200.0, 1.0), 1) == 270.0
 
 
 def test_the_gate_tries_drafting_less_often_while_it_does_not_pay() -> None:
@@ -96,11 +133,11 @@ def test_the_gate_tries_drafting_less_often_while_it_does_not_pay() -> None:
     gate = DraftGate(GateConfig(explore=8, max_explore=32))
     cost = NodeCost(step_ms=10.0, node_ms=1.0)
     gate.ms = 50.0  # drafting costs more than the tokens it gains are worth
-    assert [step for step in range(200) if gate.worth(cost, step)] == [0, 8, 24, 56, 88, 120, 152, 184]
+    assert [step for step in range(200) if gate.offer(cost, step) is not None] == [0, 8, 24, 56, 88, 120, 152, 184]
     gate.ms = 0.0
-    assert all(gate.worth(cost, step) for step in range(200, 210))
+    assert all(gate.offer(cost, step) == 5.0 for step in range(200, 210))  # 0.5 tokens x 10 ms saved
     gate.ms = 50.0
-    assert [step for step in range(210, 260) if gate.worth(cost, step)] == [216, 224, 240]
+    assert [step for step in range(210, 260) if gate.offer(cost, step) is not None] == [216, 224, 240]
 
 
 def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ignore[no-untyped-def]
@@ -135,6 +172,37 @@ def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: igno
         torch.testing.assert_close(a[..., :29, :], b[..., :29, :], rtol=0, atol=1e-10)
 
 
+def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> None:  # type: ignore[no-untyped-def]
+    """A draft model catches up on the tokens committed since it last drafted, the prompt in passes of
+    bounded rows: its cache then holds what one pass over the whole sequence computes, trees dropped;
+    given a history that leaves it, it keeps what the two share."""
+    local, _ = draft_model_split
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    budget, idle = SpecBudget(max_nodes=30, depth=5), SpecBudget(max_nodes=0, depth=5)
+    stepped = DraftModelProposer(local.draft_model, CONTEXT)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(draft_model_proposer, "PREFILL_ROWS", 4)
+        for end in (7, 8, 11, 12, 13, 18, 25, 29):
+            drafting = end in (8, 13, 29)
+            drafts = stepped.propose(ids[: end + 1], budget if drafting else idle)
+            assert drafting == bool(drafts)
+    whole = DraftModelProposer(local.draft_model, CONTEXT)
+    whole.calibration = stepped.calibration
+    assert whole.propose(ids, budget) == drafts and len(drafts) > 20
+    assert stepped.committed == whole.committed == 30
+    for a, b in ((stepped.cache.k, whole.cache.k), (stepped.cache.v, whole.cache.v)):
+        torch.testing.assert_close(a[..., :30, :], b[..., :30, :], rtol=0, atol=1e-10)
+    # Another history sharing the first 20 tokens (a conversation's next turn cut short): the common
+    # prefix stays, the rest is fed again.
+    other = ids[:20] + [(t + 1) % VOCAB for t in ids[20:26]]
+    fresh = DraftModelProposer(local.draft_model, CONTEXT)
+    fresh.calibration = stepped.calibration
+    assert stepped.propose(other, budget) == fresh.propose(other, budget)
+    assert stepped.committed == fresh.committed == 26 and stepped.tokens == other
+    for a, b in ((stepped.cache.k, fresh.cache.k), (stepped.cache.v, fresh.cache.v)):
+        torch.testing.assert_close(a[..., :26, :], b[..., :26, :], rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("mode", ["lookahead", "auto", "draft"])
 def test_steps_shrink_to_the_context_left(model, mode: str) -> None:  # type: ignore[no-untyped-def]
     """A prompt that leaves room for just the new tokens: trees and windows shrink to fit, positions
@@ -164,3 +232,32 @@ def test_steps_shrink_to_what_the_server_grants(tiny_models, server) -> None:  #
             middle.close()
 
     assert run(SpeculativeDecoder(SpeculationConfig(Mode.LOOKAHEAD, StaticPolicy(BIG)))) == run(decode_sequential)
+
+
+def test_a_depth_is_drafted_only_while_its_pass_can_pay(draft_model_split) -> None:  # type: ignore[no-untyped-def]
+    """Priced by a link cost, a tree grows deeper only while the chances of the nodes a pass would run,
+    at what a token is worth there, exceed the measured time of a pass."""
+    local, _ = draft_model_split
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    priced = SpecBudget(max_nodes=30, depth=5, cost=NodeCost(step_ms=100.0, node_ms=1.0))
+    depths = {}
+    for pass_ms in (1e-6, 1e6):
+        proposer = DraftModelProposer(local.draft_model, CONTEXT)
+        proposer.pass_ms = pass_ms
+        depths[pass_ms] = max(len(d.tokens) for d in proposer.propose(ids, priced))
+    assert depths[1e6] == 1 and depths[1e-6] > 2
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_extending_a_cache_equals_a_step_of_the_same_positions(tiny_models, name: str) -> None:
+    """`Stage.extend` (explicit visibility over the cache, as drafting trees need) computes what a step
+    does for a causal chain, sliding windows (8 here) included: 20 positions, the last 8 appended apart."""
+    files = ModelFiles(str(tiny_models[name]))
+    stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
+    hidden = torch.randn(20, files.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = stage(stage.new_cache(32), hidden, torch.arange(20), Visibility.chain(20), [])
+    cache = stage.new_cache(32)
+    stage.extend(cache, hidden[:12], torch.arange(12), torch.ones(12, 12, dtype=torch.bool).tril())
+    sees = torch.cat([torch.ones(8, 12, dtype=torch.bool), torch.ones(8, 8, dtype=torch.bool).tril()], 1)
+    got = stage.extend(cache, hidden[12:], torch.arange(12, 20), sees)
+    torch.testing.assert_close(got, expected[12:], rtol=1e-4, atol=1e-4)  # float32 products of other shapes

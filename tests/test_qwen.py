@@ -1,7 +1,8 @@
 """Qwen2.5-Coder-Instruct 0.5B and 1.5B, the packaged chat models, through the split: float32 greedy
 decoding over a real server on loopback identical to transformers' greedy `generate` on the unsplit model
-for chat-templated prompts, speculation identical to sequential decoding in bfloat16-int8, and the error
-a missing chunk package gives.
+for chat-templated prompts, speculation identical to sequential decoding in bfloat16-int8 (with the
+shipped drafter, and with the 0.5B drafting for the 1.5B), and the errors a missing chunk package and a
+draft model with another tokenizer give.
 
 Each model's fixtures are module-scoped and parametrized, so one model's oracle, server and client are
 released before the next model loads: the 1.5B alone peaks at 6.3 GiB in transformers and 7.3 GiB as
@@ -19,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from splitllm.lab.bench.exactness import first_difference
 from splitllm.lab.data.instructions import KINDS
-from splitllm.client.local import LocalModel
+from splitllm.client.local import NO_DRAFT_MODEL, LocalModel
 from splitllm.client.session import SplitClient
 from splitllm.lab.launch import ServerThread
 from splitllm.model.precision import fastest
@@ -34,6 +35,7 @@ SHAPES = {"qwen2.5-coder-0.5b": (24, 896, 14, 2), "qwen2.5-coder-1.5b": (28, 153
 HEAD, TAIL = 2, 2
 # The larger model, with heads of 128 in the 16-bit kernels (the 0.5B has 64, like the default model).
 SPECULATION_MODEL = "qwen2.5-coder-1.5b"
+DRAFT_MODEL = "qwen2.5-coder-0.5b"  # its draft model: the same tokenizer
 NEW_TOKENS = 12
 # Answers longer than NEW_TOKENS, so neither side stops at the end-of-turn token. The second one asks for
 # code the prompt already holds, which lookup drafting finds.
@@ -87,8 +89,8 @@ def test_qwen_speculation_commits_the_sequential_tokens_in_the_fastest_setting(m
     (bfloat16-int8 in splitllm's kernels).
 
     It runs before the float32 fixtures load, so this client is the only model in memory."""
-    client = SplitClient(model, None, HEAD, TAIL, max_context=256, precision=fastest())
-    assert client.local.drafter is not None and client.local.drafter.quant == "int8"  # the shipped drafter
+    client = SplitClient(model, None, HEAD, TAIL, max_context=256, precision=fastest(), draft_model=NO_DRAFT_MODEL)
+    assert client.local.draft_model is None and client.local.drafter.quant == "int8"  # the shipped drafter alone
     drafted = 0
     for i, ids in enumerate(prompts):
         sequential = client.generate(ids, NEW_TOKENS, decode="sequential").ids
@@ -97,6 +99,34 @@ def test_qwen_speculation_commits_the_sequential_tokens_in_the_fastest_setting(m
             assert gen.ids == sequential, f"{mode}, prompt {i}: diverges at {first_difference(gen.ids, sequential)}"
             drafted += sum(s.drafted for s in gen.steps)
     assert drafted > 0
+
+
+@pytest.mark.parametrize("model", [SPECULATION_MODEL], indirect=True)
+def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_tokens(model: str, prompts: list[list[int]]) -> None:
+    """The 0.5B as the 1.5B's draft model (its default), both in the fastest setting: `draft` and `auto`
+    give sequential decoding's tokens, and the draft model's nodes are among those accepted."""
+    client = SplitClient(model, None, HEAD, TAIL, max_context=256, precision=fastest())
+    assert client.local.draft_model.files.path == ModelFiles(DRAFT_MODEL).path
+    from_draft_model = 0
+    for i, ids in enumerate(prompts):
+        sequential = client.generate(ids, NEW_TOKENS, decode="sequential").ids
+        for mode in ("draft", "auto"):
+            gen = client.generate(ids, NEW_TOKENS, decode=mode)
+            assert gen.ids == sequential, f"{mode}, prompt {i}: diverges at {first_difference(gen.ids, sequential)}"
+            from_draft_model += sum(n for s in gen.steps for src, n in s.sources.items() if "draft-model" in src)
+    assert from_draft_model > NEW_TOKENS
+    # A conversation keeps the draft model's cache from turn to turn: the second turn equals a fresh answer.
+    with client.conversation() as conv:
+        for _ in conv.say(PROMPTS[0], max_new_tokens=NEW_TOKENS, decode="draft"):
+            pass
+        history = list(conv.ids)
+        second = [gen for gen, _ in conv.say("Now in one line.", max_new_tokens=NEW_TOKENS, decode="draft")][-1]
+    assert second.ids == client.generate(history + second.prompt_ids, NEW_TOKENS, decode="sequential").ids
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused() -> None:
+    with pytest.raises(ValueError, match="a draft model needs the target's tokenizer"):
+        LocalModel(ModelFiles("default"), HEAD, TAIL, draft_model=DRAFT_MODEL)
 
 
 def test_the_shipped_drafter_fits_the_package_and_says_how_it_was_made(model: str) -> None:

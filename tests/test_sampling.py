@@ -26,6 +26,7 @@ from splitllm.client.stopping import IncrementalText, StopRule
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.tree import ROOT, DraftTree
 from splitllm.decoding.verifier import verify
+from splitllm.draft.draft_model import DraftModel
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.visibility import Visibility
@@ -336,12 +337,16 @@ def _exact_triples(model: tuple[LocalModel, Stage]) -> dict[tuple[int, ...], flo
     return exact
 
 
-def test_drafter_sampling_keeps_the_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_drafter_sampling_keeps_the_distribution(small_vocab, vocab16_draft_model: Path, drafter: str) -> None:  # type: ignore[no-untyped-def]
     """Three tokens: the prefill, then a step whose tree holds the drafter's top-k siblings (random
-    weights), point masses like any candidate."""
+    weights: a head's, or a whole draft model's), point masses like any candidate."""
     local, stage = small_vocab
     drafting = LocalModel(local.files, 1, 1, torch.float64)
-    drafting.drafter = random_head(local.files, torch.float64)
+    if drafter == "head":
+        drafting.drafter = random_head(local.files, torch.float64)
+    else:
+        drafting.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
     exact = _exact_triples(small_vocab)
     assert abs(sum(exact.values()) - 1) < 1e-9
     spec, per_step = _sample_pairs((drafting, stage), "draft", tokens=3)

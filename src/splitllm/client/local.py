@@ -1,29 +1,28 @@
-"""The client's own layers: embedding, head stage, tail stage, final norm and LM head."""
+"""The client's own layers: embedding, head stage, tail stage, final norm and LM head, and what it drafts with."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from splitllm.draft.draft_model import DraftModel
 from splitllm.draft.model import Drafter
 from splitllm.draft.store import load_drafter
 from splitllm.kv import KVCache
-from splitllm.model.blocks import rms_norm
+from splitllm.model.ends import ModelEnds
 from splitllm.model.precision import Precision
-from splitllm.model.quant import BlockedLinear, Linear, PackedLinear, on_huge_pages
-from splitllm.model.stage import Stage, read_norm
-from splitllm.model.store import StoredWeights
-from splitllm.model.weights import ModelFiles
+from splitllm.model.stage import Stage
+from splitllm.model.weights import ModelFiles, default_draft_model
 from splitllm.visibility import Visibility
 
 log = logging.getLogger(__name__)
 
-ROW_BY_ROW = 8  # up to this many rows, the LM head runs row by row (see LocalModel.logits)
+NO_DRAFT_MODEL = "none"  # `draft_model` that turns the default draft model off
 
 
 @dataclass
@@ -32,11 +31,14 @@ class LocalCaches:
     tail: KVCache | None
 
 
-class LocalModel:
+class LocalModel(ModelEnds):
     """Everything that never leaves the trusted device; reads none of the server's layers.
 
     `precision` is the head and tail stages'; `lm_head_precision` (default: the same) is the embedding's,
-    final norm's and LM head's, the client's biggest read.
+    final norm's and LM head's, the client's biggest read. It drafts with a learned drafter (`drafter`:
+    a folder, default the one shipped for this model) and with `draft_model`, a smaller model with this
+    one's tokenizer run whole on the client (default: the packaged one that drafts for this model, if
+    any and no `drafter` folder is named; `"none"`: none); `auto` weighs which pays each step.
     """
 
     def __init__(
@@ -47,35 +49,24 @@ class LocalModel:
         precision: Precision | torch.dtype = torch.float32,
         lm_head_precision: Precision | torch.dtype | None = None,
         drafter: str | Path | None = None,
+        draft_model: str | Path | None = None,
     ) -> None:
         cfg = files.config
         cfg.check_split(head, tail)
         self.precision = Precision.of(precision)
-        self.lm_head_precision = self.precision if lm_head_precision is None else Precision.of(lm_head_precision)
-        self.files, self.cfg, self.dtype = files, cfg, self.precision.dtype
+        super().__init__(files, self.precision if lm_head_precision is None else lm_head_precision)
+        self.dtype = self.precision.dtype
         self.head_layers, self.tail_layers = head, tail
         self.middle_range = (head, cfg.num_layers - tail)
-        embed_name = "model.embed_tokens.weight"
-        head_name = embed_name if cfg.tie_word_embeddings or not files.has("lm_head.weight") else "lm_head.weight"
-        weights = StoredWeights(files, self.lm_head_precision)
-        self.embed_weight = self.lm_head_precision.dense(weights.dense([embed_name])[embed_name])
-        self.norm = read_norm(weights, "model.norm.weight")
-        # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as transformers does.
-        scale = torch.tensor(cfg.embed_scale).to(self.embed_weight.device, self.embed_weight.dtype)
-        self.embed_scale = scale if cfg.embed_scale != 1.0 else None
-        self._tied_dense = head_name == embed_name and self.lm_head_precision.quant == "none"
-        self.lm_head = (
-            self.lm_head_precision.linear({"weight": self.embed_weight}) if self._tied_dense else weights.linear([head_name])
-        )
-        on_huge_pages([self.lm_head])  # the client's biggest read
-        # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
-        wide = (torch.float32, torch.float64)
-        self._row_by_row = isinstance(self.lm_head, Linear) and self.lm_head.weight.dtype in wide
         self.head = Stage.load(files, 0, head, self.precision)
         self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, self.precision) if tail else None
         self.drafter_path = drafter
+        # Naming a drafter folder (to measure that head) turns the default draft model off.
+        self.draft_model_name = default_draft_model(files) if draft_model is None and drafter is None else draft_model
         if drafter is not None:
-            self.drafter  # a drafter folder that does not fit is refused now, not at the first generation
+            self.drafter  # a drafter that does not fit is refused now, not at the first generation
+        if draft_model is not None:
+            self.draft_model
 
     @property
     def tap_layers(self) -> tuple[int, int]:
@@ -85,9 +76,9 @@ class LocalModel:
 
     @cached_property
     def drafter(self) -> Drafter | None:
-        """The drafter of `drafter_path`, else the one shipped for this model, else None (drafting
-        then uses n-gram sources only). Loaded on first use; assign to swap it. It runs in bfloat16:
-        half the drafting time of float32 on this CPU, and drafts are only ever verified.
+        """The drafter of `drafter_path`, else the one shipped for this model, else None. Loaded on first
+        use; assign to swap it. It runs in bfloat16: half the drafting time of float32 on this CPU, and
+        drafts are only ever verified.
 
         A fused drafter needs this split to hold the layers it taps: one named by `drafter_path` is
         refused otherwise; the shipped one is left out, with a warning."""
@@ -101,17 +92,13 @@ class LocalModel:
         log.warning("%s: drafting from context only", why)
         return None
 
-    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dense rows of the LM head for token `ids` (a draft vocabulary), whatever form the head is
-        stored in: a quantized head is read back through its own kernel, once, at the cost of a
-        hidden-size-row product. A tied head's rows are the embedding's (a packed head would have to
-        unpack all of its rows first)."""
-        if self._tied_dense or isinstance(self.lm_head, (Linear, PackedLinear, BlockedLinear)):
-            weight = self.embed_weight if self._tied_dense else self.lm_head.weight
-            return weight[ids.to(weight.device)]
-        hp = self.lm_head_precision
-        eye = torch.eye(self.cfg.hidden_size, dtype=hp.dtype, device=hp.torch_device)
-        return self.lm_head(eye).T[ids.to(hp.torch_device)]
+    @cached_property
+    def draft_model(self) -> DraftModel | None:
+        """The draft model `draft_model_name` names, in the client's precisions, or None. Loaded on
+        first use (a default one too: sequential decoding never loads it); assign to swap it."""
+        if self.draft_model_name in (None, NO_DRAFT_MODEL):
+            return None
+        return DraftModel.for_target(self.files, ModelFiles(self.draft_model_name), self.precision, self.lm_head_precision)
 
     def new_caches(self, max_context: int) -> LocalCaches:
         return LocalCaches(self.head.new_cache(max_context), self.tail.new_cache(max_context) if self.tail else None)
@@ -122,15 +109,6 @@ class LocalModel:
     ) -> torch.Tensor:
         return self.head(caches.head, self.embed(tokens), positions, vis, keep).cpu()
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The hidden states entering layer 0."""
-        x = self.embed_weight[tokens.to(self.embed_weight.device)]
-        return x if self.embed_scale is None else x * self.embed_scale
-
-    def input_table(self) -> torch.Tensor:
-        """The whole table as layer 0 sees it, for code that indexes it: a scaled copy when the model scales."""
-        return self.embed_weight if self.embed_scale is None else self.embed_weight * self.embed_scale
-
     @torch.inference_mode()
     def run_tail(
         self, caches: LocalCaches, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
@@ -138,47 +116,3 @@ class LocalModel:
         hidden = hidden.to(self.precision.torch_device, self.dtype)
         return self.tail(caches.tail, hidden, positions, vis, keep) if self.tail else hidden
 
-    @property
-    def shared_logit_rows(self) -> int:
-        """How many rows' logits cost about one row's: a read of the LM head shared by a batch whose
-        rows keep their own bits (splitllm's kernels, on AMX's tiles); 1 where every row costs its own."""
-        return self.lm_head.shared_rows if isinstance(self.lm_head, BlockedLinear) else 1
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (on the CPU, at least float32) over the given rows only: callers pass just the nodes the verifier needs.
-
-        With a float32 head, a few rows go one at a time through the matrix-vector kernel, so a
-        row's logits are the same bits however many rows a decoder scores, and the same as
-        transformers' one-token steps (MKL's multi-row kernels round differently); many rows (a
-        whole prompt) take one matrix product. The 16-bit and quantized kernels give every row the
-        same bits in any batch, so they always take all rows at once.
-        """
-        x = self.normed(hidden)
-        if self._row_by_row and 0 < x.shape[0] <= ROW_BY_ROW:
-            out = torch.cat([self.lm_head(row) for row in x.split(1)])
-        else:
-            out = self.lm_head(x)
-        return self._softcap(out.to("cpu", torch.promote_types(out.dtype, torch.float32)))
-
-    @torch.inference_mode()
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Approximate logits (a 16-bit or quantized LM head) for guesses that are never committed unverified."""
-        return self._softcap(self._drafting_lm_head(self.normed(hidden)).float().cpu())
-
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        cap = self.cfg.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The final norm, in the LM head's precision: what the LM head multiplies."""
-        hp = self.lm_head_precision
-        return rms_norm(hidden.to(hp.torch_device, hp.dtype), self.norm, self.cfg.rms_norm_eps)
-
-    @cached_property
-    def _drafting_lm_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The LM head drafts read: a float32 one again as bfloat16; any other is cheap already."""
-        if not self._row_by_row:
-            return self.lm_head
-        head = Linear(self.lm_head.weight.to(torch.bfloat16))
-        return lambda x: head(x.to(torch.bfloat16))

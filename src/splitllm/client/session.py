@@ -72,7 +72,8 @@ class SplitClient:
     `server=None` runs the middle layers in this process: the same code path minus the network,
     for tests and offline measurements. `precision` (default: the fastest here, `fastest()`) is the
     client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a
-    drafter folder from `splitllm draft train` (default: the one shipped for this model, if any).
+    drafter folder from `splitllm draft train` (default: the one shipped for this model, if any);
+    `draft_model`: a smaller model with this one's tokenizer that drafts instead (`DraftModel`).
     """
 
     def __init__(
@@ -87,11 +88,12 @@ class SplitClient:
         connection: ConnectionOptions | None = None,
         lm_head_precision: Precision | torch.dtype | None = None,
         drafter: str | Path | None = None,
+        draft_model: str | Path | None = None,
     ) -> None:
         self.files = ModelFiles(model)
         self.connection = connection  # TLS, token, reconnection deadline and fallback servers
         self.precision = fastest() if precision is None else Precision.of(precision)
-        self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, drafter)
+        self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, drafter, draft_model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype, self.max_context = server, wire_dtype, max_context
         self.dtype = self.precision.dtype

@@ -37,6 +37,7 @@ def client(
     fallback: Annotated[Optional[list[str]], typer.Option(help="another server to fail over to (repeatable)")] = None,
     reconnect_deadline_s: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
     drafter: Annotated[Optional[str], typer.Option(help="drafter folder (`splitllm draft train`); default: the shipped one")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(help="a smaller model with this one's tokenizer (an alias, folder or .gguf), run whole on the client, that drafts in place of the drafter (default: the model's packaged one, as qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; none: none)")] = None,
 ) -> Any:
     """The SplitClient that the model and connection options of every client command describe."""
     from splitllm.client.connection import ConnectionOptions, read_token
@@ -55,7 +56,7 @@ def client(
         )
     return SplitClient(
         model, server, head, tail, wire_dtype, precision=layers, lm_head_precision=lm_head, connection=options,
-        drafter=drafter,
+        drafter=drafter, draft_model=draft_model,
     )
 
 

@@ -1,4 +1,5 @@
-"""Whether growing the drafter's tree pays for itself: drafting sits on the client's critical path."""
+"""Whether growing a drafter's tree pays for itself, and which drafter's pays most: drafting sits on the
+client's critical path."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ class GateConfig:
 
 
 class DraftGate:
-    """A step that drafts spends `draft_ms` to gain the tokens only the drafter proposed; each is worth
-    the step time per token (`NodeCost.step_ms` over the tokens a step yields). Both sides are
-    running averages of the steps that drafted. While drafting does not pay, a step drafts anyway
-    now and then, so a drafter that starts paying (a text it knows) gets its trees back; each try that
-    finds it still not paying waits twice as long for the next, since on a fast link a try costs a
-    sizeable share of a step. The drafter catches up on the committed positions when it next drafts.
+    """One drafter's gate. A step that drafts spends `draft_ms` to gain the tokens only the drafter
+    proposed; each is worth the step time per token (`NodeCost.step_ms` over the tokens a step
+    yields). Both sides are running averages of the steps it drafted. While drafting does not pay, a
+    step drafts anyway now and then, so a drafter that starts paying (a text it knows) gets its trees
+    back; each try that finds it still not paying waits twice as long for the next, since on a fast
+    link a try costs a sizeable share of a step. The drafter catches up on the committed positions
+    when it next drafts. Of several drafters that pay, the one that saves the most drafts (a big draft
+    model over a slow link, a small head over a fast one).
     """
 
     def __init__(self, config: GateConfig = GateConfig()) -> None:
@@ -37,19 +40,24 @@ class DraftGate:
         self.interval = config.explore  # steps from one try to the next while drafting does not pay
         self.next_try = 0  # the step of the next try
 
-    def worth(self, cost: NodeCost, step: int) -> bool:
-        if self.gain * cost.step_ms / self.tokens >= self.ms:
+    def offer(self, cost: NodeCost, step: int) -> float | None:
+        """What drafting at this step is expected to save, in ms (infinite on a try while it does not
+        pay, so the try happens); None when it does not pay and no try is due."""
+        saved = self.gain * cost.step_ms / self.tokens - self.ms
+        if saved >= 0:
             self.interval = self.config.explore
-            return True
+            return saved
         if step < self.next_try:
-            return False
+            return None
         self.next_try = step + self.interval
         self.interval = min(2 * self.interval, self.config.max_explore)
-        return True
+        return float("inf")
 
-    def observe(self, stats: StepStats, drafted: bool) -> None:
+    def observe(self, stats: StepStats, source: str, drafted_ms: float | None) -> None:
+        """A step's yield; `source`: the drafter's name among the step's sources; `drafted_ms`: what it
+        spent drafting the step (None: it did not draft)."""
         d = self.config.decay
         self.tokens = d * self.tokens + (1 - d) * stats.accepted
-        if drafted:
-            self.gain = d * self.gain + (1 - d) * stats.sources.get("draft", 0)
-            self.ms = d * self.ms + (1 - d) * stats.draft_ms
+        if drafted_ms is not None:
+            self.gain = d * self.gain + (1 - d) * stats.sources.get(source, 0)
+            self.ms = d * self.ms + (1 - d) * drafted_ms

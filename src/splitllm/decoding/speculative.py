@@ -24,8 +24,10 @@ from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.gate import DraftGate
 from splitllm.decoding.policy import BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Draft, Proposer
+from splitllm.decoding.proposers.draft_model import DraftModelProposer
 from splitllm.decoding.proposers.drafter import DrafterProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
+from splitllm.decoding.proposers.scored_tree import ScoredTreeProposer
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
@@ -85,12 +87,14 @@ class SpeculativeDecoder:
     """A decoder (see `DECODERS`) drafting and sizing its steps as its `SpeculationConfig` says.
 
     `policy` sizes the steps the drafter does not draft in, `drafter_policy` (None: no drafter) those it does.
+    A draft model's proposer stays from one generation to the next (its cache holds the history so far).
     """
 
     def __init__(self, config: SpeculationConfig = SpeculationConfig()) -> None:
         self.config = config
         self.policy = config.policy if config.policy is not None else StaticPolicy(config.static_budget(False))
         self.drafter_policy = config.drafter_policy
+        self.draft_model_proposer: DraftModelProposer | None = None
         if self.drafter_policy is None and config.drafting.ngrams is None:  # the mode needs the drafter
             self.drafter_policy = StaticPolicy(config.static_budget(True))
 
@@ -114,22 +118,29 @@ class SpeculativeDecoder:
             yield generation.step()
 
 
-def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], DrafterProposer | None]:
-    """A generation's own proposers (they index its history): n-gram ones, and the drafter's when it drafts."""
+def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], list[ScoredTreeProposer]]:
+    """A generation's own proposers (they index its history): n-gram ones, and its drafters' when it
+    drafts: a draft model's first (kept from the decoder's last generation), then the learned head's."""
     config, drafting = decoder.config, decoder.config.drafting
-    drafts_with_drafter = decoder.drafter_policy is not None and drafting.drafter_ngrams is not None
-    head = pipeline.local.drafter if drafts_with_drafter else None
-    ngrams = drafting.ngrams if head is None else drafting.drafter_ngrams
+    local = pipeline.local
+    drafters: list[ScoredTreeProposer] = []
+    if decoder.drafter_policy is not None and drafting.drafter_ngrams is not None:
+        if local.draft_model is not None:
+            kept = decoder.draft_model_proposer
+            if kept is None or kept.model is not local.draft_model or kept.cache.max_context < pipeline.max_context:
+                kept = DraftModelProposer(local.draft_model, pipeline.max_context, calibration_config=config.calibration)
+                decoder.draft_model_proposer = kept
+            drafters.append(kept)
+        if local.drafter is not None:
+            drafters.append(DrafterProposer(local.drafter, local, pipeline.max_context, calibration_config=config.calibration))
+    ngrams = drafting.drafter_ngrams if drafters else drafting.ngrams
     if ngrams is None:
         raise ValueError(
             f"decode mode '{config.mode}' needs a drafter for this model: train one with "
-            "`splitllm draft train --model <model> --out <folder>` and pass --drafter <folder>"
+            "`splitllm draft train --model <model> --out <folder>` and pass --drafter <folder>, or pass "
+            "--draft-model <a smaller model with its tokenizer>"
         )
-    proposers = config.proposers() if config.proposers else [make() for make in ngrams]
-    if head is None:
-        return proposers, None
-    drafter = DrafterProposer(head, pipeline.local, pipeline.max_context, calibration_config=config.calibration)
-    return proposers, drafter
+    return config.proposers() if config.proposers else [make() for make in ngrams], drafters
 
 
 class _Generation:
@@ -147,10 +158,10 @@ class _Generation:
     ) -> None:
         self.pipeline, self.stop_ids, self.sampler = pipeline, stop_ids, sampler
         self.history = sampler.history
-        self.proposers, self.drafter = _proposers(decoder, pipeline)
+        self.proposers, self.drafters = _proposers(decoder, pipeline)
         self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
         self.policy = self._policy(decoder)
-        self.gate = DraftGate(decoder.config.gate)
+        self.gates = [DraftGate(decoder.config.gate) for _ in self.drafters]
         self.rates = DraftRates(decoder.config.calibration)
         self.chain, self.keep = list(prompt), list(keep)
         self.start = pipeline.committed + len(self.keep)
@@ -166,15 +177,15 @@ class _Generation:
         """Who sizes this generation's steps: the drafter's policy when it drafts, the decoder's otherwise."""
         if self.sampler.params.do_sample and self.sampler.params.seed is not None:
             # A seeded sample repeats only if every step's tree does: size them without the clock.
-            return StaticPolicy(decoder.config.static_budget(self.drafter is not None))
-        head = decoder.drafter_policy if self.drafter is not None else None
+            return StaticPolicy(decoder.config.static_budget(bool(self.drafters)))
+        head = decoder.drafter_policy if self.drafters else None
         return decoder.policy if head is None else head
 
     def step(self) -> StepOutput:
         """One round trip: size, draft, lay out, score, verify, learn, record."""
         room = max(self.pipeline.room(self.start) - len(self.chain), 0)  # nodes the tree and window may take
         budget = self._budget(room)
-        drafts, grow = self._draft(budget)
+        drafts, grew = self._draft(budget)
         rates = [self.rates.rates(d) for d in drafts]
         tree = DraftTree.build(drafts, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
         layout = self._layout(budget, room - len(tree))
@@ -186,9 +197,8 @@ class _Generation:
         if layout is not None and self.window is not None:
             self._advance_window(self.window, hidden[plan.window_rows], stats)
         record(stats, tree, layout, verdict)  # before the gate reads what the step yielded
-        if self.drafter is not None:
-            taps = self.pipeline.tapped(self.drafter.head.taps)[keep] if self.drafter.head.taps else None
-            self._feed_drafter(self.drafter, hidden[keep], taps, stats, grow)
+        if self.drafters:
+            self._feed_drafters(hidden[keep], keep, stats, grew)
         self._commit(verdict, stats, keep)
         return StepOutput(verdict.tokens, stats, keep)
 
@@ -197,15 +207,25 @@ class _Generation:
         budget = self.policy.choose(self.steps)
         return replace(budget, depth=min(budget.depth, self.remaining - 1, room))
 
-    def _draft(self, budget: SpecBudget) -> tuple[list[Draft], bool]:
-        """Every proposer's drafts, and whether the drafter grew a tree (the gate's call, with a link cost)."""
+    def _draft(self, budget: SpecBudget) -> tuple[list[Draft], int | None]:
+        """Every proposer's drafts, and which drafter grew a tree (None: none did).
+
+        Without a link cost (a fixed budget) the first drafter grows one every step; with one, the
+        gates say which drafter's tree saves the most time, if any does. The others only learn from
+        what was committed since they last drafted (an empty budget)."""
         self.rates.resolve(self.history)
         drafts = [d for p in self.proposers for d in p.propose(self.history, budget)]
         self.rates.track(drafts, len(self.history))
-        if self.drafter is None:
-            return drafts, False
-        grow = budget.cost is None or self.gate.worth(budget.cost, len(self.steps))
-        return drafts + self.drafter.propose(self.history, budget if grow else replace(budget, max_nodes=0)), grow
+        if not self.drafters:
+            return drafts, None
+        grows: int | None = 0
+        if budget.cost is not None:
+            offers = {i: saved for i, gate in enumerate(self.gates)
+                      if (saved := gate.offer(budget.cost, len(self.steps))) is not None}
+            grows = max(offers, key=offers.__getitem__) if offers else None
+        for i, drafter in enumerate(self.drafters):
+            drafts += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))
+        return drafts, grows
 
     def _layout(self, budget: SpecBudget, room: int) -> WindowLayout | None:
         """Lookahead's window for this step, shrunk to the room the tree left."""
@@ -240,13 +260,16 @@ class _Generation:
         guesses = self.pipeline.logits(outputs, stats, draft=True).argmax(-1).tolist()
         window.advance(self.chain[-1], guesses)
 
-    def _feed_drafter(
-        self, drafter: DrafterProposer, features: torch.Tensor, taps: torch.Tensor | None, stats: StepStats, grew: bool
-    ) -> None:
-        """Hand the drafter the committed nodes' features (and a fused one's taps), and the gate what drafting cost."""
-        drafter.observe(self.start, features, taps)
-        stats.draft_ms = drafter.take_draft_ms()
-        self.gate.observe(stats, grew)
+    def _feed_drafters(self, features: torch.Tensor, keep: list[int], stats: StepStats, grew: int | None) -> None:
+        """Hand every drafter the committed nodes' features (and a fused head's taps), and each gate what
+        its drafter's drafting cost."""
+        stats.draft_ms = 0.0
+        for i, (drafter, gate) in enumerate(zip(self.drafters, self.gates)):
+            taps = self.pipeline.tapped(drafter.taps)[keep] if drafter.taps else None
+            drafter.observe(self.start, features, taps)
+            ms = drafter.take_draft_ms()
+            stats.draft_ms += ms
+            gate.observe(stats, drafter.name, ms if i == grew else None)
 
     def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int]) -> None:
         """Move past this step: its path is the next step's keep, its bonus token the next chain."""

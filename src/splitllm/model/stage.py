@@ -170,6 +170,33 @@ class Stage(nn.Module):
         x = self.run_layers(torch.cat([s.hidden.to(self.device, self.dtype) for s in steps]), [s.cache for s in steps], segments)
         return list(x.split([s.hidden.shape[0] for s in steps]))
 
+    @torch.inference_mode()
+    def extend(self, cache: KVCache, hidden: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+        """Append n entries after everything in `cache` (the previous call's entries are kept first),
+        run their states (n, d) through the layers and return the outputs; `sees` (n, length + n)
+        says which entries each attends to (a sliding-window layer sees only those within its window).
+
+        Drafting a tree depth by depth needs this: a node must see its ancestors, which earlier calls
+        appended, but not their siblings, which `Visibility` (new positions only) cannot express.
+        `cache.crop` drops the speculative entries afterwards.
+        """
+        cache.keep(range(cache.pending))
+        n = positions.numel()
+        if sees.shape != (n, cache.length + n):
+            raise ValueError(f"visibility of {n} entries over {cache.length} cached ones must be ({n}, {cache.length + n})")
+        if n and int(positions.max()) >= self.cfg.max_position:
+            raise ValueError(f"draft positions must lie below {self.cfg.max_position}")
+        cache.stage_new(positions)
+        keys = cache.positions[: cache.length + n]
+        at = self.precision.attention_dtype
+        segments = []
+        for window, rotary in zip(self.windows, self.rotaries):
+            cos, sin = (t.to(self.device) for t in rotary(positions, at))
+            seen = sees if window is None else sees & (positions[:, None] - keys[None, :] < window)
+            mask = torch.zeros(seen.shape, dtype=at).masked_fill_(~seen, float("-inf"))[None, None].to(self.device)
+            segments.append([Segment(slice(0, n), cos, sin, mask, cache.length)])
+        return self.run_layers(hidden, [cache], segments)
+
     def run_layers(self, hidden: torch.Tensor, caches: Sequence[KVCache], segments: Sequence[Sequence[Segment]]) -> torch.Tensor:
         """The layers over (rows, d) states whose caches already hold this step's positions as pending
         entries; segments[kind][i]: sequence i's rows, rotary and mask for layers of that kind. For

@@ -232,6 +232,16 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
     raise FileNotFoundError(f"model {spec!s} is neither an HF folder nor a .gguf file")
 
 
+def default_draft_model(files: ModelFiles) -> str | None:
+    """The packaged model that drafts for these weights by default (`PackagedGGUF.draft_model`), when
+    they are a packaged model's and the draft model's packages are installed."""
+    for packaged in PACKAGED_MODELS.values():
+        if packaged.draft_model and packaged.sha256 and files.sources == [(packaged.name, packaged.sha256)]:
+            parts = PACKAGED_MODELS[packaged.draft_model].parts
+            return packaged.draft_model if all(importlib.util.find_spec(p) for p, _ in parts) else None
+    return None
+
+
 class ModelFiles:
     """An HF model folder: config, fingerprint, and per-tensor reads that touch only what is asked."""
 

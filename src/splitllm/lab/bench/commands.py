@@ -133,6 +133,7 @@ def speculation(
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
     wire_dtype: Annotated[str, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",
     drafter: Annotated[Optional[str], typer.Option(help="drafter folder (default: the shipped one)")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(help="a smaller model with the same tokenizer that drafts instead (default: the model's packaged one; none: none)")] = None,
     setting: Setting = None,
     model: Model = "default",
     cores: Annotated[str, typer.Option(help=(
@@ -152,6 +153,7 @@ def speculation(
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt_ms, modes, out, progress=_progress, sampling=sampling,
         wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting), model=model, core_layout=cores,
+        draft_model=draft_model,
     )
     typer.echo(result["markdown"])
 

@@ -97,7 +97,8 @@ def check_exactness(
 ) -> ExactnessReport:
     """Every mode (default: all speculative modes, `draft` only when the model has a drafter)."""
     if modes is None:
-        modes = [m for m in MODES if m != "draft" or client.local.drafter is not None]
+        drafts = client.local.drafter is not None or client.local.draft_model is not None
+        modes = [m for m in MODES if m != "draft" or drafts]
     report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes}, precision=client.precision.name)
     middle = Stage.load(client.files, *client.local.middle_range, client.precision)
     for p, prompt in enumerate(prompts):

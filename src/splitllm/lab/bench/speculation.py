@@ -20,6 +20,8 @@ from splitllm.client.session import SplitClient
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
+from splitllm.draft.draft_model import DraftModel
+from splitllm.draft.model import Drafter
 from splitllm.lab import peers
 from splitllm.lab.launch import ServerProcess, on_cores, sides
 from splitllm.model import cpu_kernels
@@ -150,13 +152,19 @@ def _cores(cores: dict) -> str:
     return f"{threads}, each side pinned to its own cores"
 
 
+def _drafting(head: Drafter | None, draft_model: DraftModel | None, folder: str | None) -> str:
+    """What drafts, for the report: the draft model's folder name and the head's folder ("shipped": the package's)."""
+    names = [f"draft model {draft_model.files.path.name}"] if draft_model is not None else []
+    return ", ".join(names + ([f"head {folder or 'shipped'}"] if head is not None else []))
+
+
 def markdown(summary: dict, settings: dict) -> str:
     lines = [
         f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, {settings.get('model', 'default')} model split "
         f"{settings['head']}+{settings['tail']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
         f"{settings['prompts_per_category']} prompts per category, {_cores(settings['cores'])}, "
         f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
-        f"{', drafter ' + settings['drafter'] if settings.get('drafter') else ''}.",
+        f"{', drafting with ' + settings['drafter'] if settings.get('drafter') else ''}.",
         "",
         "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
         "| draft ms/step | server ms/step |",
@@ -210,27 +218,31 @@ def run_speculation(
     precision: Precision | None = None,
     model: str = "default",
     core_layout: str = "halves",
+    draft_model: str | None = None,
 ) -> dict:
     """The benchmark end to end, both sides in `precision`, on the cores `core_layout` names (launch.sides);
     writes OUT/speculation.json and OUT/speculation.md.
 
     `drafter`: a head folder (default: the one shipped for the model); without any head the
-    `draft` mode is left out and `auto` drafts with n-gram sources only.
+    `draft` mode is left out and `auto` drafts with n-gram sources only. `draft_model`: a smaller model
+    with the same tokenizer drafting instead of a head (default: the model's packaged one, if any;
+    "none": none), as `SplitClient` takes them.
     """
     if "sequential" not in modes:
         modes = ("sequential", *modes)
     cores = sides(core_layout)
     set_compute_threads(cores.threads)
     precision = precision or fastest()
-    client = SplitClient(model, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter)
-    if client.local.drafter is None and "draft" in modes:
+    client = SplitClient(model, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter,
+                         draft_model=draft_model)
+    if client.local.drafter is None and client.local.draft_model is None and "draft" in modes:
         progress("no drafter for this model: the draft mode is left out")
         modes = tuple(m for m in modes if m != "draft")
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
     settings = {"model": model, "rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens,
                 "prompts_per_category": prompts_per_category,
                 "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
-                "wire_dtype": wire_dtype, "drafter": drafter or ("shipped" if client.local.drafter else ""),
+                "wire_dtype": wire_dtype, "drafter": _drafting(client.local.drafter, client.local.draft_model, drafter),
                 "precision": precision.name, "linear_kernels": cpu_kernels.linear_path()}
     settings["cores"] = {"layout": cores.layout, "threads": cores.threads,
                          "server": sorted(cores.server), "client": sorted(cores.client)}

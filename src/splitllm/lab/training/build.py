@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from splitllm.client.local import LocalModel
 from splitllm.client.stopping import stop_ids
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
 from splitllm.draft.store import FINGERPRINT_KEY, WEIGHT_FORMATS, find_shipped, load_drafter, read_metadata, save_drafter
+from splitllm.model.ends import ModelEnds
 from splitllm.model.weights import ModelFiles, cache_root
 
 
@@ -201,7 +201,7 @@ def build_head(
         t1 = time.perf_counter()
         feats = {name: cached_features(capture, files, seqs, data_settings, work, bar, name) for name, seqs in sources.items() if seqs}
         t2 = time.perf_counter()
-        local = LocalModel(files, 1, 0)
+        local = ModelEnds(files)
         target = train.Target(local)
         splits = {
             name: _split(train.prepare(f), train_settings.validation_share, train_settings.seed)

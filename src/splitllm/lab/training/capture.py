@@ -23,9 +23,9 @@ from dataclasses import replace
 
 import torch
 
-from splitllm.client.local import LocalModel
 from splitllm.draft.model import check_taps
 from splitllm.kv import KVCache
+from splitllm.model.ends import ModelEnds
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage, StepInput
 from splitllm.model.weights import ModelFiles
@@ -45,7 +45,7 @@ class FeatureCapture:
         n = files.config.num_layers
         taps = check_taps(taps, n)
         precision = Precision.of(dtype)
-        self.local = LocalModel(files, 1, 0, precision)  # embedding, final norm, LM head
+        self.local = ModelEnds(files, precision)
         cuts = [0, *taps, n]
         self.stages = [Stage.load(files, a, b, precision) for a, b in zip(cuts, cuts[1:])]
         self.eos = frozenset(stop)

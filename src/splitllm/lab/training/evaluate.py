@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from splitllm.client.local import LocalModel
 from splitllm.draft.store import find_shipped, load_drafter, read_metadata
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.build import Bar, DataSettings, answer_conversations, cached_features, feature_capture
+from splitllm.model.ends import ModelEnds
 from splitllm.model.weights import ModelFiles, cache_root
 
 
@@ -35,7 +35,7 @@ def compare_heads(
     if None in folders:
         raise ValueError(f"{files.path.name} ships no drafter; name a folder with --drafter")
     drafters = {str(h or "shipped"): load_drafter(files, f) for h, f in zip(heads, folders)}
-    target = train.Target(LocalModel(files, 1, 0))
+    target = train.Target(ModelEnds(files))
     taps = sorted({t for d in drafters.values() for t in d.taps})
     settings = replace(settings, taps=tuple(taps))
     capture = feature_capture(files, tok, settings)

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from splitllm.client.local import LocalModel
 from splitllm.lab.training.data import Features
 from splitllm.draft.model import Drafter, drafter_config
 from splitllm.model.blocks import Segment, rms_norm
+from splitllm.model.ends import ModelEnds
 from splitllm.model.stage import Stage
 
 
@@ -75,7 +75,7 @@ class Sequence_:
 class Target:
     """The client's own pieces the drafter is trained against: embedding, final norm, LM head."""
 
-    def __init__(self, local: LocalModel) -> None:
+    def __init__(self, local: ModelEnds) -> None:
         self.embed = local.input_table()  # scaled as layer 0 sees it, for families that scale it
         self.norm = local.norm
         self.lm_head = local.lm_head.weight
@@ -201,7 +201,7 @@ def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
 
 
 def new_head(
-    local: LocalModel, vocab: Sequence[int], intermediate: int | None = None, taps: Sequence[int] = (), init: Drafter | None = None
+    local: ModelEnds, vocab: Sequence[int], intermediate: int | None = None, taps: Sequence[int] = (), init: Drafter | None = None
 ) -> Drafter:
     """A head whose layer starts as the target's last layer and whose fc passes the feature through;
     with `init` (an unpacked drafter), a copy of that one instead (its vocabulary and width), continued.
