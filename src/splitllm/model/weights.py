@@ -235,6 +235,8 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
 def default_draft_model(files: ModelFiles) -> str | None:
     """The packaged model that drafts for these weights by default (`PackagedGGUF.draft_model`), when
     they are a packaged model's and the draft model's packages are installed."""
+    if not (files.path / SOURCE_FILE).is_file():
+        return None  # not converted from a GGUF, so no packaged model (and no hashing of its weights)
     for packaged in PACKAGED_MODELS.values():
         if packaged.draft_model and packaged.sha256 and files.sources == [(packaged.name, packaged.sha256)]:
             parts = PACKAGED_MODELS[packaged.draft_model].parts

@@ -155,10 +155,10 @@ class ScoredTreeProposer(ABC):
             tokens = torch.tensor([self.tree[i].token for i in chosen])
             t0 = time.perf_counter()
             out = self._expand(parents, tokens, torch.full((n,), last + depth), sees)
-            ms = (time.perf_counter() - t0) * 1000
-            self.pass_ms = ms if self.pass_ms is None else 0.8 * self.pass_ms + 0.2 * ms
             outputs.update(zip(chosen, out[:, None]))
             self._offer(chosen, out, depth + 1)
+            ms = (time.perf_counter() - t0) * 1000  # the pass and its children's probabilities
+            self.pass_ms = ms if self.pass_ms is None else 0.8 * self.pass_ms + 0.2 * ms
 
     def _pays(self, chosen: list[int], cost: NodeCost) -> bool:
         """Whether a pass over the `chosen` nodes can be worth its time: their children add at most the
