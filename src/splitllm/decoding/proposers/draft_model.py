@@ -49,8 +49,8 @@ class DraftModelProposer(ScoredTreeProposer):
         """Nothing to take: a draft model reads the committed tokens themselves."""
 
     def _sync(self, history: Sequence[int]) -> tuple[torch.Tensor, int] | None:
-        if not history:
-            return None
+        if not history or len(history) >= self.max_position:
+            return None  # nothing to continue, or a history longer than the draft model reaches: no drafts
         if self.committed >= len(history) or list(history[: self.committed]) != self.tokens:
             same = next((i for i, (a, b) in enumerate(zip(self.tokens, history)) if a != b), min(len(self.tokens), len(history)))
             self.committed = min(same, len(history) - 1)  # the last token again at least: its output drafts
