@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
 
 from splitllm.lab.bench.exactness import first_difference
 from splitllm.lab.data.instructions import KINDS
+from splitllm.cli import app
 from splitllm.client.local import NO_DRAFT_MODEL, LocalModel
 from splitllm.client.session import SplitClient
 from splitllm.lab.launch import ServerThread
@@ -137,6 +139,8 @@ def test_the_default_draft_model_needs_its_packages(monkeypatch: pytest.MonkeyPa
 def test_a_draft_model_with_another_tokenizer_is_refused() -> None:
     with pytest.raises(ValueError, match="a draft model needs the target's tokenizer"):
         LocalModel(ModelFiles("default"), HEAD, TAIL, draft_model=DRAFT_MODEL)
+    result = CliRunner().invoke(app, ["generate", "Hi.", "--model", "default", "--draft-model", DRAFT_MODEL])
+    assert result.exit_code == 2 and "a draft model needs the target's tokenizer" in result.output
 
 
 def test_the_shipped_drafter_fits_the_package_and_says_how_it_was_made(model: str) -> None:
