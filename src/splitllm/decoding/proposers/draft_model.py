@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from splitllm.decoding.calibration import CalibrationConfig
-from splitllm.decoding.proposers.scored_tree import ScoredTreeProposer
+from splitllm.decoding.proposers.scored_tree import ScoredTreeProposer, chain_after
 from splitllm.draft.draft_model import DraftModel
 
 PREFILL_ROWS = 512  # history tokens fed in one pass at most (bounds a long prompt's masks and activations)
@@ -60,9 +60,8 @@ class DraftModelProposer(ScoredTreeProposer):
         while self.committed < len(history):
             first = self.committed
             n = min(len(history) - first, PREFILL_ROWS)
-            sees = torch.cat([torch.ones(n, first, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
             tokens = torch.tensor(history[first : first + n])
-            out = self.model.grow(self.cache, tokens, torch.arange(first, first + n), sees)
+            out = self.model.grow(self.cache, tokens, torch.arange(first, first + n), chain_after(first, n))
             self.cache.keep(range(n))
             self.committed += n
             self.tokens += history[first : first + n]

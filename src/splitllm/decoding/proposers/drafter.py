@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from splitllm.decoding.calibration import CalibrationConfig
-from splitllm.decoding.proposers.scored_tree import ScoredTreeProposer
+from splitllm.decoding.proposers.scored_tree import ScoredTreeProposer, chain_after
 from splitllm.draft.draft_model import DraftModel
 from splitllm.draft.model import Drafter
 from splitllm.model.precision import Precision
@@ -88,7 +88,7 @@ class DrafterProposer(ScoredTreeProposer):
         if first + n >= len(history):
             raise ValueError("every committed feature needs the token that followed it")
         self.cache.crop(self.committed)
-        sees = torch.cat([torch.ones(n, self.committed, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+        sees = chain_after(self.committed, n)
         embeddings = self.local.embed(torch.tensor(history[first + 1 : first + n + 1]))
         out = self.head.grow(self.cache, features, embeddings, positions, sees, taps)
         self.committed += n

@@ -34,6 +34,12 @@ from splitllm.kv import KVCache
 MIN_SCORE = 0.01  # nodes less likely than this are not expanded when no link cost says otherwise
 
 
+def chain_after(committed: int, n: int) -> torch.Tensor:
+    """The visibility (n, committed + n) of n committed tokens appended in order after `committed`
+    entries: every earlier entry and each other causally (what `_sync` feeds, unlike a tree's nodes)."""
+    return torch.cat([torch.ones(n, committed, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+
+
 @dataclass
 class _Node:
     token: int
