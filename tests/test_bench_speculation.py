@@ -35,11 +35,12 @@ def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() ->
     overall = summary["overall"]["lookup"]
     assert overall["tokens"] == 4 and overall["steps"] == 2 and overall["identical"] == 1
     assert overall["server_ms_per_step"] == pytest.approx((120 + 110) / 4 / 2)
+    assert overall["first_step_ms"] == 500.0  # the prefill steps: the first token's wait, apart from the rest
     settings = {"rtt_ms": 80, "head": 2, "tail": 2, "max_new_tokens": 4, "prompts_per_category": 1, "sampling": "greedy",
                 "cores": {"layout": "alternate", "threads": 2}}
     text = markdown(summary, settings)
     assert "| overall | lookup | 2.00 |" in text and "| lookup | lookup | 1 | 2 |" in text
-    assert "2 threads a side, both sides on every core" in text and text.count("| 28.8 |") == 1
+    assert "2 threads a side, both sides on every core" in text and text.count("| 28.8 | 500 |") == 1
 
 
 def test_core_layouts_give_each_side_its_own_half_or_both_every_core() -> None:

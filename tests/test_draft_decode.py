@@ -25,6 +25,7 @@ from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers import draft_model as draft_model_proposer
 from splitllm.decoding.proposers.draft_model import DraftModelProposer
 from splitllm.decoding.proposers.drafter import DrafterProposer
+from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.draft.draft_model import DraftModel
@@ -172,6 +173,19 @@ def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: igno
         torch.testing.assert_close(a[..., :29, :], b[..., :29, :], rtol=0, atol=1e-10)
 
 
+def test_the_drafters_vocabulary_rows_are_read_once_per_drafter(vocab16_model: Path) -> None:
+    """Every generation's drafting shares the LM head's rows of the draft vocabulary (reading them back
+    from a quantized head reads the whole head); a swapped drafter gets its own."""
+    files = ModelFiles(str(vocab16_model))
+    local = LocalModel(files, 1, 1, torch.float64)
+    local.drafter = random_head(files, torch.float64)
+    first = DrafterProposer(local.drafter, local, CONTEXT).vocab_head
+    assert DrafterProposer(local.drafter, local, CONTEXT).vocab_head is first
+    torch.testing.assert_close(first.weight.double(), local.lm_head_rows(local.drafter.vocab).to(torch.bfloat16).double())
+    local.drafter = random_head(files, torch.float64)
+    assert local.drafter_vocab_head() is not first
+
+
 def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> None:  # type: ignore[no-untyped-def]
     """A draft model catches up on the tokens committed since it last drafted, the prompt in passes of
     bounded rows: its cache then holds what one pass over the whole sequence computes, trees dropped;
@@ -201,6 +215,43 @@ def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> 
     assert stepped.committed == fresh.committed == 26 and stepped.tokens == other
     for a, b in ((stepped.cache.k, fresh.cache.k), (stepped.cache.v, fresh.cache.v)):
         torch.testing.assert_close(a[..., :26, :], b[..., :26, :], rtol=0, atol=1e-10)
+
+
+def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A step whose chain is a prefill (the prompt, a conversation's next turn) sends no draft-model
+    tree: the draft model reads those tokens beside the step (`overlap_ms`), a pass while the middle
+    computes and the rest after it, so the next step's tree feeds only what that step committed.
+    Output stays sequential's."""
+    monkeypatch.setattr(draft_model_proposer, "PREFILL_ROWS", 4)  # three passes for the prompt
+    waited: list[int] = []
+
+    class Watched(LocalMiddle):
+        def step(self, hidden, positions, vis, keep, stats, while_waiting=None):  # type: ignore[no-untyped-def]
+            out = super().step(hidden, positions, vis, keep, stats, while_waiting)
+            waited.append(decoder.draft_model_proposer.committed)  # what it had read when the middle returned
+            return out
+
+    local, stage = draft_model_split
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFT, drafter_policy=StaticPolicy(BIG)))
+    pipeline = SplitPipeline(local, Watched(stage, CONTEXT), CONTEXT)
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected, _ = _ids(decode_sequential, _pipeline(draft_model_split), prompt, 12)
+    first = decoder(pipeline, prompt, 12, frozenset())
+    out = next(first)
+    proposer = decoder.draft_model_proposer
+    assert proposer is not None and proposer.committed == len(prompt) and proposer.tokens == prompt
+    assert out.stats.overlap_ms > 0 and not any("draft-model" in s for s in out.stats.sources)
+    assert waited == [4]  # one pass beside the middle's compute, the other two after it
+    rest = list(first)
+    assert [t for o in (out, *rest) for t in o.tokens] == expected
+    assert all(o.stats.overlap_ms == 0 for o in rest)
+    # The conversation's next turn (the last answer token, never fed yet, and the new tokens) is a
+    # prefill too, read in flight; the draft model's cache kept the earlier turn.
+    history = prompt + expected + [1, 2, 3, 4]
+    feed = history[len(prompt) + len(expected) - 1 :]
+    outs = list(decoder(pipeline, feed, 6, frozenset(), Sampler(history=list(history)), rest[-1].path))
+    assert outs[0].stats.overlap_ms > 0 and all(o.stats.overlap_ms == 0 for o in outs[1:])
+    assert proposer.tokens[: len(history)] == history
 
 
 @pytest.mark.parametrize("mode", ["lookahead", "auto", "draft"])

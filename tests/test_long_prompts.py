@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 import pytest
 import torch
 from protocol_client import greedy
@@ -62,6 +65,38 @@ def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, l
     # Client cuts: the second step dropped entries the first one's parts had committed, so the client
     # rebuilt its session; server slices are reopened after the step, so nothing is ever lost.
     assert remote.reconnects == (1 if "max_nodes_per_step" in limits else 0)
+    remote.close()
+
+
+def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_models, server, local_model, middle_stage) -> None:  # type: ignore[no-untyped-def]
+    """A step's `while_waiting` (a draft model reading the prompt, a pass per piece) runs one piece after
+    each request of a cut step is sent, while the server computes that part; the rest is the caller's."""
+    tiny = tiny_models["llama"]
+    thread = server(tiny, HEAD, TAIL, max_nodes_per_step=8)
+    local = local_model(tiny, HEAD, TAIL)
+    remote = RemoteMiddle(thread.url, local.files.fingerprint, local.middle_range, "float32", 64)
+    registry = thread.server.metrics.registry
+
+    def computed() -> float:
+        return sum(s.value for m in registry.collect() if m.name == "splitllm_steps" for s in m.samples if s.name.endswith("_total"))
+
+    seen: list[float] = []
+
+    def pieces() -> Iterator[None]:
+        for _ in range(5):
+            before, deadline = computed(), time.monotonic() + 30
+            while computed() == before and time.monotonic() < deadline:  # the part sent before this piece began
+                time.sleep(0.005)
+            seen.append(computed() - before)
+            yield
+
+    work = pieces()
+    hidden = torch.randn(20, local.files.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    got = remote.step(hidden, torch.arange(20), Visibility.chain(20), [], StepStats(), work)
+    want = LocalMiddle(middle_stage(tiny, HEAD, TAIL), 64).step(hidden, torch.arange(20), Visibility.chain(20), [], StepStats())
+    assert seen == [1.0, 1.0, 1.0]  # one piece per part (three), each while the server computed its part
+    assert len(list(work)) == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     remote.close()
 
 

@@ -21,6 +21,7 @@ class StepStats:
     proposer: str = ""  # whose draft the accepted path came from ("" if no draft token was accepted)
     sources: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by their node's sources ("a+b": both)
     draft_ms: float = 0.0  # the drafter's share of decode_ms (syncing its cache, growing the tree)
+    overlap_ms: float = 0.0  # client work while the round trip was in flight (a draft model reading a prefill)
     head_ms: float = 0.0
     serialize_ms: float = 0.0
     round_trip_ms: float = 0.0

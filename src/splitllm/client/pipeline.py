@@ -7,7 +7,7 @@ Decoders see only `SplitPipeline.score`, so the same proposers and verifier run 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -24,8 +24,12 @@ class Middle(Protocol):
     max_nodes: int  # positions one step may send
 
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
-    ) -> torch.Tensor: ...
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
+        while_waiting: Iterator[object] | None = None,
+    ) -> torch.Tensor:
+        """The middle's outputs for `hidden`. `while_waiting` is client work in pieces: one piece
+        (`next`) runs while each request of the step is in flight; the caller runs what remains."""
+        ...
 
 
 class LocalMiddle:
@@ -37,10 +41,13 @@ class LocalMiddle:
         self.cache: KVCache = stage.new_cache(max_context)
 
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
+        while_waiting: Iterator[object] | None = None,
     ) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.stage(self.cache, hidden, positions, vis, keep)
+        if while_waiting is not None:  # nothing is in flight here: one piece runs, inside the step's time
+            next(while_waiting, None)
         ms = (time.perf_counter() - t0) * 1000
         stats.server_ms += ms
         stats.round_trip_ms += ms  # no network in-process: the round trip is the compute
@@ -96,17 +103,21 @@ class SplitPipeline:
         vis: Visibility,
         keep: Sequence[int],
         stats: StepStats | None = None,
+        while_waiting: Iterator[object] | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
         """Hidden states leaving the tail for every node, after one round trip; no LM head yet.
 
         Decoders that need logits for only some nodes, decided as they go, call `logits` row by row.
+        `while_waiting` is client work that needs nothing from this step (a draft model reading the
+        prompt), in pieces: the middle runs one while each of its requests is in flight, where the
+        client would otherwise wait; the caller runs what remains.
         """
         t0 = time.perf_counter()
         stats = stats or StepStats()
         stats.nodes = tokens.numel()
         low = self.local.run_head(self.caches, tokens, positions, vis, keep)
         t1 = time.perf_counter()
-        mid = self.middle.step(low, positions, vis, keep, stats)
+        mid = self.middle.step(low, positions, vis, keep, stats, while_waiting)
         t2 = time.perf_counter()
         hidden = self.local.run_tail(self.caches, mid, positions, vis, keep)
         self._outputs = dict(zip(self.local.tap_layers, (low, mid)))

@@ -17,7 +17,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -174,10 +174,13 @@ class RemoteMiddle:
             self._ws = None
 
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
+        while_waiting: Iterator[object] | None = None,
     ) -> torch.Tensor:
-        """Send hidden states after the head, get them back before the tail; fills the wire timings."""
+        """Send hidden states after the head, get them back before the tail; fills the wire timings.
+        A piece of `while_waiting` runs after each request is sent (a retry goes on with the next piece)."""
         sent = hidden.detach().to(wire.WIRE_DTYPES[self.wire_dtype]).contiguous()
+        waiting = while_waiting if while_waiting is not None else iter(())
         self._record.keep(keep)
         deadline = None
         server_keep = self._server_keep(keep)
@@ -186,7 +189,7 @@ class RemoteMiddle:
                 if server_keep is None:  # the server committed entries this keep drops: rebuild the session
                     raise ConnectionResetError("the session's committed entries differ from the client's")
                 parts = [
-                    self._send_part(sent, positions, vis, start, end, part_keep, stats)
+                    self._send_part(sent, positions, vis, start, end, part_keep, stats, waiting)
                     for start, end, part_keep in self._keeps(vis.cuts(self.max_nodes), server_keep)
                 ]
                 break
@@ -219,8 +222,10 @@ class RemoteMiddle:
     def _send_part(
         self, sent: torch.Tensor, positions: torch.Tensor, vis: Visibility, start: int, end: int, keep: list[int],
         stats: StepStats,
+        waiting: Iterator[object],
     ) -> torch.Tensor:
-        """One request of a step: positions [start, end) of it; the first commits `keep`."""
+        """One request of a step: positions [start, end) of it; the first commits `keep`. A piece of
+        `waiting` runs between sending and receiving."""
         t0 = time.perf_counter()
         assert self._ws is not None
         chunk = sent[start:end]
@@ -231,6 +236,7 @@ class RemoteMiddle:
         message = wire.encode(header, chunk, self.wire_dtype)
         t1 = time.perf_counter()
         self._ws.send(message)
+        next(waiting, None)
         reply = self._ws.recv(timeout=self.options.step_timeout_s)
         frame = self._check(wire.decode(reply))
         t2 = time.perf_counter()

@@ -6,7 +6,7 @@ Decoders own this interface so they depend on no client code; the client's `Spli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -54,8 +54,10 @@ class Scorer(Protocol):
         vis: Visibility,
         keep: Sequence[int],
         stats: StepStats | None = None,
+        while_waiting: Iterator[object] | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
-        """Hidden states leaving the tail for every node, after one round trip."""
+        """Hidden states leaving the tail for every node, after one round trip; pieces of `while_waiting`
+        (work that needs nothing from this step) run while the middle computes, the rest is the caller's."""
         ...
 
     def tapped(self, layers: Sequence[int]) -> torch.Tensor:

@@ -11,6 +11,7 @@ accepted nodes, so every stage compacts its cache without an extra round trip.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -185,13 +186,18 @@ class _Generation:
         """One round trip: size, draft, lay out, score, verify, learn, record."""
         room = max(self.pipeline.room(self.start) - len(self.chain), 0)  # nodes the tree and window may take
         budget = self._budget(room)
-        drafts, grew = self._draft(budget)
+        reading = self._reading_beside()
+        drafts, grew = self._draft(budget, reading)
         rates = [self.rates.rates(d) for d in drafts]
         tree = DraftTree.build(drafts, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
         layout = self._layout(budget, room - len(tree))
         plan = plan_step(self.chain, self.start, tree, layout)
         tokens, positions = torch.tensor(plan.tokens), torch.tensor(plan.positions)
-        hidden, stats = self.pipeline.forward(tokens, positions, plan.vis, self.keep)
+        stats = StepStats()
+        catching_up = self._catch_up(reading, stats)
+        hidden, stats = self.pipeline.forward(tokens, positions, plan.vis, self.keep, stats, catching_up)
+        for _ in catching_up:  # what the round trip did not hide
+            pass
         verdict = self._verify(tree, hidden, stats)
         keep = [*range(len(self.chain)), *(len(self.chain) + i for i in verdict.path)]
         if layout is not None and self.window is not None:
@@ -207,21 +213,43 @@ class _Generation:
         budget = self.policy.choose(self.steps)
         return replace(budget, depth=min(budget.depth, self.remaining - 1, room))
 
-    def _draft(self, budget: SpecBudget) -> tuple[list[Draft], int | None]:
+    def _reading_beside(self) -> list[DraftModelProposer]:
+        """The draft models that read this step's chain beside its round trip instead of drafting it.
+
+        A chain of more than one token is a prefill (the prompt, a conversation's new turn): the server
+        reads those tokens through its layers, more and larger than a draft model's, so the draft model
+        reads them meanwhile for free, where drafting would first read them on the client's critical
+        path (a 300-token prompt: about 0.7 s for the 0.5B Qwen on one core). On other steps a draft
+        model that does not draft catches up when it next drafts, in one pass: reading beside every
+        round trip measured no faster (0.98x at 0 ms, 1.01x at 80 ms)."""
+        if len(self.chain) <= 1:
+            return []
+        return [d for d in self.drafters if isinstance(d, DraftModelProposer)]
+
+    def _catch_up(self, reading: list[DraftModelProposer], stats: StepStats) -> Iterator[None]:
+        """The `reading` draft models' catch-up on the history, a pass per `next`, timed into `overlap_ms`."""
+        for drafter in reading:
+            t0 = time.perf_counter()
+            for _ in drafter.catch_up(self.history):
+                stats.overlap_ms += (time.perf_counter() - t0) * 1000
+                yield
+                t0 = time.perf_counter()
+
+    def _draft(self, budget: SpecBudget, reading: list[DraftModelProposer]) -> tuple[list[Draft], int | None]:
         """Every proposer's drafts, and which drafter grew a tree (None: none did).
 
-        Without a link cost (a fixed budget) the first drafter grows one every step; with one, the
-        gates say which drafter's tree saves the most time, if any does. The others only learn from
-        what was committed since they last drafted (an empty budget)."""
+        Without a link cost (a fixed budget) the first drafter not `reading` grows one every step; with
+        one, the gates say which drafter's tree saves the most time, if any does. The others only learn
+        from what was committed since they last drafted (an empty budget)."""
         self.rates.resolve(self.history)
         drafts = [d for p in self.proposers for d in p.propose(self.history, budget)]
         self.rates.track(drafts, len(self.history))
         if not self.drafters:
             return drafts, None
-        grows: int | None = 0
+        free = [i for i, drafter in enumerate(self.drafters) if drafter not in reading]
+        grows = free[0] if free else None
         if budget.cost is not None:
-            offers = {i: saved for i, gate in enumerate(self.gates)
-                      if (saved := gate.offer(budget.cost, len(self.steps))) is not None}
+            offers = {i: saved for i in free if (saved := self.gates[i].offer(budget.cost, len(self.steps))) is not None}
             grows = max(offers, key=offers.__getitem__) if offers else None
         for i, drafter in enumerate(self.drafters):
             drafts += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))

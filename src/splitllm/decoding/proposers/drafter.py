@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from splitllm.decoding.calibration import CalibrationConfig
 from splitllm.decoding.proposers.scored_tree import ScoredTreeProposer, chain_after
 from splitllm.draft.draft_model import DraftModel
 from splitllm.draft.model import Drafter
-from splitllm.model.precision import Precision
 
 
 class DraftingClient(Protocol):
@@ -37,7 +37,9 @@ class DraftingClient(Protocol):
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def drafter_vocab_head(self) -> nn.Module:
+        """The LM head's rows of the drafter's draft vocabulary, as a linear layer."""
+        ...
 
 
 class DrafterProposer(ScoredTreeProposer):
@@ -54,11 +56,7 @@ class DrafterProposer(ScoredTreeProposer):
     ) -> None:
         super().__init__(head.new_cache(max_context + 32 * beam), top_k, beam, calibration_config)
         self.head, self.local, self.taps = head, local, head.taps
-        # Guesses only: bfloat16 drafts 4x faster than float32 here, and a drafter drafting in int8
-        # reads its vocabulary's LM-head rows in int8 too (at 1.5B they weigh more than its layer).
-        rows = local.lm_head_rows(head.vocab)
-        precision = Precision(torch.bfloat16, head.quant, device=str(rows.device))
-        self.vocab_head = precision.linear(precision.store_linear(rows))
+        self.vocab_head = local.drafter_vocab_head()
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (first position, true features, taps) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
 

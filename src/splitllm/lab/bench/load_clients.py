@@ -8,7 +8,7 @@ that run measured.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,10 +55,11 @@ class _Recorder:
         self._last = time.perf_counter()
 
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
+        while_waiting: Iterator[object] | None = None,
     ) -> torch.Tensor:
         client_ms = (time.perf_counter() - self._last) * 1000
-        out = self.inner.step(hidden, positions, vis, keep, stats)
+        out = self.inner.step(hidden, positions, vis, keep, stats, while_waiting)
         self.calls.append(Call(client_ms, hidden.clone(), positions.clone(), vis, tuple(keep), out.clone()))
         self._last = time.perf_counter()
         return out

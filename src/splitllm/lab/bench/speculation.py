@@ -53,10 +53,12 @@ class Tally:
     sources: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # node sources -> draft tokens accepted
     draft_ms: float = 0.0  # the drafter's time (part of the client's critical path)
     server_ms: float = 0.0  # the server's compute, as it reports it
+    first_ms: float = 0.0  # the prefill steps' time: the first token's wait, the prompt read by every side
 
     def add(self, run: dict, identical: bool) -> None:
         self.prompts += 1
         self.identical += identical
+        self.first_ms += run["steps"][0]["total_ms"] if run["steps"] else 0.0
         for s in run["steps"][1:]:
             self.tokens += s["accepted"]
             self.steps += 1
@@ -90,6 +92,7 @@ class Tally:
             "bytes_down_per_step": per_step(self.bytes_down),
             "draft_ms_per_step": per_step(self.draft_ms),
             "server_ms_per_step": per_step(self.server_ms),
+            "first_step_ms": self.first_ms / self.prompts if self.prompts else 0.0,
             "proposers": {
                 p: {"steps_won": self.won[p], "draft_tokens_accepted": self.drafted[p]} for p in sorted(self.won)
             },
@@ -167,15 +170,16 @@ def markdown(summary: dict, settings: dict) -> str:
         f"{', drafting with ' + settings['drafter'] if settings.get('drafter') else ''}.",
         "",
         "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
-        "| draft ms/step | server ms/step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| draft ms/step | server ms/step | first token ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for group, modes in summary.items():
         for mode, s in modes.items():
             lines.append(
                 f"| {group} | {mode} | {s['tokens_per_step']:.2f} | {s['tokens_per_second']:.2f} | "
                 f"{s['speedup']:.2f}x | {s['identical']}/{s['prompts']} | {s['nodes_per_step']:.1f} | "
-                f"{s['bytes_up_per_step']:.0f} | {s['draft_ms_per_step']:.1f} | {s['server_ms_per_step']:.1f} |"
+                f"{s['bytes_up_per_step']:.0f} | {s['draft_ms_per_step']:.1f} | {s['server_ms_per_step']:.1f} | "
+                f"{s['first_step_ms']:.0f} |"
             )
     lines += [
         "",

@@ -17,7 +17,7 @@ import copy
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +91,10 @@ class NoisyMiddle:
         return self.inner.max_context
 
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
+        while_waiting: Iterator[object] | None = None,
     ) -> torch.Tensor:
-        return self.inner.step(self.noise(hidden, self.gen), positions, vis, keep, stats)
+        return self.inner.step(self.noise(hidden, self.gen), positions, vis, keep, stats, while_waiting)
 
 
 def random_rotation(d: int, seed: int) -> torch.Tensor:
