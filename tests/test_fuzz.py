@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,7 +215,10 @@ class Target:
         assert self.got == self.expected[: len(self.got)], "the decode under attack diverged"
 
     # Middle protocol: called by the decoder for each real step.
-    def step(self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats) -> torch.Tensor:
+    def step(
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
+        while_waiting: Iterator[object] | None = None,  # the decoder runs what this leaves
+    ) -> torch.Tensor:
         header = {"op": "step", "session": self.live, "positions": positions.tolist(), "keep": list(keep), **vis.to_wire()}
         pending = keep[-1] + 1 if keep else 0
         for spec in self.specs:

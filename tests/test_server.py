@@ -4,7 +4,7 @@ frame, with the session and the server left intact), and isolation between sessi
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -174,7 +174,8 @@ class _HostileMiddle:
         self.ids = iter(range(100, 10**6))
 
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats
+        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
+        while_waiting: Iterator[object] | None = None,  # the decoder runs what this leaves
     ) -> torch.Tensor:
         header = {"op": "step", "session": self.session, "positions": positions.tolist(), "keep": list(keep)}
         header.update(vis.to_wire())

@@ -221,8 +221,7 @@ class RemoteMiddle:
 
     def _send_part(
         self, sent: torch.Tensor, positions: torch.Tensor, vis: Visibility, start: int, end: int, keep: list[int],
-        stats: StepStats,
-        waiting: Iterator[object],
+        stats: StepStats, waiting: Iterator[object],
     ) -> torch.Tensor:
         """One request of a step: positions [start, end) of it; the first commits `keep`. A piece of
         `waiting` runs between sending and receiving."""

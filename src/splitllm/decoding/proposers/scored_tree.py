@@ -3,8 +3,9 @@
 The drafting model keeps a cache that mirrors the committed sequence. Each `propose` that drafts first
 catches that cache up with what was committed since (`_sync`, after dropping the previous tree's
 speculative entries; steps that do not draft leave the catching up waiting, so they cost nothing;
-a draft model reads a prefill beside its round trip), whose last output gives the tree's first level. Each later depth runs the best `beam` frontier nodes
-at once (each sees the committed entries and its own ancestors) and offers every one's `top_k` tokens.
+a draft model reads a prefill beside its round trip), whose last output gives the tree's first
+level. Each later depth runs the best `beam` frontier nodes at once (each sees the committed entries
+and its own ancestors) and offers every one's `top_k` tokens.
 Where a link cost prices the step, a depth is run only while it can pay for its pass: its children can
 add at most the chances of the nodes it runs in expected tokens, each worth what a token costs at this
 link, against the measured time of one pass (a few milliseconds for a one-layer head, one whole
