@@ -48,24 +48,13 @@ class DraftModelProposer(ScoredTreeProposer):
     def observe(self, start: int, features: torch.Tensor, taps: torch.Tensor | None = None) -> None:
         """Nothing to take: a draft model reads the committed tokens themselves."""
 
-    def catch_up(self, history: Sequence[int]) -> Iterator[None]:
-        """Read the committed `history` into the cache a pass at a time, each pass run at a `next`
-        (so it can run while a round trip is in flight); the next tree feeds only what comes after."""
-        if history and len(history) < self.max_position:
-            for _ in self._passes(history):
-                yield
-
-    def _sync(self, history: Sequence[int]) -> tuple[torch.Tensor, int] | None:
+    def catch_up(self, history: Sequence[int]) -> Iterator[torch.Tensor]:
+        """Read the committed `history` into the cache, the tokens it lacks (the last one at least) a
+        pass of at most `PREFILL_ROWS` per `next`, yielding each pass's outputs: passes can run while a
+        round trip is in flight, and the next tree feeds only what comes after. Nothing to read for an
+        empty history or one the draft model does not reach."""
         if not history or len(history) >= self.max_position:
-            return None  # nothing to continue, or a history longer than the draft model reaches: no drafts
-        out = None
-        for out in self._passes(history):
-            pass
-        return None if out is None else (out[-1:], len(history) - 1)
-
-    def _passes(self, history: Sequence[int]) -> Iterator[torch.Tensor]:
-        """Feed the tokens of `history` the cache lacks (the last one at least), a pass of at most
-        `PREFILL_ROWS` at a time, yielding each pass's outputs."""
+            return
         if self.committed >= len(history) or list(history[: self.committed]) != self.tokens:
             same = next((i for i, (a, b) in enumerate(zip(self.tokens, history)) if a != b), min(len(self.tokens), len(history)))
             self.committed = min(same, len(history) - 1)  # the last token again at least: its output drafts
@@ -80,6 +69,12 @@ class DraftModelProposer(ScoredTreeProposer):
             self.committed += n
             self.tokens += history[first : first + n]
             yield out
+
+    def _sync(self, history: Sequence[int]) -> tuple[torch.Tensor, int] | None:
+        out = None
+        for out in self.catch_up(history):
+            pass
+        return None if out is None else (out[-1:], len(history) - 1)
 
     def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
         return self.model.grow(self.cache, tokens, positions, sees)
