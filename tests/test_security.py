@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import io
 import ipaddress
 import json
 import logging
@@ -46,7 +47,7 @@ from splitllm.lab.launch import ServerThread
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer
 from splitllm.server.auth import ANONYMOUS, TokenTable
-from splitllm.server.logs import formatter
+from splitllm.server.logs import configure, event, formatter
 from splitllm.server.settings import ServerSettings
 from splitllm.server.transport import TlsFiles
 
@@ -469,3 +470,21 @@ def test_logs_are_structured_and_carry_no_tensors(tiny, local_model, random_ids,
     opened = next(r for r in records if r.getMessage() == "session_opened")
     line = json.loads(formatter("json").format(opened))
     assert line["event"] == "session_opened" and len(line["session"]) == 8 and line["principal"] == "anonymous"
+
+
+def test_logs_follow_stderr_when_it_is_swapped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A server thread that outlives the stderr it was configured under (a test runner's capture) still logs."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        first = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", first)
+        configure("text")
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        event("after_swap", peer="x")
+        assert "after_swap peer=x" in second.getvalue()
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
+from typing import TextIO
 
 log = logging.getLogger("splitllm.server")
 
@@ -57,8 +59,25 @@ def formatter(fmt: str) -> logging.Formatter:
     return _Formatter(fmt == "json")
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted, not to the stream it was when the
+    handler was made: a process that swaps stderr (a test runner's capture, an embedding application)
+    would otherwise leave a server thread writing to a closed stream."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: object) -> None:
+        pass
+
+
 def configure(fmt: str = "text", level: int = logging.INFO) -> None:
     """Send the process's logs to stderr in `fmt`."""
-    handler = logging.StreamHandler()
+    handler = _Stderr()
     handler.setFormatter(formatter(fmt))
     logging.basicConfig(level=level, handlers=[handler], force=True)
