@@ -300,6 +300,8 @@ def test_bad_settings_are_refused_before_any_work() -> None:
         DataSettings(taps=(26, 2))
     with pytest.raises(ValueError, match="--lr must be positive"):
         train.TrainSettings(lr=0)
+    with pytest.raises(ValueError, match="--generate-batch must be at least 1"):
+        DataSettings(generate_batch=0)
     from splitllm.lab.training.commands import layer_counts
 
     assert layer_counts("2, 26") == (2, 26) and layer_counts("") == ()
@@ -365,3 +367,37 @@ def test_training_resumes_after_its_last_saved_epoch(tiny, tmp_path) -> None:
     assert history["steps"] > 2
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_each_model_trains_by_its_recipe_unless_told_otherwise() -> None:
+    """The larger model answers fewer conversations with a narrower head, so both fit about an hour;
+    what a user gives wins, and the metadata's command names the recipe's choices."""
+    from splitllm.lab.training.recipes import GENERIC, recipe_for
+
+    default, qwen = recipe_for(None), recipe_for("qwen2.5-coder-1.5b")
+    assert default == recipe_for("default") and default.prompts > qwen.prompts
+    assert qwen.intermediate == 2048 and default.intermediate is None
+    assert recipe_for("path/to/other.gguf") == GENERIC
+    mine = qwen.given(prompts=10, epochs=None, generate_batch=None, weights="float16", intermediate=None)
+    assert (mine.prompts, mine.weights, mine.epochs, mine.intermediate) == (10, "float16", qwen.epochs, 2048)
+    assert mine.as_options(["epochs", "intermediate"]) == ["--epochs", str(qwen.epochs), "--intermediate", "2048"]
+    assert default.as_options(["intermediate"]) == []  # the target's width: nothing to ask for
+
+
+def test_draft_train_records_the_recipe_it_ran(tmp_path) -> None:
+    """Through the command line: what the options left out comes from the recipe, and the metadata's
+    command asks for it explicitly."""
+    import subprocess
+    import sys
+
+    from splitllm.lab.privacy.tiny import tiny_model
+    from splitllm.lab.training.recipes import GENERIC
+
+    model = tiny_model(tmp_path / "model")
+    args = ["draft", "train", "--model", str(model), "--out", str(tmp_path / "head"), "--prompts", "2", "--texts", "0",
+            "--max-new-tokens", "3", "--vocab", "16", "--passes", "1", "--epochs", "1", "--work", str(tmp_path / "work")]
+    subprocess.run([sys.executable, "-m", "splitllm.cli", *args], check=True, capture_output=True, timeout=300)
+    meta = json.loads((tmp_path / "head" / store.METADATA).read_text())
+    assert meta["reproduce"] == " ".join(["splitllm", *args, "--generate-batch", str(GENERIC.generate_batch),
+                                          "--weights", GENERIC.weights])
+    assert meta["weights_dtype"] == GENERIC.weights and meta["training_data"]["prompts"] == 2

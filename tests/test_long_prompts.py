@@ -81,11 +81,12 @@ def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_mo
         return sum(s.value for m in registry.collect() if m.name == "splitllm_steps" for s in m.samples if s.name.endswith("_total"))
 
     seen: list[float] = []
+    stepped = False  # after the step, the pieces left are the caller's: nothing is in flight to wait for
 
     def pieces() -> Iterator[None]:
         for _ in range(5):
             before, deadline = computed(), time.monotonic() + 30
-            while computed() == before and time.monotonic() < deadline:  # the part sent before this piece began
+            while not stepped and computed() == before and time.monotonic() < deadline:  # the part sent before this piece
                 time.sleep(0.005)
             seen.append(computed() - before)
             yield
@@ -93,6 +94,7 @@ def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_mo
     work = pieces()
     hidden = torch.randn(20, local.files.config.hidden_size, generator=torch.Generator().manual_seed(5))
     got = remote.step(hidden, torch.arange(20), Visibility.chain(20), [], StepStats(), work)
+    stepped = True
     want = LocalMiddle(middle_stage(tiny, HEAD, TAIL), 64).step(hidden, torch.arange(20), Visibility.chain(20), [], StepStats())
     assert seen == [1.0, 1.0, 1.0]  # one piece per part (three), each while the server computed its part
     assert len(list(work)) == 2

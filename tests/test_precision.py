@@ -202,6 +202,31 @@ def test_runtime_report_checks_every_target() -> None:
     assert "| bfloat16-int8 | 1 | 88 | 9.0 | 8.0 (0.89x) |" in text and "| sequential_tok_s_at_80ms | 9.5 | not measured |" in text
 
 
+
+def test_idle_cost_waits_before_every_other_block_of_steps() -> None:
+    """The server-step check times the same call back to back and after a wait, alternating blocks."""
+    import time
+
+    from splitllm.lab.bench.runtime_compute import idle_cost
+
+    calls: list[float] = []
+    result = idle_cost(lambda: calls.append(time.perf_counter()), idle_s=0.01, rounds=2, per_round=3)
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert len(calls) == 1 + 2 * 2 * 3 and sum(g >= 0.01 for g in gaps) == 2 * 3
+    assert result["idle_s"] == 0.01 and result["after_idle_ms"] >= 0 and result["back_to_back_ms"] >= 0
+
+
+def test_model_runtime_report_shows_the_server_step_each_way() -> None:
+    from splitllm.lab.bench.runtime_model import markdown
+
+    wan = {"tok_s": 6.5}
+    step = {"in_process_ms": 40.0, "own_process_ms": 42.0, "ratio": 1.05, "floor_ms": 30.0, "floor_ratio": 1.33,
+            "idle": {"idle_s": 0.015, "back_to_back_ms": 40.0, "after_idle_ms": 41.0}, "split_80ms": wan}
+    result = {"model": "m", "split": [2, 2], "new_tokens": 8, "threads": 2, "rtt_ms": 80.0, "cores": {"server": [0], "client": [1]},
+              "in_process": {"bfloat16-int4": {"tok_s": 30.0}}, "llama_cpp": {"skipped": "no build"},
+              "server_step": {"bfloat16-int4": step}, "llama_cpp_rpc": {}}
+    assert "| bfloat16-int4 | 40.0 | 42.0 | 1.05x | 40.0 / 41.0 (15 ms) | 30.0 | 1.33x | 6.50 |" in markdown(result)
+
 def test_quality_report_shows_every_setting_against_float32() -> None:
     from splitllm.lab.bench.quality import markdown
 

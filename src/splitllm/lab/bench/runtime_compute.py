@@ -28,6 +28,7 @@ CONTEXT = 512
 # Timed sections wait (a bounded time) until other processes use under this many cores, and record
 # how many they used meanwhile: on a shared machine that says how much to trust each figure.
 QUIET_CORES, QUIET_WAIT_S = 0.5, 30.0
+IDLE_S = 0.015  # about a split step's round trip and client compute, which a server waits between steps
 MIB = 1 << 20
 
 
@@ -43,6 +44,23 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> dict[s
     q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
     median, low = statistics.median(times), min(times)
     return {"median_ms": median, "min_ms": low, "p10_ms": q[0], "p90_ms": q[-1], "repeats": repeats}
+
+
+def idle_cost(fn: Callable[[], object], idle_s: float = IDLE_S, rounds: int = 6, per_round: int = 4) -> dict[str, float]:
+    """Median time of `fn` back to back and after `idle_s` of sleep, in alternating blocks (this host's
+    speed drifts within minutes): a server's step always follows its wait for the client, a timing loop's
+    does not, so this says whether the loop flatters the server (cores and thread pools gone idle)."""
+    times: dict[str, list[float]] = {"back_to_back_ms": [], "after_idle_ms": []}
+    fn()
+    for _ in range(rounds):
+        for key, samples in times.items():
+            for _ in range(per_round):
+                if key == "after_idle_ms":
+                    time.sleep(idle_s)
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1000)
+    return {"idle_s": idle_s, **{key: statistics.median(samples) for key, samples in times.items()}}
 
 
 def copy_bandwidth(mib: int = 512, repeats: int = 7) -> dict[str, float]:
@@ -101,6 +119,8 @@ def server_forward(
 
         with OtherLoad([os.getpid()]) as others:
             timing = median_ms(step, repeats=max(12, 60 // n))
+            if n == 1:
+                timing["idle"] = idle_cost(step)
             if n == 1 and stage.runs_fused_step:
                 stage.use_fused_step = False
                 timing["layered_ms"] = median_ms(step, repeats=12)["median_ms"]

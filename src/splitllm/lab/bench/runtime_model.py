@@ -97,7 +97,8 @@ def run_model_runtime(
         own = direct["mean_step_ms"]["server_ms"]
         one = forward["tokens"]["1"]["median_ms"]
         result["server_step"][setting] = {
-            "in_process_ms": one, "own_process_ms": own, "ratio": own / one, "floor_ms": forward["floor_ms"],
+            "in_process_ms": one, "own_process_ms": own, "ratio": own / one, "idle": forward["tokens"]["1"]["idle"],
+            "floor_ms": forward["floor_ms"],
             "floor_ratio": one / forward["floor_ms"], "weight_bytes": forward["weight_bytes"], "split_direct": direct,
             f"split_{rtt_ms:g}ms": wan,
         }
@@ -128,11 +129,13 @@ def markdown(r: dict[str, Any]) -> str:
     lines.append(f"| llama.cpp (same GGUF) | {peer:.2f} | 1.00x |" if peer else f"| llama.cpp | {r['llama_cpp']['skipped']} | |")
     lines += ["", f"Server one-position step ({len(r['cores']['server'])} core(s), pinned) and the split at "
               f"{r['rtt_ms']:g} ms:", "",
-              "| setting | in-process ms | own process ms | ratio | floor ms | in-process / floor | split tok/s |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| setting | in-process ms | own process ms | ratio | in-process, back to back / after an idle wait | "
+              "floor ms | in-process / floor | split tok/s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting, s in r["server_step"].items():
-        wan = s[f"split_{r['rtt_ms']:g}ms"]["tok_s"]
+        wan, idle = s[f"split_{r['rtt_ms']:g}ms"]["tok_s"], s["idle"]
         lines.append(f"| {setting} | {s['in_process_ms']:.1f} | {s['own_process_ms']:.1f} | {s['ratio']:.2f}x | "
+                     f"{idle['back_to_back_ms']:.1f} / {idle['after_idle_ms']:.1f} ({idle['idle_s'] * 1000:g} ms) | "
                      f"{s['floor_ms']:.1f} | {s['floor_ratio']:.2f}x | {wan:.2f} |")
     for label, row in r["llama_cpp_rpc"].items():
         text = f"{row['tokens_per_second']:.2f} tok/s" if "tokens_per_second" in row else row["skipped"]

@@ -44,8 +44,12 @@ class DataSettings:
     def __post_init__(self) -> None:
         if self.prompts < 0 or self.texts < 0 or self.prompts + self.texts == 0:
             raise ValueError("training needs some data: --prompts and --texts must be >= 0, not both 0")
-        if self.max_new_tokens < 1 or self.text_length < 16 or self.generate_batch < 1:
+        if self.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be at least 1")
+        if self.generate_batch < 1:
+            raise ValueError("--generate-batch must be at least 1")
+        if self.text_length < 16:
+            raise ValueError("passages must be at least 16 tokens long")
         if not 0 <= self.follow_ups <= 1:
             raise ValueError(f"--follow-ups is a share of the conversations, in [0, 1], not {self.follow_ups}")
         if list(self.taps) != sorted(set(self.taps)) or any(t < 1 for t in self.taps):

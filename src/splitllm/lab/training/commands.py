@@ -10,6 +10,9 @@ from typing import Annotated, Optional
 import typer
 
 from splitllm.commands.options import Model, Threads, reported, set_threads
+from splitllm.lab.training.recipes import recipe_for
+
+RECIPE = " (default: the model's recipe, docs/drafting.md)"
 
 app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train one for a model, compare heads on held-out conversations.")
 
@@ -26,16 +29,17 @@ def layer_counts(text: str) -> tuple[int, ...]:
 def train(
     out: Annotated[str, typer.Option(help="folder for head.safetensors and head.json")],
     model: Model = "default",
-    prompts: Annotated[int, typer.Option(help="self-distillation conversations the model answers")] = 480,
+    prompts: Annotated[Optional[int], typer.Option(help="self-distillation conversations the model answers" + RECIPE)] = None,
     follow_ups: Annotated[float, typer.Option(help="share of conversations with a second user turn")] = 0.3,
     max_new_tokens: Annotated[int, typer.Option(help="tokens per answer at most")] = 160,
     texts: Annotated[int, typer.Option(help="passages of standard-library prose and code")] = 96,
-    generate_batch: Annotated[int, typer.Option(help="prompts answered together (features are taken in the same pass)")] = 32,
+    generate_batch: Annotated[Optional[int], typer.Option(help="prompts answered together (features are taken in the same pass)"
+                                                          + RECIPE)] = None,
     capture_dtype: Annotated[str, typer.Option(help="the target's precision while answering: bfloat16 or float32")] = "bfloat16",
     vocab: Annotated[int, typer.Option(help="draft vocabulary: the most frequent target tokens")] = 8192,
-    intermediate: Annotated[Optional[int], typer.Option(help="the drafter's MLP width (default: the target's)")] = None,
-    weights: Annotated[str, typer.Option(help="how the drafter's matrices are stored: float16 or int8")] = "float16",
-    epochs: Annotated[int, typer.Option(help="passes over the training data")] = 6,
+    intermediate: Annotated[Optional[int], typer.Option(help="the drafter's MLP width (the recipe's, else the target's)")] = None,
+    weights: Annotated[Optional[str], typer.Option(help="how the drafter's matrices are stored: float16 or int8" + RECIPE)] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="passes over the training data" + RECIPE)] = None,
     passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 3,
     lr: Annotated[float, typer.Option(help="peak learning rate (lower to continue a trained head with --init)")] = 1e-3,
     taps: Annotated[str, typer.Option(help="layers whose outputs the head fuses with the top feature, e.g. '2,26' for "
@@ -46,18 +50,25 @@ def train(
     work: Annotated[Optional[str], typer.Option(help="folder caching answers and features (default: under the cache)")] = None,
     threads: Threads = None,
 ) -> None:
-    """Train an EAGLE-style drafter on the model's own answers and features; write weights and metadata."""
+    """Train an EAGLE-style drafter on the model's own answers and features; write weights and metadata.
+
+    What the run's size options leave out comes from the model's recipe (sized for about an hour here)."""
     from splitllm.lab.training.build import DataSettings, build_head
     from splitllm.lab.training.train import TrainSettings
 
     set_threads(threads)
+    given = {"prompts": prompts, "epochs": epochs, "generate_batch": generate_batch, "weights": weights,
+             "intermediate": intermediate}
+    recipe = recipe_for(model).given(**given)
+    # The command in the metadata names what the recipe chose, so it reproduces the run if recipes change.
+    command = ["splitllm", *sys.argv[1:], *recipe.as_options(k for k, v in given.items() if v is None)]
     with reported(ValueError, FileNotFoundError):
         meta = build_head(
             model, out,
-            DataSettings(prompts=prompts, follow_ups=follow_ups, max_new_tokens=max_new_tokens, texts=texts, generate_batch=generate_batch,
-                         dtype=capture_dtype, taps=layer_counts(taps), seed=seed),
-            TrainSettings(vocab=vocab, intermediate=intermediate, epochs=epochs, passes=passes, lr=lr, seed=seed),
-            work=work, weights=weights, command=["splitllm", *sys.argv[1:]], init=init,
+            DataSettings(prompts=recipe.prompts, follow_ups=follow_ups, max_new_tokens=max_new_tokens, texts=texts,
+                         generate_batch=recipe.generate_batch, dtype=capture_dtype, taps=layer_counts(taps), seed=seed),
+            TrainSettings(vocab=vocab, intermediate=recipe.intermediate, epochs=recipe.epochs, passes=passes, lr=lr, seed=seed),
+            work=work, weights=recipe.weights, command=command, init=init,
         )
     typer.echo(json.dumps({k: meta[k] for k in ("validation", "seconds", "size_bytes")}, indent=1))
     typer.echo(f"wrote {out}/head.safetensors and head.json", err=True)

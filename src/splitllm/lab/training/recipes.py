@@ -1,0 +1,51 @@
+"""What `splitllm draft train` runs for a model unless told otherwise.
+
+A model's recipe is sized to finish from nothing (an empty work folder) within about an hour on a
+2-core CPU with two threads: answering and training time grow with the model, so the larger model
+answers fewer conversations. docs/drafting.md has each recipe's measured time and acceptance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+
+from splitllm.model.packaged import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The settings that size a training run (the rest default alike for every model)."""
+
+    prompts: int  # conversations the target answers
+    epochs: int
+    generate_batch: int  # conversations answered together
+    weights: str  # how the drafter's matrices are stored: float16 or int8
+    intermediate: int | None = None  # the drafter's MLP width (None: the target's)
+
+    def given(self, **options: int | str | None) -> Recipe:
+        """This recipe with the options a user gave (None: not given) in place of its own."""
+        return replace(self, **{k: v for k, v in options.items() if v is not None})
+
+    def as_options(self, keys: Iterable[str]) -> list[str]:
+        """The command-line options that ask for these settings of this recipe (a None asks for nothing)."""
+        values = asdict(self)
+        return [arg for key in keys if values[key] is not None for arg in (f"--{key.replace('_', '-')}", str(values[key]))]
+
+
+# For a model without a recipe of its own: small enough for a first try on a model up to a few
+# hundred million parameters.
+GENERIC = Recipe(prompts=480, epochs=6, generate_batch=64, weights="int8")
+
+RECIPES = {
+    # 50 min 53 s measured; the shipped default-model drafter.
+    DEFAULT_MODEL: Recipe(prompts=3600, epochs=2, generate_batch=64, weights="int8"),
+    # About 50 min at the rates the shipped head's run measured (77 min on a day this host ran 1.5x slower).
+    # A full layer of the 1.5B is 52 M parameters: the MLP is narrowed to 2048 of 8960 channels.
+    "qwen2.5-coder-1.5b": Recipe(prompts=1200, epochs=2, generate_batch=64, weights="int8", intermediate=2048),
+}
+
+
+def recipe_for(model: str | None) -> Recipe:
+    """The recipe of a packaged model's alias (None: the default model); GENERIC for anything else."""
+    return RECIPES.get(model or DEFAULT_MODEL, GENERIC)
