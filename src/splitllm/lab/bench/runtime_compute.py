@@ -121,10 +121,10 @@ def server_forward(
             timing = median_ms(step, repeats=max(12, 60 // n))
             if n == 1:
                 timing["idle"] = idle_cost(step)
-            if n == 1 and stage.runs_fused_step:
-                stage.use_fused_step = False
-                timing["layered_ms"] = median_ms(step, repeats=12)["median_ms"]
-                stage.use_fused_step = True
+                if stage.runs_fused_step:
+                    stage.use_fused_step = False
+                    timing["layered_ms"] = median_ms(step, repeats=12)["median_ms"]
+                    stage.use_fused_step = True
         rows[str(n)] = {
             **timing, "floor_ms": floor_ms, "floor_ratio": timing["median_ms"] / floor_ms, "others_cores": others.cores
         }
