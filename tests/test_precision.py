@@ -202,7 +202,6 @@ def test_runtime_report_checks_every_target() -> None:
     assert "| bfloat16-int8 | 1 | 88 | 9.0 | 8.0 (0.89x) |" in text and "| sequential_tok_s_at_80ms | 9.5 | not measured |" in text
 
 
-
 def test_idle_cost_waits_before_every_other_block_of_steps() -> None:
     """The server-step check times the same call back to back and after a wait, alternating blocks."""
     import time
@@ -226,6 +225,7 @@ def test_model_runtime_report_shows_the_server_step_each_way() -> None:
               "in_process": {"bfloat16-int4": {"tok_s": 30.0}}, "llama_cpp": {"skipped": "no build"},
               "server_step": {"bfloat16-int4": step}, "llama_cpp_rpc": {}}
     assert "| bfloat16-int4 | 40.0 | 42.0 | 1.05x | 40.0 / 41.0 (15 ms) | 30.0 | 1.33x | 6.50 |" in markdown(result)
+
 
 def test_quality_report_shows_every_setting_against_float32() -> None:
     from splitllm.lab.bench.quality import markdown
