@@ -261,6 +261,25 @@ def tensor_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
+@pytest.fixture
+def stage_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, str]]:
+    """(what, the stage's first layer, thread name) for every Stage load and forward during the test."""
+    seen: list[tuple[str, int, str]] = []
+    load, forward_many = Stage.load.__func__, Stage.forward_many  # type: ignore[attr-defined]
+
+    def spy_load(cls, files, start, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(("load", start, threading.current_thread().name))
+        return load(cls, files, start, *args, **kwargs)
+
+    def spy_forward(self, steps):  # type: ignore[no-untyped-def]
+        seen.append(("forward", self.start, threading.current_thread().name))
+        return forward_many(self, steps)
+
+    monkeypatch.setattr(Stage, "load", classmethod(spy_load))
+    monkeypatch.setattr(Stage, "forward_many", spy_forward)
+    return seen
+
+
 @contextmanager
 def serve_http(app: object) -> Iterator[str]:
     """An ASGI app served by uvicorn on a free loopback port, in a thread: yields its base URL."""

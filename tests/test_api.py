@@ -15,6 +15,7 @@ from transformers import TextIteratorStreamer, TextStreamer
 from splitllm.api.hf import SplitModelForCausalLM
 from splitllm.api.openai import create_app
 from splitllm.client.session import SplitClient
+from splitllm.commands.client import served_client
 
 pytestmark = pytest.mark.slow
 QUESTION = "Name three colors."
@@ -133,3 +134,14 @@ def test_hf_batch_is_right_padded(hf_split: SplitModelForCausalLM) -> None:
     assert out.shape == (2, max(map(len, rows)) + 4)
     assert out[0, len(rows[0]) + 4 :].tolist() == [-1] * (len(rows[1]) - len(rows[0]))
     assert out[1, : len(rows[1])].tolist() == rows[1]
+
+
+def test_client_api_loads_and_generates_on_one_compute_thread(stage_threads) -> None:
+    """`client-api` builds its client where the endpoint then runs every generation: one thread pool
+    for PyTorch, as on a server (threads.ComputeThread)."""
+    split_client, compute = served_client(threads=1)  # the default model, its middle in-process
+    with serve_http(create_app(split_client, "splitllm-test", compute=compute)) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert api.completions.create(model="splitllm-test", prompt=QUESTION, max_tokens=4).choices[0].text
+    assert {what for what, _, _ in stage_threads} == {"load", "forward"}
+    assert {name for _, _, name in stage_threads} == {compute.run(lambda: threading.current_thread().name)}

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from splitllm import wire
 from splitllm.client.pipeline import SplitPipeline
 from splitllm.client.session import SplitClient
+from splitllm.lab.launch import ServerThread
 from splitllm.model.precision import EXACT
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.model.weights import ModelFiles
@@ -299,3 +300,15 @@ def test_concurrent_sessions_do_not_interfere(default_url) -> None:
         t.join(timeout=300)
     assert not errors, errors
     assert [results[i] for i in range(len(prompts))] == solo
+
+
+def test_the_server_loads_and_steps_on_one_compute_thread(tiny_models, local_model, split_greedy, stage_threads) -> None:
+    """PyTorch keeps a thread pool per thread that starts parallel work; a server that loaded on one
+    thread and stepped on another ran its steps at half speed (threads.ComputeThread)."""
+    model = tiny_models["qwen2"]
+    local = local_model(model, 1, 1)
+    with ServerThread(MiddleServer(str(model), ServerSettings(head=1, tail=1))) as server:
+        split_greedy(local, server.url, [5, 9, 2, 7], 4)
+    middle = [(what, name) for what, start, name in stage_threads if start == 1]
+    assert {what for what, _ in middle} == {"load", "forward"}
+    assert {name for _, name in middle} == {server.server.compute.run(lambda: threading.current_thread().name)}

@@ -23,12 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from splitllm.client.connection import ServerError
 from splitllm.client.session import Generation, SplitClient
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, check_mode
 from splitllm.decoding.sampling import SamplingParams
+from splitllm.threads import ComputeThread
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -131,8 +131,9 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class OpenAIEndpoint:
     """The routes' logic over one SplitClient; `create_app` wires it into FastAPI."""
 
-    def __init__(self, client: SplitClient, model_name: str, decode: str = DEFAULT_DECODE) -> None:
+    def __init__(self, client: SplitClient, model_name: str, decode: str, compute: ComputeThread) -> None:
         self.client, self.model_name, self.decode = client, model_name, check_mode(decode)
+        self.compute = compute
         self.created = int(time.time())
         self.lock = asyncio.Lock()
 
@@ -165,7 +166,7 @@ class OpenAIEndpoint:
     async def complete(self, prompt: list[int], req: _Request, chat: bool) -> dict[str, Any]:
         decode, steps = self._start(prompt, req)
         async with self.lock:
-            gen = await run_in_threadpool(_last, steps)
+            gen = await self.compute.run_async(_last, steps)
         reply = self._head(chat, False)
         if chat:
             message = {"role": "assistant", "content": gen.text}
@@ -188,7 +189,7 @@ class OpenAIEndpoint:
                 try:
                     if chat:
                         yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-                    while (item := await run_in_threadpool(next, steps, None)) is not None:
+                    while (item := await self.compute.run_async(next, steps, None)) is not None:
                         gen, out = item
                         if gen.finish_reason is None:  # every step, so a viewer sees each round trip
                             yield _sse(chunk(gen.text[len(sent) :], splitllm={"step": out.stats.as_dict()}))
@@ -203,7 +204,7 @@ class OpenAIEndpoint:
                     yield _sse(_error(exc).body())
                 finally:
                     with anyio.CancelScope(shield=True):  # a disconnected client still frees the server session
-                        await run_in_threadpool(steps.close)
+                        await self.compute.run_async(steps.close)
 
         return events()
 
@@ -226,10 +227,13 @@ def _last(steps: Iterator[tuple[Generation, Any]]) -> Generation:
     return gen
 
 
-def create_app(client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE) -> FastAPI:
+def create_app(
+    client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE, compute: ComputeThread | None = None
+) -> FastAPI:
     """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (streaming over SSE), and the
-    web chat at / (its files under /static, its settings at /splitllm/info)."""
-    endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode)
+    web chat at / (its files under /static, its settings at /splitllm/info). Every generation runs on
+    `compute` (default: a new one), which should be the thread that loaded `client` (see ComputeThread)."""
+    endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode, compute or ComputeThread())
     app = FastAPI(title="splitllm", summary="OpenAI-compatible endpoint over a split model")
     app.state.endpoint = endpoint
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from typing import Annotated, Any, Optional
@@ -58,6 +59,16 @@ def client(
         model, server, head, tail, wire_dtype, precision=layers, lm_head_precision=lm_head, connection=options,
         drafter=drafter, draft_model=draft_model,
     )
+
+
+@functools.wraps(client)
+def served_client(**options: Any) -> tuple[Any, Any]:
+    """`client`'s SplitClient built on a new ComputeThread, which then runs every generation too: the
+    weights load where the steps run, so PyTorch keeps one thread pool (see threads.ComputeThread)."""
+    from splitllm.threads import ComputeThread
+
+    compute = ComputeThread()
+    return compute.run(lambda: client(**options)), compute
 
 
 def generate(
@@ -130,12 +141,14 @@ def client_api(
 
     from splitllm.api.openai import create_app
 
-    where = client.server or "in-process middle"
+    split_client, compute = client
+    where = split_client.server or "in-process middle"
     typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})", err=True)
-    uvicorn.run(create_app(client, served_model_name, decode), host=host, port=port, log_level="warning")
+    app = create_app(split_client, served_model_name, decode, compute)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def register(app: typer.Typer) -> None:
     app.command("generate")(with_options(client=client, sampling=sampling)(generate))
     app.command("chat")(with_options(client=client, sampling=sampling)(chat))
-    app.command("client-api")(with_options(client=client)(client_api))
+    app.command("client-api")(with_options(client=served_client)(client_api))

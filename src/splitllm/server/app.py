@@ -1,7 +1,8 @@
 """ASGI app of the server: one WebSocket endpoint for sessions, /health for probes, /metrics for Prometheus.
 
-Every request (decoding, opening, stepping) runs on one worker thread, so the event loop only moves
-bytes: it keeps answering health checks and other connections while a forward pass is in flight.
+Every request (decoding, opening, stepping) runs on one worker thread, where the layers were loaded,
+so the event loop only moves bytes: it keeps answering health checks and other connections while a
+forward pass is in flight.
 Each connection has at most one request in flight and waits for its reply to be taken under a
 timeout, so a peer that stops reading ties up nothing but its own connection, briefly.
 
@@ -18,7 +19,6 @@ import contextlib
 import itertools
 import logging
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -39,6 +39,7 @@ from splitllm.server.metrics import ServerMetrics
 from splitllm.server.sessions import RETRYABLE_CODES, SessionStore
 from splitllm.server.settings import ServerSettings
 from splitllm.server.steps import PreparedStep, StepRunner
+from splitllm.threads import ComputeThread
 from splitllm.wire import ProtocolError
 
 
@@ -55,7 +56,8 @@ class MiddleServer:
         self.settings = settings
         self.tokens = tokens
         self.start, self.end = settings.head, cfg.num_layers - settings.tail
-        self.stage = Stage.load(self.files, self.start, self.end, settings.precision)
+        self.compute = ComputeThread()  # every request's math runs here, so the weights load here too
+        self.stage = self.compute.run(Stage.load, self.files, self.start, self.end, settings.precision)
         self.fingerprint = self.files.fingerprint
         shared = tokens is not None  # several principals: none may take the whole server by default
         self.sessions = SessionStore(
@@ -67,10 +69,9 @@ class MiddleServer:
         self.max_connections_per_principal = settings.max_connections_per_principal or (
             max(1, settings.max_connections // 4) if shared else settings.max_connections
         )
-        self._kv_bytes_per_position = self.stage.new_cache(1).nbytes  # caches are linear in max_context
+        self._kv_bytes_per_position = self.compute.run(lambda: self.stage.new_cache(1).nbytes)  # linear in max_context
         self.metrics = ServerMetrics(lambda: len(self.sessions), lambda: self.sessions.kv_bytes, settings.max_kv_bytes)
         self.steps = StepRunner(self.stage, settings, self.metrics)
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitllm-compute")
         self._connections = itertools.count(1)
         self._live: Counter[str] = Counter()  # open WebSockets per principal (event loop only)
         self._batcher: StepBatcher[PreparedStep] | None = None
@@ -81,7 +82,7 @@ class MiddleServer:
             s = self.settings
             self._batcher = StepBatcher(
                 self.steps.run,
-                self._compute,
+                self.compute.executor,
                 s.batch_window_ms / 1000,
                 lambda: len(self.sessions),
                 owner=lambda p: p.session.principal,
@@ -187,7 +188,6 @@ class MiddleServer:
     async def _serve(self, ws: WebSocket, conn: int, principal: str) -> str:
         """Answer one request at a time until the peer leaves, goes idle or stops taking replies."""
         s = self.settings
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 received = await asyncio.wait_for(ws.receive(), s.idle_timeout_s)
@@ -199,7 +199,7 @@ class MiddleServer:
             if message is None:  # a text frame: the protocol is binary
                 return await self._close(ws, 1003, "binary frames only")
             self.metrics.bytes_in.labels(principal).inc(len(message))
-            reply = await loop.run_in_executor(self._compute, self._reply, conn, principal, message, self._alone())
+            reply = await self.compute.run_async(self._reply, conn, principal, message, self._alone())
             if isinstance(reply, PreparedStep):
                 reply = await self._batcher_for_loop().submit(reply)  # type: ignore[union-attr]
             try:
