@@ -50,13 +50,13 @@ class MiddleServer:
     """
 
     def __init__(self, model: str | None, settings: ServerSettings, tokens: TokenTable | None = None) -> None:
-        self.files = ModelFiles(model)
+        self.compute = ComputeThread()  # every request's math runs here, so the weights load (or convert) here too
+        self.files = self.compute.run(ModelFiles, model)
         cfg = self.files.config
         cfg.check_split(settings.head, settings.tail)
         self.settings = settings
         self.tokens = tokens
         self.start, self.end = settings.head, cfg.num_layers - settings.tail
-        self.compute = ComputeThread()  # every request's math runs here, so the weights load here too
         self.stage = self.compute.run(Stage.load, self.files, self.start, self.end, settings.precision)
         self.fingerprint = self.files.fingerprint
         shared = tokens is not None  # several principals: none may take the whole server by default
