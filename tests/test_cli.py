@@ -41,6 +41,13 @@ def test_server_limits_below_one_are_refused_before_anything_loads(option: str) 
     assert result.exit_code == 2 and "must be at least 1" in result.output
 
 
+@pytest.mark.parametrize("command", ["serve", "client-api"])
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_a_port_outside_1_to_65535_is_refused_before_anything_loads(command: str, port: str) -> None:
+    result = CliRunner().invoke(app, [command, "--port", port, "--model", "/nonexistent"], env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "Invalid value for '--port'" in result.output
+
+
 def test_the_default_precision_is_the_fastest_here_and_said_once(capsys: pytest.CaptureFixture[str]) -> None:
     chosen = resolve_precision(None, None, "cpu", False, "precision")
     assert chosen == fastest()

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from splitllm.commands.options import (
-    COSTS, Decode, Head, Model, Tail, Threads, WireDtype, fail, reported, resolve_precision, sampling, set_threads,
+    COSTS, Decode, Head, Model, Port, Tail, Threads, WireDtype, fail, reported, resolve_precision, sampling, set_threads,
     with_options,
 )
 from splitllm.decoding.modes import DEFAULT_DECODE
@@ -131,7 +131,7 @@ def chat(
 def client_api(
     client: Any,
     host: Annotated[str, typer.Option(help="address to listen on (keep it on the trusted device)")] = "127.0.0.1",
-    port: int = 8000,
+    port: Port = 8000,
     decode: Decode = DEFAULT_DECODE,
     served_model_name: Annotated[Optional[str], typer.Option(help="the model id clients see")] = None,
 ) -> None:

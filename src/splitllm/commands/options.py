@@ -38,6 +38,7 @@ Setting = Annotated[
 ]
 WireDtype = Annotated[str, typer.Option(help="hidden states on the wire: float16, bfloat16 or float32")]
 RttMs = Annotated[float, typer.Option(help="emulated round-trip time, ms")]
+Port = Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on")]
 
 
 def fail(message: object, code: int = 2) -> NoReturn:

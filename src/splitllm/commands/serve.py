@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from splitllm.commands.options import Head, Model, Tail, Threads, fail, precision, reported, set_threads, with_options
+from splitllm.commands.options import Head, Model, Port, Tail, Threads, fail, precision, reported, set_threads, with_options
 
 
 def limits(
@@ -89,7 +89,7 @@ def serve(
     head: Head = 2,
     tail: Tail = 2,
     host: str = "127.0.0.1",
-    port: int = 8765,
+    port: Port = 8765,
     threads: Threads = None,
     log_format: Annotated[str, typer.Option(help="text or json")] = "text",
     engine: Annotated[str, typer.Option(help="uvicorn (one process) or ray (Ray Serve replicas)")] = "uvicorn",
