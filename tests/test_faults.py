@@ -5,6 +5,7 @@ that fail mid-forward, which must leave the session's cache exactly as it was.""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -173,8 +174,9 @@ def test_fails_over_to_the_next_server(tiny, local_model, solo) -> None:  # type
         assert backup.server.metrics.total("splitllm_sessions_opened_total") == 1
 
 
-def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, local_model, solo, caplog) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
+    caplog.set_level(logging.WARNING, "splitllm.client")
     ids: list[int] = []
     with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))) as thread:
         middle = _middle(thread.url, tiny, deadline_s=1.0)
@@ -189,6 +191,8 @@ def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, lo
             greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, vanish)
         assert time.monotonic() - t0 < 60
     assert ids == expected[:8]
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("no splitllm server answered")]
+    assert len(waits) == 1 and thread.url in waits[0] and "--reconnect-deadline-s" in waits[0]  # the wait is said, once
 
 
 # --- the default model ------------------------------------------------------------------------------------
