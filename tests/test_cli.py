@@ -41,6 +41,12 @@ def test_server_limits_below_one_are_refused_before_anything_loads(option: str) 
     assert result.exit_code == 2 and "must be at least 1" in result.output
 
 
+@pytest.mark.parametrize("command", [["generate", "hello"], ["chat"], ["client-api"], ["bench", "speculation"]])
+def test_a_wire_dtype_the_protocol_lacks_is_refused_before_anything_loads(command: list[str]) -> None:
+    result = CliRunner().invoke(app, [*command, "--wire-dtype", "int8", "--model", "/nonexistent"], env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "Invalid value for '--wire-dtype'" in result.output and "bfloat16" in result.output
+
+
 @pytest.mark.parametrize("command", ["serve", "client-api"])
 @pytest.mark.parametrize("port", ["0", "65536", "99999"])
 def test_a_port_outside_1_to_65535_is_refused_before_anything_loads(command: str, port: str) -> None:

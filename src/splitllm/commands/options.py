@@ -18,6 +18,7 @@ import typer
 from splitllm.decoding.modes import DECODERS
 from splitllm.model.packaged import PACKAGED_MODELS
 from splitllm.model.precision import EXACT, Precision, fastest
+from splitllm.wire import WIRE_DTYPES
 
 ENV_PREFIX = "SPLITLLM"
 # What each setting costs against float32 on the default model (`splitllm bench quality`, docs/precision.md).
@@ -36,7 +37,8 @@ Setting = Annotated[
     typer.Option(help="dtype-quant of both sides: bfloat16-int8, bfloat16-int4, bfloat16-none or float32-none (exact) "
                       f"(default: the fastest here; {COSTS})"),
 ]
-WireDtype = Annotated[str, typer.Option(help="hidden states on the wire: float16, bfloat16 or float32")]
+WireDtypeName = Literal[tuple(WIRE_DTYPES)]  # type: ignore[valid-type]
+WireDtype = Annotated[WireDtypeName, typer.Option(help="hidden states on the wire")]
 RttMs = Annotated[float, typer.Option(help="emulated round-trip time, ms")]
 Port = Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on")]
 

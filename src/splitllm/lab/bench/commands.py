@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from splitllm.commands.options import (
-    Head, Model, RttMs, Setting, Tail, fail, need_extra, numbers, parse_setting, sampling, with_options,
+    Head, Model, RttMs, Setting, Tail, WireDtypeName, fail, need_extra, numbers, parse_setting, sampling, with_options,
 )
 from splitllm.decoding.modes import DECODERS
 
@@ -35,7 +35,7 @@ def runtime(
     dtype_prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category for the wire dtype check")] = 2,
     max_new_tokens: int = 64,
     rtt_ms: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
-    wire_dtype: Annotated[str, typer.Option(help="wire dtype of the decoding runs")] = "float16",
+    wire_dtype: Annotated[WireDtypeName, typer.Option(help="wire dtype of the decoding runs")] = "float16",
     settings: Annotated[Optional[str], typer.Option(help="comma-separated dtype-quant settings (default: all measured)")] = None,
     fastest: Annotated[Optional[str], typer.Option(help="the setting decoded end to end next to float32-none (default: the fastest here)")] = None,
     threads: Annotated[str, typer.Option(help="comma-separated thread counts of the server forward")] = "1,2",
@@ -131,7 +131,7 @@ def speculation(
         str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget)")
     ] = "sequential,lookup,lookahead,draft,auto,auto-static",
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
-    wire_dtype: Annotated[str, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",
+    wire_dtype: Annotated[WireDtypeName, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",
     drafter: Annotated[Optional[str], typer.Option(help="drafter folder (default: the shipped one)")] = None,
     draft_model: Annotated[Optional[str], typer.Option(help="a smaller model with the same tokenizer that drafts instead (default: the model's packaged one; none: none)")] = None,
     setting: Setting = None,
