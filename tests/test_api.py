@@ -95,6 +95,21 @@ def test_bad_requests_get_openai_errors(api: openai.OpenAI) -> None:
         _chat(api, extra_body={"decode": "beam"})
     with pytest.raises(openai.BadRequestError, match="maximum context"):
         _chat(api, max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="role"):  # a role the chat template does not know
+        api.chat.completions.create(model="splitllm-test", messages=[{"role": "robot", "content": QUESTION}])
+    with pytest.raises(openai.BadRequestError, match="logprobs"):  # never silently missing from the reply
+        _chat(api, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        api.completions.create(model="splitllm-test", prompt=QUESTION, max_tokens=4, logprobs=2)
+    assert _chat(api, logprobs=False).choices[0].message.content
+
+
+def test_a_developer_message_is_a_system_message(api: openai.OpenAI) -> None:
+    def ask(role: str) -> str:
+        messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": QUESTION}]
+        reply = api.chat.completions.create(model="splitllm-test", messages=messages, max_tokens=12, temperature=0)
+        return reply.choices[0].message.content
+    assert ask("developer") == ask("system")
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: Literal[1] = 1
+    logprobs: Literal[False, 0] | None = None  # asked for, they would be silently missing: refused instead
     decode: str | None = None
 
     def sampling(self) -> SamplingParams:
@@ -72,7 +73,7 @@ class _Request(BaseModel):
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant"]  # no tools; "developer" is OpenAI's newer "system"
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
@@ -156,7 +157,7 @@ class OpenAIEndpoint:
         tok = self.client.tokenizer
         if not tok.chat_template:
             raise _APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
 
