@@ -33,7 +33,8 @@ def run_demo(
     client = SplitClient(None, head=2, tail=2, precision=precision)
     runs: dict[str, Generation] = {}
     with ServerProcess("--head", "2", "--tail", "2", *precision.serve_args()) as server:
-        console.print(f"server: layers {list(client.local.middle_range)} on {server.url}, both sides {precision.name}")
+        start, end = client.local.middle_range
+        console.print(f"server: layers [{start}, {end}) on {server.url}, both sides {precision.name}")
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
             console.print(f"WAN proxy: {rtt_ms:.0f} ms RTT on port {proxy.port}\n[bold]prompt[/]: {prompt}\n")

@@ -63,7 +63,8 @@ def markdown(result: dict[str, Any]) -> str:
              "| threads | read GB/s | copy GB/s (read + write) |", "| --- | --- | --- |"]
     lines += [f"| {n} | {bw['read_gb_s']:.2f} | {bw['copy_gb_s']:.2f} |" for n, bw in result["bandwidth"].items()]
     some = next(iter(result["server_forward"].values()))
-    lines += ["", f"## Server forward, layers {some['layers']}, context {some['context']}", "",
+    start, end = some["layers"]
+    lines += ["", f"## Server forward, layers [{start}, {end}), context {some['context']}", "",
               "Floor: the stage's weight bytes read once at the read bandwidth of the same thread count; "
               "with cache: plus the keys and values a one-position step attends to. Layer by layer: the same "
               "step without the fused kernel (where the setting runs it).", "",
