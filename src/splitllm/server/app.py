@@ -259,9 +259,14 @@ class MiddleServer:
             raise ProtocolError("version_mismatch", f"server speaks protocol {wire.PROTOCOL_VERSION}, got {h.get('version')!r}")
         if h.get("fingerprint") != self.fingerprint:
             raise ProtocolError("model_mismatch", "client and server weights differ (model fingerprint mismatch)")
-        if h.get("layers") != [self.start, self.end]:
+        asked = h.get("layers")
+        if asked != [self.start, self.end]:
+            shown = f"[{asked[0]}, {asked[1]})" if isinstance(asked, list) and len(asked) == 2 else repr(asked)
+            tail = self.files.config.num_layers - self.end
             raise ProtocolError(
-                "split_mismatch", f"server runs layers [{self.start}, {self.end}), client asked for {h.get('layers')!r}"
+                "split_mismatch",
+                f"server runs layers [{self.start}, {self.end}) (a client with --head {self.start} --tail {tail}), "
+                f"client asked for {shown}",
             )
         dtype = h.get("dtype")
         if not isinstance(dtype, str) or dtype not in wire.WIRE_DTYPES:
