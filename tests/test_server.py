@@ -110,6 +110,12 @@ def test_bad_open_is_refused_and_connection_stays_usable(default_url, default_fi
         assert opened.header["op"] == "opened" and opened.header["max_context"] == CONTEXT
 
 
+def test_model_mismatch_names_the_servers_model_and_both_fingerprints(default_url, default_files) -> None:
+    with RawClient(default_url) as raw:
+        message = raw.request(_open_header(default_files, fingerprint="0" * 64)).header["message"]
+    assert default_files.path.name in message and default_files.fingerprint[:16] in message and "0" * 16 in message
+
+
 def test_split_mismatch_names_both_splits(default_url, default_files) -> None:
     with RawClient(default_url) as raw:
         message = raw.request(_open_header(default_files, layers=[4, 26])).header["message"]

@@ -258,7 +258,12 @@ class MiddleServer:
         if h.get("version") != wire.PROTOCOL_VERSION:
             raise ProtocolError("version_mismatch", f"server speaks protocol {wire.PROTOCOL_VERSION}, got {h.get('version')!r}")
         if h.get("fingerprint") != self.fingerprint:
-            raise ProtocolError("model_mismatch", "client and server weights differ (model fingerprint mismatch)")
+            theirs = h.get("fingerprint")
+            raise ProtocolError(
+                "model_mismatch",
+                f"client and server weights differ: the server runs {self.files.path.name} (fingerprint "
+                f"{self.fingerprint[:16]}), the client's fingerprint is {str(theirs)[:16] if theirs else 'missing'}",
+            )
         asked = h.get("layers")
         if asked != [self.start, self.end]:
             shown = f"[{asked[0]}, {asked[1]})" if isinstance(asked, list) and len(asked) == 2 else repr(asked)
