@@ -49,7 +49,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: Literal[1] = 1
-    logprobs: Literal[False, 0] | None = None  # asked for, they would be silently missing: refused instead
+    logprobs: Literal[False] | None = None  # asked for, they would be silently missing: refused instead
     decode: str | None = None
 
     def sampling(self) -> SamplingParams:
