@@ -135,8 +135,8 @@ class RemoteMiddle:
                 if round_done and time.monotonic() + pause > deadline:
                     raise self._unreachable(exc) from exc
                 if round_done and attempt < len(self.urls):  # said once, so a silent wait is never a hang
-                    log.warning("no splitllm server answered (%s: %s); trying again for up to %.0f s "
-                                "(--reconnect-deadline-s)", url, describe(exc), deadline - time.monotonic())
+                    log.warning("no splitllm server answered (tried %s; last error: %s); trying again for up to %.0f s "
+                                "(--reconnect-deadline-s)", ", ".join(self.urls), describe(exc), deadline - time.monotonic())
             if round_done:  # every server failed once: pause before the next round
                 time.sleep(pause * random.uniform(0.5, 1.0))
                 pause = min(pause * 2, _BACKOFF_S[1])
