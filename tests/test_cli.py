@@ -54,6 +54,24 @@ def test_a_port_outside_1_to_65535_is_refused_before_anything_loads(command: str
     assert result.exit_code == 2 and "Invalid value for '--port'" in result.output
 
 
+def test_tls_files_that_do_not_load_are_refused_before_the_model_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "bad.pem").write_text("not a certificate\n")
+    for cert in (str(tmp_path / "bad.pem"), str(tmp_path / "missing.pem")):
+        args = ["serve", "--tls-cert", cert, "--tls-key", cert, "--model", "/nonexistent"]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+        assert result.exit_code == 2 and f"the TLS files do not load (--tls-cert {cert}" in result.output
+
+
+def test_client_tls_files_that_do_not_load_are_refused_not_retried(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "bad.pem").write_text("not a certificate\n")
+    for option in ("--ca", "--client-cert"):
+        t0 = time.perf_counter()
+        args = ["generate", "hi", "--server", "wss://127.0.0.1:9", option, str(tmp_path / "bad.pem"), "--model", "/nonexistent"]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+        assert result.exit_code == 2 and f"the TLS files do not load ({option} {tmp_path / 'bad.pem'}" in result.output
+        assert time.perf_counter() - t0 < 5  # refused, not retried until the deadline
+
+
 def test_the_default_precision_is_the_fastest_here_and_said_once(capsys: pytest.CaptureFixture[str]) -> None:
     chosen = resolve_precision(None, None, "cpu", False, "precision")
     assert chosen == fastest()

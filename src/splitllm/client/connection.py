@@ -122,6 +122,16 @@ class ConnectionOptions:
     deadline_s: float = 60.0
     max_frame_bytes: int = 256 << 20
 
+    def __post_init__(self) -> None:
+        """Load the TLS files once now: a wrong path or a bad PEM is a setting to fix, not a link to retry."""
+        if self.ca_file or self.client_cert:
+            try:
+                self.ssl_context()
+            except OSError as exc:  # ssl.SSLError included
+                given = (("--ca", self.ca_file), ("--client-cert", self.client_cert), ("--client-key", self.client_key))
+                files = ", ".join(f"{flag} {path}" for flag, path in given if path)
+                raise ValueError(f"the TLS files do not load ({files}): {exc}") from None
+
     def ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=self.ca_file)
         if self.insecure:

@@ -27,6 +27,17 @@ class TlsFiles:
     key: str
     client_ca: str | None = None
 
+    def __post_init__(self) -> None:
+        """Load the files once now, so a wrong path or a bad PEM stops a server before its model loads."""
+        try:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(self.cert, self.key)
+            if self.client_ca:
+                ctx.load_verify_locations(self.client_ca)
+        except OSError as exc:  # ssl.SSLError included
+            ca = f", --client-ca {self.client_ca}" if self.client_ca else ""
+            raise ValueError(f"the TLS files do not load (--tls-cert {self.cert}, --tls-key {self.key}{ca}): {exc}") from None
+
 
 def is_loopback(host: str) -> bool:
     """Whether a listening address is reachable from this machine only."""
