@@ -257,8 +257,8 @@ class MiddleServer:
         h = frame.header
         if h.get("version") != wire.PROTOCOL_VERSION:
             raise ProtocolError("version_mismatch", f"server speaks protocol {wire.PROTOCOL_VERSION}, got {h.get('version')!r}")
-        if h.get("fingerprint") != self.fingerprint:
-            theirs = h.get("fingerprint")
+        theirs = h.get("fingerprint")
+        if theirs != self.fingerprint:
             raise ProtocolError(
                 "model_mismatch",
                 f"client and server weights differ: the server runs {self.files.path.name} (fingerprint "
