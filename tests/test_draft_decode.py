@@ -20,7 +20,7 @@ from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.budget import NodeCost, SpecBudget
 from splitllm.decoding.gate import DraftGate, GateConfig
-from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
 from splitllm.decoding.policy import StaticPolicy
 from splitllm.decoding.proposers import draft_model as draft_model_proposer
 from splitllm.decoding.proposers.draft_model import DraftModelProposer
@@ -101,6 +101,25 @@ def test_draft_modes_match_sequential(  # type: ignore[no-untyped-def]
         accepted_from_head += sum(n for o in outs for src, n in o.stats.sources.items() if "draft" in src)
         assert all(o.stats.draft_ms > 0 for o in outs[1:])
     assert accepted_from_head > 10  # the head's nodes were accepted (and so its cache kept in step)
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_a_wider_tree_drafts_more_nodes_and_stays_exact(model, draft_model_split, drafter: str) -> None:  # type: ignore[no-untyped-def]
+    """`SpeculationConfig.tree` reaches the drafters: two levels of 4 x 6 hold at most 6 + 24 nodes (with
+    context lookup's 3 guesses of 2 tokens, 36), of 8 x 8 up to 72 (64 kept)."""
+    split = {"head": model, "draft model": draft_model_split}[drafter]
+    wide = SpecBudget(max_nodes=64, guesses=3, depth=2)
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected, _ = _ids(decode_sequential, _pipeline(split), prompt, 30)
+    nodes = {}
+    for shape in (TreeShape(), TreeShape(top_k=8, beam=8)):
+        config = SpeculationConfig(Mode.DRAFT, drafter_policy=StaticPolicy(wide), tree=shape)
+        ids, outs = _ids(SpeculativeDecoder(config), _pipeline(split), prompt, 30)
+        assert ids == expected, shape
+        nodes[shape.beam] = max(o.stats.drafted for o in outs[1:])
+    assert nodes[4] <= 36 < nodes[8]
+    with pytest.raises(ValueError, match="top_k and beam of at least 1"):
+        TreeShape(beam=0)
 
 
 def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None:  # type: ignore[no-untyped-def]

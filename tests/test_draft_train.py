@@ -107,6 +107,8 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
     assert history["steps"] >= 3 and history["last_loss"] < history["first_loss"]
     val = train.validate(head, target, seqs[:1], depth=3)
     assert len(val.acceptance) == 3 and val.positions > 0
+    shares = [val.in_top[k] for k in train.RANKS]
+    assert shares == sorted(shares) and 0 <= val.outside_vocab <= 1 - shares[-1]
     folder = store.save_drafter(head, tmp_path / "head", {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
     meta = json.loads((folder / store.METADATA).read_text())
     assert meta["draft_vocab"] == 128 and meta["size_bytes"] > 0
@@ -115,6 +117,22 @@ def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
     x = seqs[0]
     args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
     torch.testing.assert_close(loaded(loaded.new_cache(8), *args), head(head.new_cache(8), *args), rtol=2e-2, atol=2e-2)
+
+
+def test_a_zero_feature_weight_scores_tokens_alone(tiny) -> None:
+    """With feature_weight 0 (EAGLE-3's loss) the loss no longer depends on how close the guessed
+    features are, only on the draft distribution they give; with 1 it does."""
+    files, local, target, seqs = tiny
+    head = train.new_head(local, train.draft_vocabulary(seqs, 64, files.config.vocab_size))
+    batch, rows = seqs[:2], target.lm_head[head.vocab]
+    feats, probs = train._labels(batch, target, rows)
+    with torch.no_grad():
+        outs = train.unrolled(head, target, batch, 2)
+    moved = feats + 0.5 * feats.std()  # other feature labels, the same token labels
+    for weight, same in ((0.0, True), (1.0, False)):
+        settings = train.TrainSettings(vocab=64, passes=2, feature_weight=weight)
+        loss = [float(train._loss(outs, batch, f, probs, target, rows, 1.0, settings)) for f in (feats, moved)]
+        assert (loss[0] == loss[1]) == same, weight
 
 
 def test_taps_come_beside_the_top_feature(tiny_models) -> None:
@@ -263,6 +281,8 @@ def test_shipped_head_drafts_well_above_chance(default_files) -> None:
     val = train.validate(head, target, train.prepare(_features(default_files, seqs), target), depth=2)
     assert val.positions > 200
     assert val.acceptance[0] > 0.2  # chance is about 1 / len(vocab)
+    assert val.in_top[1] == pytest.approx(val.acceptance[0], abs=0.05)  # every position, not only chains' bases
+    assert val.in_top[10] > val.in_top[1] and val.outside_vocab < 0.2
 
 
 def test_a_narrower_head_keeps_its_strongest_channels_and_stores_int8(tiny, tmp_path) -> None:
@@ -300,6 +320,8 @@ def test_bad_settings_are_refused_before_any_work() -> None:
         DataSettings(taps=(26, 2))
     with pytest.raises(ValueError, match="--lr must be positive"):
         train.TrainSettings(lr=0)
+    with pytest.raises(ValueError, match="--feature-weight must be at least 0"):
+        train.TrainSettings(feature_weight=-1)
     with pytest.raises(ValueError, match="--generate-batch must be at least 1"):
         DataSettings(generate_batch=0)
     from splitllm.lab.training.commands import layer_counts

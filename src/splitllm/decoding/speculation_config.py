@@ -57,6 +57,20 @@ SPECULATIVE_MODES: Mapping[Mode, Drafting] = MappingProxyType({
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """How wide a drafter's scored tree grows: each depth runs the `beam` best frontier nodes, and each
+    offers its `top_k` likeliest tokens. Wider trees find more accepted tokens in more nodes, which the
+    server pays for in rows (docs/drafting.md measures both)."""
+
+    top_k: int = 6
+    beam: int = 4
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.beam < 1:
+            raise ValueError(f"a tree needs top_k and beam of at least 1, not {self.top_k} and {self.beam}")
+
+
+@dataclass(frozen=True)
 class SpeculationConfig:
     """One speculative decoder's setup.
 
@@ -71,6 +85,7 @@ class SpeculationConfig:
         window into every step.
     gate: when growing the drafter's tree pays for the time it takes.
     calibration: how drafts' acceptance rates are learned.
+    tree: how wide the drafters' trees grow (the budgets bound their nodes and depth).
     """
 
     mode: Mode = Mode.AUTO
@@ -81,6 +96,7 @@ class SpeculationConfig:
     proposers: Callable[[], list[Proposer]] | None = None
     gate: GateConfig = GateConfig()
     calibration: CalibrationConfig = CalibrationConfig()
+    tree: TreeShape = TreeShape()
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATIVE_MODES:

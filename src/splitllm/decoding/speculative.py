@@ -129,11 +129,13 @@ def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Prop
         if local.draft_model is not None:
             kept = decoder.draft_model_proposer
             if kept is None or kept.model is not local.draft_model or kept.cache.max_context < pipeline.max_context:
-                kept = DraftModelProposer(local.draft_model, pipeline.max_context, calibration_config=config.calibration)
+                kept = DraftModelProposer(local.draft_model, pipeline.max_context, config.tree.top_k, config.tree.beam,
+                                          config.calibration)
                 decoder.draft_model_proposer = kept
             drafters.append(kept)
         if local.drafter is not None:
-            drafters.append(DrafterProposer(local.drafter, local, pipeline.max_context, calibration_config=config.calibration))
+            drafters.append(DrafterProposer(local.drafter, local, pipeline.max_context, config.tree.top_k, config.tree.beam,
+                                            config.calibration))
     ngrams = drafting.drafter_ngrams if drafters else drafting.ngrams
     if ngrams is None:
         raise ValueError(

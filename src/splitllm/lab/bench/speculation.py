@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 from splitllm.lab.bench.exactness import first_difference, top2_gap
 from splitllm.lab.data.workload import CATEGORIES, workload
 from splitllm.client.session import SplitClient
 from splitllm.decoding.sampling import SamplingParams
-from splitllm.decoding.speculation_config import SpeculationConfig
+from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.draft.draft_model import DraftModel
 from splitllm.draft.model import Drafter
@@ -32,8 +32,15 @@ from splitllm.threads import set_compute_threads
 
 MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
-# adaptive policy, to show what adapting to the link adds.
-EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {"auto-static": lambda: SpeculativeDecoder(SpeculationConfig())}
+# adaptive policy, to show what adapting to the link adds; `draft` with EAGLE-2's wider trees (64 nodes,
+# 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what width buys and costs.
+WIDE_DRAFT = SpeculationConfig(
+    Mode.DRAFT, drafter_budget=SpecBudget(max_nodes=64, guesses=3, depth=10), tree=TreeShape(top_k=8, beam=8)
+)
+EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
+    "auto-static": lambda: SpeculativeDecoder(SpeculationConfig()),
+    "draft-wide": lambda: SpeculativeDecoder(WIDE_DRAFT),
+}
 
 
 @dataclass
@@ -239,9 +246,10 @@ def run_speculation(
     precision = precision or fastest()
     client = SplitClient(model, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter,
                          draft_model=draft_model)
-    if client.local.drafter is None and client.local.draft_model is None and "draft" in modes:
-        progress("no drafter for this model: the draft mode is left out")
-        modes = tuple(m for m in modes if m != "draft")
+    needs_drafter = [m for m in modes if m in ("draft", "draft-wide")]
+    if client.local.drafter is None and client.local.draft_model is None and needs_drafter:
+        progress(f"no drafter for this model: {', '.join(needs_drafter)} left out")
+        modes = tuple(m for m in modes if m not in needs_drafter)
     prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
     settings = {"model": model, "rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens,
                 "prompts_per_category": prompts_per_category,

@@ -42,6 +42,8 @@ def train(
     epochs: Annotated[Optional[int], typer.Option(help="passes over the training data" + RECIPE)] = None,
     passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 3,
     lr: Annotated[float, typer.Option(help="peak learning rate (lower to continue a trained head with --init)")] = 1e-3,
+    feature_weight: Annotated[float, typer.Option(help="weight of the feature loss beside the token loss (0: the token "
+                                                  "loss alone, as EAGLE-3)")] = 1.0,
     taps: Annotated[str, typer.Option(help="layers whose outputs the head fuses with the top feature, e.g. '2,26' for "
                                       "a 28-layer model split 2+2 (the client's head output and the middle's return)")] = "",
     init: Annotated[Optional[str], typer.Option(help="continue from this drafter folder ('shipped': the package's) "
@@ -67,7 +69,8 @@ def train(
             model, out,
             DataSettings(prompts=recipe.prompts, follow_ups=follow_ups, max_new_tokens=max_new_tokens, texts=texts,
                          generate_batch=recipe.generate_batch, dtype=capture_dtype, taps=layer_counts(taps), seed=seed),
-            TrainSettings(vocab=vocab, intermediate=recipe.intermediate, epochs=recipe.epochs, passes=passes, lr=lr, seed=seed),
+            TrainSettings(vocab=vocab, intermediate=recipe.intermediate, epochs=recipe.epochs, passes=passes, lr=lr,
+                          feature_weight=feature_weight, seed=seed),
             work=work, weights=recipe.weights, command=command, init=init,
         )
     typer.echo(json.dumps({k: meta[k] for k in ("validation", "seconds", "size_bytes")}, indent=1))
@@ -101,4 +104,7 @@ def compare(
         for kind in result["kinds"]:
             v = kinds[kind]
             rates = " ".join(f"{a:.2f}" for a in v["acceptance"])
-            typer.echo(f"{name:40.40s} {kind:12s} acceptance per depth {rates}  mean accepted {v['mean_accepted']:.2f}")
+            ranks = ",".join(str(k) for k in v["in_top"])
+            top = " ".join(f"{share:.2f}" for share in v["in_top"].values())
+            typer.echo(f"{name:40.40s} {kind:12s} acceptance per depth {rates}  mean accepted {v['mean_accepted']:.2f}  "
+                       f"depth 1 in top {ranks}: {top}  outside vocab {v['outside_vocab']:.2f}")

@@ -11,7 +11,8 @@ starts as a copy of the target's last layer, and `fc` as the identity on the fea
 A fused drafter's pass 0 fuses each real feature with the tapped layers' outputs at its position.
 
 Validation on held-out sequences measures greedy acceptance per depth: the share of chains where the
-depth-k draft equals the target's greedy token, given the first k-1 were accepted.
+depth-k draft equals the target's greedy token, given the first k-1 were accepted; and at depth 1, how
+often that token is among the head's top k (what a wider tree can find) or outside its vocabulary.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class TrainSettings:
     passes: int = 3  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
     batch_tokens: int = 512
     lr: float = 1e-3
-    feature_weight: float = 1.0
+    feature_weight: float = 1.0  # the smooth-L1 feature loss beside the token loss (0: EAGLE-3's token loss alone)
     token_weight: float = 1.0
     scale_features: bool = True  # feature loss on features divided by their RMS over the data
     pass_decay: float = 0.8  # loss weight of pass k is decay**k
@@ -53,6 +54,8 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, not {self.lr}")
+        if not self.feature_weight >= 0:
+            raise ValueError(f"--feature-weight must be at least 0, not {self.feature_weight}")
         for name in ("vocab", "epochs", "passes", "batch_tokens", "validation_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -247,12 +250,17 @@ def _trainable(head: Drafter) -> Drafter:
     return head
 
 
+RANKS = (1, 2, 4, 6, 8, 10)  # the top-k shares validation reports at depth 1: what a tree's width can find
+
+
 @dataclass
 class Validation:
     acceptance: list[float]  # per depth: P(depth k accepted | depths < k accepted)
     reached: list[int]  # chains that reached each depth
     mean_accepted: float  # expected accepted draft tokens per chain (greedy, one chain)
     positions: int
+    in_top: dict[int, float]  # per k of RANKS: share of positions whose depth-1 target token is among the head's top k
+    outside_vocab: float  # share of positions whose depth-1 target token the draft vocabulary lacks
 
 
 @torch.no_grad()
@@ -261,10 +269,18 @@ def validate(head: Drafter, target: Target, data: Sequence[Sequence_], depth: in
     rows = target.lm_head[head.vocab]
     reached = [0] * (depth + 1)
     total_accepted = 0
+    in_top = dict.fromkeys(RANKS, 0)
+    outside = rows_seen = 0
     for batch in batches(data, tokens, random.Random(0)):
         outs = unrolled(head, target, batch, depth, greedy=True)
         greedy = vocab_index[torch.cat([s.greedy[1:] for s in batch])]  # -1: outside the draft vocabulary
-        hits = torch.stack([target.draft_logits(o, rows).argmax(-1) == greedy for o in outs])  # (depth, rows)
+        logits = [target.draft_logits(o, rows) for o in outs]
+        ranked = logits[0].topk(min(max(RANKS), rows.shape[0]), -1).indices == greedy[:, None]
+        for k in RANKS:
+            in_top[k] += int(ranked[:, :k].any(-1).sum())
+        outside += int((greedy < 0).sum())
+        rows_seen += greedy.numel()
+        hits = torch.stack([lg.argmax(-1) == greedy for lg in logits])  # (depth, rows)
         lens = [int(s.ids.numel()) - 1 for s in batch]
         for h in hits.split(lens, dim=1):
             n = h.shape[1]
@@ -279,7 +295,9 @@ def validate(head: Drafter, target: Target, data: Sequence[Sequence_], depth: in
                 reached[j + 1] += int(run[j].sum())
             total_accepted += int(run.sum())
     acceptance = [reached[j + 1] / reached[j] if reached[j] else 0.0 for j in range(depth)]
-    return Validation(acceptance, reached, total_accepted / max(reached[0], 1), reached[0])
+    rows_seen = max(rows_seen, 1)
+    return Validation(acceptance, reached, total_accepted / max(reached[0], 1), reached[0],
+                      {k: n / rows_seen for k, n in in_top.items()}, outside / rows_seen)
 
 
 def feature_rms(data: Sequence[Sequence_]) -> float:
