@@ -61,10 +61,11 @@ def test_workload_has_every_category() -> None:
 
 @pytest.mark.slow
 def test_a_short_run_through_server_and_proxy(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    result = run_speculation(1, 6, rtt_ms=10, modes=("lookup", "draft-wide"), out=tmp_path)
+    result = run_speculation(1, 6, rtt_ms=10, modes=("lookup", "draft-wide", "auto-wide"), out=tmp_path)
     overall = result["summary"]["overall"]
-    assert set(overall) == {"sequential", "lookup", "draft-wide"}
+    assert set(overall) == {"sequential", "lookup", "draft-wide", "auto-wide"}
+    assert overall["auto-wide"]["identical"] == 4
     assert overall["sequential"]["tokens_per_step"] == 1.0 and overall["lookup"]["prompts"] == 4
     assert overall["draft-wide"]["identical"] == 4 and overall["draft-wide"]["nodes_per_step"] > 24  # wider than draft's 24
     data = json.loads((tmp_path / "speculation.json").read_text())
-    assert len(data["runs"]) == 12 and (tmp_path / "speculation.md").read_text().startswith("Speculative decoding")
+    assert len(data["runs"]) == 16 and (tmp_path / "speculation.md").read_text().startswith("Speculative decoding")

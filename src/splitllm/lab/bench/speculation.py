@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from splitllm.lab.bench.exactness import first_difference, top2_gap
@@ -18,6 +18,7 @@ from splitllm.lab.data.workload import CATEGORIES, workload
 from splitllm.client.session import SplitClient
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.draft.draft_model import DraftModel
@@ -33,13 +34,15 @@ from splitllm.threads import set_compute_threads
 MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
 # adaptive policy, to show what adapting to the link adds; `draft` with EAGLE-2's wider trees (64 nodes,
-# 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what width buys and costs.
-WIDE_DRAFT = SpeculationConfig(
-    Mode.DRAFT, drafter_budget=SpecBudget(max_nodes=64, guesses=3, depth=10), tree=TreeShape(top_k=8, beam=8)
-)
+# 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what width buys and costs;
+# and `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6.
+WIDE = TreeShape(top_k=8, beam=8)
 EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
     "auto-static": lambda: SpeculativeDecoder(SpeculationConfig()),
-    "draft-wide": lambda: SpeculativeDecoder(WIDE_DRAFT),
+    "draft-wide": lambda: SpeculativeDecoder(
+        SpeculationConfig(Mode.DRAFT, drafter_budget=SpecBudget(max_nodes=64, guesses=3, depth=10), tree=WIDE)
+    ),
+    "auto-wide": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, tree=WIDE)),
 }
 
 
