@@ -33,9 +33,9 @@ from splitllm.threads import set_compute_threads
 
 MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
-# adaptive policy, to show what adapting to the link adds; `draft` with EAGLE-2's wider trees (64 nodes,
-# 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what width buys and costs;
-# and `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6.
+# adaptive policy, to show what adapting to the link adds; `draft` with trees of about the size EAGLE-2
+# verifies (64 nodes, 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what
+# width buys and costs; and `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6.
 WIDE = TreeShape(top_k=8, beam=8)
 EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
     "auto-static": lambda: SpeculativeDecoder(SpeculationConfig()),
