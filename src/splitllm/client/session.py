@@ -74,6 +74,8 @@ class SplitClient:
     client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a
     drafter folder from `splitllm draft train` (default: the one shipped for this model, if any);
     `draft_model`: a smaller model with this one's tokenizer that drafts instead (`DraftModel`).
+    Generate inside `threads.compute_threads_pinned()`, as the client commands do, so that the thread
+    pool keeps a core per thread across the round trips' waits.
     """
 
     def __init__(

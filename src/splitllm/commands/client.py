@@ -67,6 +67,7 @@ def served_client(**options: Any) -> tuple[Any, Any]:
     weights load where the steps run, so PyTorch keeps one thread pool (see threads.ComputeThread)."""
     from splitllm.threads import ComputeThread
 
+    set_threads(options["threads"])  # before the compute thread starts: it pins a team of this size
     compute = ComputeThread()
     return compute.run(lambda: client(**options)), compute
 
@@ -83,15 +84,17 @@ def generate(
 ) -> None:
     """Generate text, streaming it, then a one-line summary of where the time went."""
     from splitllm.client.remote import ServerError
+    from splitllm.threads import compute_threads_pinned
 
     gen = None
     printed = ""
     try:
-        for gen, _ in client.stream(prompt, max_new_tokens, decode, not raw, sampling, stop or ()):
-            if not as_json:
-                sys.stdout.write(gen.text[len(printed) :])
-                sys.stdout.flush()
-                printed = gen.text
+        with compute_threads_pinned():
+            for gen, _ in client.stream(prompt, max_new_tokens, decode, not raw, sampling, stop or ()):
+                if not as_json:
+                    sys.stdout.write(gen.text[len(printed) :])
+                    sys.stdout.flush()
+                    printed = gen.text
     except (ValueError, ServerError, OSError) as exc:
         typer.echo("", err=True)
         fail(exc, code=1)
@@ -121,10 +124,11 @@ def chat(
     import contextlib
 
     from splitllm.chat import run_chat
+    from splitllm.threads import compute_threads_pinned
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    with reported(ValueError):  # a base model has no chat template
+    with reported(ValueError), compute_threads_pinned():  # a base model has no chat template
         run_chat(client, decode, sampling, max_new_tokens, system)
 
 

@@ -29,7 +29,7 @@ from splitllm.model import cpu_kernels
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
 from splitllm.lab.netem import LinkProfile, ProxyThread
-from splitllm.threads import set_compute_threads
+from splitllm.threads import compute_threads_pinned, set_compute_threads
 
 MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
@@ -266,8 +266,9 @@ def run_speculation(
     with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
-            client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
-            runs = measure(client, prompts, max_new_tokens, modes, progress, sampling)
+            with compute_threads_pinned():  # as the client commands do (the server pins its own); the proxy stays free
+                client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
+                runs = measure(client, prompts, max_new_tokens, modes, progress, sampling)
     summary = summarize(runs, modes)
     # llama.cpp's RPC backend over the same emulated link and cores
     rpc = lambda gguf: peers.rpc(gguf, cores.threads, rtt_ms, max_new_tokens, cores.server, cores.client)  # noqa: E731
