@@ -35,20 +35,20 @@ with compute_threads_pinned():
     inside, caller = cores(), sorted(os.sched_getaffinity(0))
     same = bool(torch.equal(a @ b, want))
 print(json.dumps({"before": before, "inside": inside, "after": cores(), "caller": caller, "same": same,
-                  "returned": len(pin_compute_threads()) if sys.argv[2:] == ["again"] else None}))
+                  "returned": len(pin_compute_threads())}))
 """
 
 
-def _probe(threads: int, env: dict[str, str] | None = None, *extra: str) -> dict:
+def _probe(threads: int, env: dict[str, str] | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(threads), *extra], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", PROBE, str(threads)], capture_output=True, text=True, timeout=120,
         env={**os.environ, **(env or {})}, check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_thread_per_core_is_pinned_one_to_a_core_and_given_its_cores_back() -> None:
-    seen = _probe(len(CORES), None, "again")
+    seen = _probe(len(CORES))
     singles = [c for c in seen["inside"] if len(c) == 1]
     assert sorted(singles) == [[c] for c in CORES], seen  # one thread of the team on each core
     assert seen["caller"] == [CORES[0]]  # the calling thread is thread 0 of its team
@@ -57,9 +57,11 @@ def test_a_thread_per_core_is_pinned_one_to_a_core_and_given_its_cores_back() ->
     assert seen["returned"] == len(CORES)  # the same team, pinned again outside the block
 
 
-@pytest.mark.parametrize(("threads", "env"), [(1, None), (len(CORES), {"OMP_PROC_BIND": "false"})], ids=["one thread", "OMP_PROC_BIND set"])
+@pytest.mark.parametrize(
+    ("threads", "env"), [(1, None), (len(CORES), {"OMP_PROC_BIND": "false"})], ids=["one thread", "OMP_PROC_BIND set"]
+)
 def test_fewer_threads_than_cores_or_openmps_own_binding_leave_threads_free(threads: int, env: dict | None) -> None:
-    seen = _probe(threads, env, "again")
+    seen = _probe(threads, env)
     assert seen["inside"] == seen["before"] and seen["caller"] == CORES and seen["same"]
     assert seen["returned"] == 0
 
