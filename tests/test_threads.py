@@ -66,12 +66,12 @@ def test_fewer_threads_than_cores_or_openmps_own_binding_leave_threads_free(thre
     assert seen["returned"] == 0
 
 
-def _thread_cores(pid: int) -> list[str]:
-    """Cpus_allowed_list of every thread of a process."""
-    found = []
+def _thread_cores(pid: int) -> dict[int, str]:
+    """Cpus_allowed_list of every thread of a process, by thread id (the main thread's is the pid)."""
+    found = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         status = (task / "status").read_text()
-        found.append(next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")))
+        found[int(task.name)] = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
     return found
 
 
@@ -80,7 +80,5 @@ def test_a_server_pins_its_compute_threads_and_leaves_its_event_loop_free(tiny_m
     with ServerProcess(*args, timeout=120) as server:
         pid = server.proc.pid  # type: ignore[union-attr]
         threads = _thread_cores(pid)
-        main = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if line.startswith("Cpus_allowed_list"))
-    assert sorted(t for t in threads if t.isdigit()) == [str(c) for c in CORES], threads
-    assert main not in {str(c) for c in CORES}  # the event loop's thread may run on any core
+    assert sorted(t for t in threads.values() if t.isdigit()) == [str(c) for c in CORES], threads
+    assert threads[pid] not in {str(c) for c in CORES}  # the event loop's thread may run on any core

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -78,15 +79,16 @@ def _on_each_thread(threads: int, fn: Callable[[int], None]) -> bool:
     runtime = _openmp_runtime()
     if runtime is None:
         return False
-    runtime.omp_get_thread_num.restype = ctypes.c_int
     body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: fn(runtime.omp_get_thread_num()))
     runtime.GOMP_parallel(body, None, threads, 0)
     return True
 
 
+@functools.cache
 def _openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime PyTorch runs its parallel loops on (the library already loaded, so the same
-    thread pools), or None where PyTorch parallelises without OpenMP or it cannot be found."""
+    thread pools), or None where PyTorch parallelises without OpenMP or it cannot be found (cached:
+    every generation pins and unpins)."""
     if not torch.backends.openmp.is_available():
         return None
     try:
@@ -94,7 +96,9 @@ def _openmp_runtime() -> ctypes.CDLL | None:
             path = next(line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line)
     except (OSError, StopIteration):
         return None
-    return ctypes.CDLL(path)
+    runtime = ctypes.CDLL(path)
+    runtime.omp_get_thread_num.restype = ctypes.c_int
+    return runtime
 
 
 class ComputeThread:
