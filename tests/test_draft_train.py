@@ -309,6 +309,26 @@ def test_a_narrower_head_keeps_its_strongest_channels_and_stores_int8(tiny, tmp_
         store.save_drafter(narrow, tmp_path / "bad", meta, weights="int3")
 
 
+def test_a_wider_head_starts_as_the_last_layer_and_round_trips(tiny, tmp_path) -> None:
+    files, local, target, seqs = tiny
+    torch.manual_seed(0)  # fc's embedding half starts random
+    full = train.new_head(local, list(range(64)))
+    width = files.config.intermediate_size * 3
+    torch.manual_seed(0)
+    wide = train.new_head(local, list(range(64)), intermediate=width)
+    assert wide.cfg.intermediate_size == width
+    x = seqs[0]
+    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
+    want = full(full.new_cache(8), *args)
+    torch.testing.assert_close(wide(wide.new_cache(8), *args), want)  # the added channels add nothing yet
+    train.train(wide, target, seqs, train.TrainSettings(epochs=1, passes=2, batch_tokens=256, bfloat16=False))
+    assert float(wide.stage.layers[0].down.weight[:, files.config.intermediate_size :].abs().max()) > 0  # they learn
+    saved = store.save_drafter(wide, tmp_path / "wide", {store.FINGERPRINT_KEY: files.fingerprint})
+    assert store.read_metadata(saved)["intermediate_size"] == width
+    loaded = store.load_drafter(files, saved, packed=False)
+    torch.testing.assert_close(loaded(loaded.new_cache(8), *args), wide(wide.new_cache(8), *args), atol=0.02, rtol=0.02)
+
+
 def test_bad_settings_are_refused_before_any_work() -> None:
     from splitllm.lab.training.build import DataSettings
 

@@ -37,7 +37,8 @@ def train(
                                                           + RECIPE)] = None,
     capture_dtype: Annotated[str, typer.Option(help="the target's precision while answering: bfloat16 or float32")] = "bfloat16",
     vocab: Annotated[int, typer.Option(help="draft vocabulary: the most frequent target tokens")] = 8192,
-    intermediate: Annotated[Optional[int], typer.Option(help="the drafter's MLP width (the recipe's, else the target's)")] = None,
+    intermediate: Annotated[Optional[int], typer.Option(help="the drafter's MLP width: the recipe's, else the target's; "
+                                                       "narrower keeps its strongest channels, wider adds channels")] = None,
     weights: Annotated[Optional[str], typer.Option(help="how the drafter's matrices are stored: float16 or int8" + RECIPE)] = None,
     epochs: Annotated[Optional[int], typer.Option(help="passes over the training data" + RECIPE)] = None,
     passes: Annotated[int, typer.Option(help="unrolled draft steps per position while training")] = 3,

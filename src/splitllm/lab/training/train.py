@@ -212,7 +212,8 @@ def new_head(
 
     A narrower MLP (`intermediate` below the target's) keeps the last layer's channels that carry the most,
     by the product of their up and down weights' norms: at 1.5B a full layer (52 M parameters) would not
-    fit the package, and costs as much to draft with as a tenth of the client's head."""
+    fit the package, and costs as much to draft with as a tenth of the client's head. A wider one adds
+    channels with random gate and up rows and zero down columns, so it starts as the last layer too."""
     cfg = local.cfg
     if init is not None:
         if init.taps:
@@ -220,16 +221,23 @@ def new_head(
         head = Drafter(init.cfg, init.vocab, taps=taps)
         head.load_state_dict(init.state_dict(), strict=False)
         return _trainable(head)
-    width = min(intermediate or cfg.intermediate_size, cfg.intermediate_size)
+    width = intermediate or cfg.intermediate_size
     head = Drafter(drafter_config(cfg, width), vocab, taps=taps)
     last = cfg.num_layers - 1
     weights = Stage.load(local.files, last, last + 1, torch.float32).state_dict()
+    gate, up = weights["layers.0.gate_up.weight"].chunk(2)
+    down = weights["layers.0.down.weight"]
     if width < cfg.intermediate_size:
-        gate, up = weights["layers.0.gate_up.weight"].chunk(2)
-        down = weights["layers.0.down.weight"]
         keep = (up.norm(dim=1) * down.norm(dim=0)).topk(width).indices.sort().values
-        weights["layers.0.gate_up.weight"] = torch.cat([gate[keep], up[keep]])
-        weights["layers.0.down.weight"] = down[:, keep].contiguous()
+        gate, up, down = gate[keep], up[keep], down[:, keep]
+    elif width > cfg.intermediate_size:
+        added = width - cfg.intermediate_size
+        generator = torch.Generator().manual_seed(0)
+        scale = float(gate.std())
+        gate, up = (torch.cat([w, torch.randn(added, w.shape[1], generator=generator) * scale]) for w in (gate, up))
+        down = torch.cat([down, down.new_zeros(down.shape[0], added)], dim=1)
+    weights["layers.0.gate_up.weight"] = torch.cat([gate, up])
+    weights["layers.0.down.weight"] = down.contiguous()
     head.stage.load_state_dict(weights)
     d = cfg.hidden_size
     with torch.no_grad():
