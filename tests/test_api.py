@@ -16,6 +16,7 @@ from splitllm.api.hf import SplitModelForCausalLM
 from splitllm.api.openai import create_app
 from splitllm.client.session import SplitClient
 from splitllm.commands.client import served_client
+from splitllm.model.precision import EXACT
 
 pytestmark = pytest.mark.slow
 QUESTION = "Name three colors."
@@ -114,7 +115,8 @@ def test_a_developer_message_is_a_system_message(api: openai.OpenAI) -> None:
 
 @pytest.fixture(scope="module")
 def hf_split(server) -> SplitModelForCausalLM:  # type: ignore[no-untyped-def]
-    return SplitModelForCausalLM.from_pretrained("default", server=server(None, 2, 2).url, wire_dtype="float32")
+    """float32 throughout, as the transformers oracle: a lossy precision may break the oracle's near ties."""
+    return SplitModelForCausalLM.from_pretrained("default", server=server(None, 2, 2).url, wire_dtype="float32", precision=EXACT)
 
 
 def test_hf_generate_matches_transformers(hf_split: SplitModelForCausalLM, hf_greedy) -> None:  # type: ignore[no-untyped-def]
@@ -157,6 +159,9 @@ def test_client_api_loads_and_generates_on_one_compute_thread(stage_threads) -> 
     split_client, compute = served_client(threads=1)  # the default model, its middle in-process
     with serve_http(create_app(split_client, "splitllm-test", compute=compute)) as url:
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        assert api.completions.create(model="splitllm-test", prompt=QUESTION, max_tokens=4).choices[0].text
+        reply = api.completions.create(model="splitllm-test", prompt=QUESTION, max_tokens=4)
+    # not the text: after this raw prompt, "\n" leads the end of turn by 0.5 logits in float32, and the
+    # int8 kernels of another CPU may order them the other way
+    assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in {"stop", "length"}
     assert {what for what, _, _ in stage_threads} == {"load", "forward"}
     assert {name for _, _, name in stage_threads} == {compute.run(lambda: threading.current_thread().name)}
