@@ -54,6 +54,12 @@ def test_a_port_outside_1_to_65535_is_refused_before_anything_loads(command: str
     assert result.exit_code == 2 and "Invalid value for '--port'" in result.output
 
 
+def test_a_continued_head_with_another_width_is_refused_before_anything_loads() -> None:
+    args = ["draft", "train", "--init", "shipped", "--intermediate", "4608", "--out", "/nonexistent/head"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "keeps its width" in result.output
+
+
 def test_tls_files_that_do_not_load_are_refused_before_the_model_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "bad.pem").write_text("not a certificate\n")
     for cert in (str(tmp_path / "bad.pem"), str(tmp_path / "missing.pem")):

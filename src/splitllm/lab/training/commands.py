@@ -59,6 +59,9 @@ def train(
     from splitllm.lab.training.build import DataSettings, build_head
     from splitllm.lab.training.train import TrainSettings
 
+    if init is not None and intermediate is not None:
+        raise typer.BadParameter("a continued head keeps its width: give --init or --intermediate, not both",
+                                 param_hint="'--intermediate'")
     set_threads(threads)
     given = {"prompts": prompts, "epochs": epochs, "generate_batch": generate_batch, "weights": weights,
              "intermediate": intermediate}

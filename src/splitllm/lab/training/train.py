@@ -37,7 +37,7 @@ from splitllm.model.stage import Stage
 @dataclass(frozen=True)
 class TrainSettings:
     vocab: int = 8192  # draft vocabulary: the most frequent target tokens of the data
-    intermediate: int | None = None  # the drafter's MLP width (None: the target's; smaller keeps its strongest channels)
+    intermediate: int | None = None  # the drafter's MLP width (None: the target's; narrower keeps its strongest channels, wider adds some)
     epochs: int = 6
     passes: int = 3  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
     batch_tokens: int = 512
