@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from splitllm import wire
 from splitllm.visibility import Visibility
 
-ATOL = 1e-4
+ATOL, RTOL = 1e-4, 1e-5  # float32 logits of the default model reach ~20: its rounding scales with them
 
 
 def _round_trip(vis: Visibility) -> Visibility:
@@ -158,7 +158,7 @@ def test_tree_node_logits_equal_its_path_alone(name, tiny_models, pipeline, rand
         alone, _ = pipeline(model).score(
             torch.tensor(seq), torch.arange(len(seq)), Visibility.chain(len(seq)), [], rows=torch.tensor([len(seq) - 1])
         )
-        assert (tree[i] - alone[0]).abs().max().item() < ATOL, f"node {i}"
+        torch.testing.assert_close(tree[i], alone[0], rtol=RTOL, atol=ATOL, msg=lambda m: f"node {i}: {m}")
 
 
 @pytest.mark.parametrize("name", ["llama", "default"])
@@ -185,7 +185,7 @@ def test_bit_matrix_step_matches_transformers_custom_mask(name, tiny_models, pip
             attention_mask=mask[None, None],
             position_ids=torch.cat([torch.arange(len(prompt)), positions])[None],
         ).logits[0, len(prompt) :]
-    assert (ours - ref).abs().max().item() < ATOL
+    torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL)
 
 
 def test_tree_as_bits_equals_tree_as_parents(tiny_models, pipeline, random_ids) -> None:
