@@ -424,6 +424,7 @@ def test_each_model_trains_by_its_recipe_unless_told_otherwise() -> None:
     assert (mine.prompts, mine.weights, mine.epochs, mine.intermediate) == (10, "float16", qwen.epochs, 2048)
     assert mine.as_options(["epochs", "intermediate"]) == ["--epochs", str(qwen.epochs), "--intermediate", "2048"]
     assert default.as_options(["intermediate"]) == []  # the target's width: nothing to ask for
+    assert qwen.continuing().as_options(["intermediate"]) == []  # a continued head's width, which --init refuses to change
 
 
 def test_draft_train_records_the_recipe_it_ran(tmp_path) -> None:

@@ -66,6 +66,8 @@ def train(
     given = {"prompts": prompts, "epochs": epochs, "generate_batch": generate_batch, "weights": weights,
              "intermediate": intermediate}
     recipe = recipe_for(model).given(**given)
+    if init is not None:
+        recipe = recipe.continuing()
     # The command in the metadata names what the recipe chose, so it reproduces the run if recipes change.
     command = ["splitllm", *sys.argv[1:], *recipe.as_options(k for k, v in given.items() if v is None)]
     with reported(ValueError, FileNotFoundError):

@@ -27,6 +27,10 @@ class Recipe:
         """This recipe with the options a user gave (None: not given) in place of its own."""
         return replace(self, **{k: v for k, v in options.items() if v is not None})
 
+    def continuing(self) -> Recipe:
+        """The recipe for a head continued from a trained one: that head's width, so none of its own."""
+        return replace(self, intermediate=None)
+
     def as_options(self, keys: Iterable[str]) -> list[str]:
         """The command-line options that ask for these settings of this recipe (a None asks for nothing)."""
         values = asdict(self)
