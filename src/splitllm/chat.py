@@ -11,7 +11,7 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
-from splitllm.client.connection import ServerError
+from splitllm.client.connection import CLIENT_ERRORS
 from splitllm.client.session import Generation, SplitClient
 from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
@@ -105,7 +105,7 @@ def _answer(console, conv, line, decode, sampling, max_new_tokens) -> Generation
         if not conv.ids:  # stopped inside a step: the caches were dropped
             console.print("[the conversation starts afresh]", style="dim", markup=False)
             return None
-    except (ValueError, ServerError, OSError) as exc:
+    except CLIENT_ERRORS as exc:
         console.print(f"\nerror: {exc}\n[the conversation starts afresh]", style="red", markup=False)
         return None
     console.file.write("\n")

@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the attestation handshake and sealed frames
 MAX_HEADER_BYTES = 1 << 20
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

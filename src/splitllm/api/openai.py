@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitllm.client.connection import ServerError
+from splitllm.client.connection import CLIENT_ERRORS
 from splitllm.client.session import Generation, SplitClient
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, check_mode
 from splitllm.decoding.sampling import SamplingParams
@@ -201,7 +201,7 @@ class OpenAIEndpoint:
                     if (req.stream_options or {}).get("include_usage"):
                         yield _sse({**head, "choices": [], "usage": _usage(gen)})
                     yield _sse("[DONE]")
-                except (ValueError, ServerError, OSError) as exc:
+                except CLIENT_ERRORS as exc:
                     yield _sse(_error(exc).body())
                 finally:
                     with anyio.CancelScope(shield=True):  # a disconnected client still frees the server session
@@ -268,7 +268,7 @@ def create_app(
             if req.stream:
                 return StreamingResponse(await endpoint.stream(prompt, req, chat), media_type="text/event-stream")
             return await endpoint.complete(prompt, req, chat)
-        except (ValueError, ServerError, OSError) as exc:
+        except CLIENT_ERRORS as exc:
             raise _error(exc) from None
 
     @app.post("/v1/chat/completions")

@@ -21,6 +21,10 @@ from urllib.parse import urlsplit
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
+from splitllm.attestation.policy import AttestationPolicy
+from splitllm.attestation.sealing import SealError
+from splitllm.attestation.verify import AttestationError
+
 TOKEN_ENV = "SPLITLLM_TOKEN"
 # Codes after which the session is gone but a new one can take over (the client replays into it).
 _SESSION_LOST = frozenset({"session_expired", "unknown_session"})
@@ -52,6 +56,11 @@ class ServerUnreachable(ConnectionError):
     """
 
     generation: object = None
+
+
+# What a generation can fail with that a caller reports and goes on from: bad input, a refusing or
+# unreachable server, a server that fails attestation, a sealed frame refused.
+CLIENT_ERRORS: tuple[type[Exception], ...] = (ValueError, ServerError, OSError, AttestationError, SealError)
 
 
 def read_token(token_file: str | os.PathLike | None = None) -> str | None:
@@ -106,6 +115,8 @@ class ConnectionOptions:
     ca_file: PEM bundle trusted for the server's certificate (a self-signed setup's CA); default: system CAs.
     insecure: accept any server certificate (encrypts, but proves nothing: for tests only).
     client_cert / client_key: a certificate for servers that require mutual TLS.
+    attestation: the policy a confidential server's evidence must meet (docs/confidential.md); without
+      one the server's operator can read every hidden state the client sends.
     fallbacks: further server URLs, tried in turn when the current one is unreachable.
     deadline_s: how long to keep trying to reach a server after the link fails (or at start).
     step_timeout_s: longest wait for one reply before the link is considered dead.
@@ -121,6 +132,7 @@ class ConnectionOptions:
     step_timeout_s: float = 300.0
     deadline_s: float = 60.0
     max_frame_bytes: int = 256 << 20
+    attestation: AttestationPolicy | None = None  # verify a confidential server before sending anything; seal every frame
 
     def __post_init__(self) -> None:
         """Load the TLS files once now: a wrong path or a bad PEM is a setting to fix, not a link to retry."""

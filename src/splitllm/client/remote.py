@@ -24,6 +24,9 @@ import torch
 from websockets.sync.client import ClientConnection
 
 from splitllm import wire
+from splitllm.attestation.handshake import ClientHandshake, Evidence
+from splitllm.attestation.sealing import SealedChannel
+from splitllm.attestation.verify import AttestationError
 from splitllm.client.connection import ConnectionOptions, ServerError, ServerUnreachable, describe, is_transient
 from splitllm.stats import StepStats
 from splitllm.visibility import Visibility
@@ -96,15 +99,43 @@ class RemoteMiddle:
         }
         self._ids = itertools.count(1)
         self._ws: ClientConnection | None = None
+        self._channel: SealedChannel | None = None  # set on an attested connection: every frame is sealed
         self._record = _SentRecord()
         self._resume_keep: list[int] = []
         self._committed = 0  # leading entries of the last step its earlier parts already committed
         self._connect(time.monotonic() + self.options.deadline_s)
 
+    def _sealed(self, message: bytes) -> bytes:
+        return self._channel.seal(message) if self._channel is not None else message
+
+    def _opened(self, message: bytes) -> bytes:
+        """A received message as a plain frame; SealError if an attested connection's message is refused."""
+        return self._channel.open(message) if self._channel is not None else message
+
     def _call(self, header: dict[str, Any], tensor: torch.Tensor | None = None, timeout: float | None = None) -> wire.Frame:
         assert self._ws is not None
-        self._ws.send(wire.encode({**header, "id": next(self._ids)}, tensor, self.wire_dtype))
-        return self._check(wire.decode(self._ws.recv(timeout=timeout or self.options.step_timeout_s)))
+        self._ws.send(self._sealed(wire.encode({**header, "id": next(self._ids)}, tensor, self.wire_dtype)))
+        return self._check(wire.decode(self._opened(self._ws.recv(timeout=timeout or self.options.step_timeout_s))))
+
+    def _attest(self) -> None:
+        """Verify the server against the policy and seal the connection; AttestationError, with nothing
+        sent but the nonce and a public key, if any check fails."""
+        policy = self.options.attestation
+        self._channel = None
+        if policy is None:
+            return
+        handshake = ClientHandshake(policy, self._open_header["fingerprint"], tuple(self._open_header["layers"]), wire.PROTOCOL_VERSION)
+        try:
+            frame = self._call(handshake.request(None), timeout=self.options.open_timeout_s)
+        except ServerError as exc:
+            if exc.code in ("attestation_unavailable", "unknown_op"):
+                raise AttestationError("evidence", f"{self.url} offers no attestation evidence ({exc})") from None
+            raise
+        if frame.header.get("op") != "evidence":
+            raise AttestationError("evidence", f"{self.url} answered {frame.header.get('op')!r} to attest")
+        self._channel, verified = handshake.finish(Evidence.from_header(frame.header))
+        log.info("%s attested: SEV-SNP %s, measurement %s%s", self.url, verified.product,
+                 verified.report.measurement.hex()[:16], " (simulated vendor)" if verified.simulated else "")
 
     @staticmethod
     def _check(frame: wire.Frame) -> wire.Frame:
@@ -120,11 +151,12 @@ class RemoteMiddle:
             url = self.urls[attempt % len(self.urls)]
             try:
                 self._ws = self.options.connect(url)
+                self.url = url
+                self._attest()
                 reply = self._call(self._open_header).header
                 self.session: str = reply["session"]
                 self.max_context: int = reply["max_context"]
                 self.max_nodes: int = reply.get("max_nodes") or self.max_context
-                self.url = url
                 self._replay()
                 return
             except Exception as exc:
@@ -235,13 +267,13 @@ class RemoteMiddle:
             "op": "step", "id": next(self._ids), "session": self.session, "keep": keep,
             "positions": positions[start:end].tolist(), **vis.part(start, end).to_wire(),
         }
-        message = wire.encode(header, chunk, self.wire_dtype)
+        message = self._sealed(wire.encode(header, chunk, self.wire_dtype))
         t1 = time.perf_counter()
         self._ws.send(message)
         next(waiting, None)
         reply = self._ws.recv(timeout=self.options.step_timeout_s)
-        frame = self._check(wire.decode(reply))
         t2 = time.perf_counter()
+        frame = self._check(wire.decode(self._opened(reply)))
         if frame.tensor is None or frame.tensor.shape != chunk.shape:
             raise ServerError("bad_reply", f"expected hidden states of shape {tuple(chunk.shape)} in the reply")
         out = frame.tensor.float()

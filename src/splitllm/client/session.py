@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -11,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from splitllm.attestation.policy import AttestationPolicy
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, Middle, SplitPipeline
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
@@ -25,6 +28,8 @@ from splitllm.model.weights import ModelFiles
 from splitllm.stats import StepStats, mean_stats
 
 __all__ = ["DECODERS", "Conversation", "Decoder", "Generation", "SplitClient"]
+
+log = logging.getLogger("splitllm.client")
 
 
 @dataclass
@@ -74,6 +79,10 @@ class SplitClient:
     client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a
     drafter folder from `splitllm draft train` (default: the one shipped for this model, if any);
     `draft_model`: a smaller model with this one's tokenizer that drafts instead (`DraftModel`).
+    `attestation_policy` (a JSON file or an `AttestationPolicy`): the server must prove it runs in a
+    confidential VM that meets it before any hidden state leaves this process, and every frame is
+    sealed (docs/confidential.md). Without one, the server's operator can read the hidden states,
+    which are as good as the text (docs/privacy.md).
     Generate inside `threads.compute_threads_pinned()`, as the client commands do, so that the thread
     pool keeps a core per thread across the round trips' waits.
     """
@@ -91,9 +100,10 @@ class SplitClient:
         lm_head_precision: Precision | torch.dtype | None = None,
         drafter: str | Path | None = None,
         draft_model: str | Path | None = None,
+        attestation_policy: str | os.PathLike | AttestationPolicy | None = None,
     ) -> None:
+        self.connection = _with_policy(connection, attestation_policy, server)  # before any model work
         self.files = ModelFiles(model)
-        self.connection = connection  # TLS, token, reconnection deadline and fallback servers
         self.precision = fastest() if precision is None else Precision.of(precision)
         self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, drafter, draft_model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
@@ -164,6 +174,21 @@ class SplitClient:
         if gen is None:
             gen = Generation(self.encode_prompt(prompt, chat))
         return gen
+
+
+def _with_policy(
+    connection: ConnectionOptions | None, policy: str | os.PathLike | AttestationPolicy | None, server: str | None
+) -> ConnectionOptions | None:
+    """The connection options with the attestation policy loaded into them (PolicyError if it is unusable)."""
+    if policy is None:
+        return connection
+    if server is None:
+        raise ValueError("an attestation policy verifies a server: it needs a server URL, not the in-process middle")
+    policy = policy if isinstance(policy, AttestationPolicy) else AttestationPolicy.load(policy)
+    if policy.simulated:
+        log.warning("the attestation policy %s trusts a SIMULATED vendor: its evidence proves nothing and protects "
+                    "nothing (for tests and development only)", policy.source)
+    return dataclasses.replace(connection or ConnectionOptions(), attestation=policy)
 
 
 class Conversation:

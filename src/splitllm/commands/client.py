@@ -38,6 +38,7 @@ def client(
     fallback: Annotated[Optional[list[str]], typer.Option(help="another server to fail over to (repeatable)")] = None,
     reconnect_deadline_s: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
     drafter: Annotated[Optional[str], typer.Option(help="drafter folder (`splitllm draft train`); default: the shipped one")] = None,
+    attestation_policy: Annotated[Optional[str], typer.Option(help="JSON policy a confidential server must prove it meets before any hidden state is sent; frames are then sealed (docs/confidential.md). Without it the server's operator can read the states")] = None,
     draft_model: Annotated[Optional[str], typer.Option(help="a smaller model with this one's tokenizer (an alias, folder or .gguf), run whole on the client, that drafts in place of the drafter (default: the model's packaged one, as qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; none: none)")] = None,
 ) -> Any:
     """The SplitClient that the model and connection options of every client command describe."""
@@ -57,7 +58,7 @@ def client(
         )
     return SplitClient(
         model, server, head, tail, wire_dtype, precision=layers, lm_head_precision=lm_head, connection=options,
-        drafter=drafter, draft_model=draft_model,
+        drafter=drafter, draft_model=draft_model, attestation_policy=attestation_policy,
     )
 
 
@@ -83,7 +84,7 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
 ) -> None:
     """Generate text, streaming it, then a one-line summary of where the time went."""
-    from splitllm.client.remote import ServerError
+    from splitllm.client.connection import CLIENT_ERRORS
     from splitllm.threads import compute_threads_pinned
 
     gen = None
@@ -95,7 +96,7 @@ def generate(
                     sys.stdout.write(gen.text[len(printed) :])
                     sys.stdout.flush()
                     printed = gen.text
-    except (ValueError, ServerError, OSError) as exc:
+    except CLIENT_ERRORS as exc:
         typer.echo("", err=True)
         fail(exc, code=1)
     assert gen is not None

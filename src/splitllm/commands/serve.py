@@ -91,6 +91,8 @@ def serve(
     host: str = "127.0.0.1",
     port: Port = 8765,
     threads: Threads = None,
+    attestation: Annotated[str, typer.Option(help="evidence offered to clients: none, sev-snp or tdx (from this confidential VM's firmware), or simulated (docs/confidential.md)")] = "none",
+    attestation_sim: Annotated[Optional[str], typer.Option(help="folder of `splitllm attest sim-init` (--attestation simulated)")] = None,
     log_format: Annotated[str, typer.Option(help="text or json")] = "text",
     engine: Annotated[str, typer.Option(help="uvicorn (one process) or ray (Ray Serve replicas)")] = "uvicorn",
     replicas: Annotated[int, typer.Option(help="Ray Serve replicas (--engine ray)")] = 1,
@@ -123,11 +125,15 @@ def serve(
     try:
         settings = ServerSettings(
             head=head, tail=tail, dtype=precision.dtype, quant=precision.quant, device=precision.device,
-            operators=access.operators, **limits, **batching,
+            operators=access.operators, attestation=attestation, attestation_sim=attestation_sim, **limits, **batching,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if engine == "ray":
+        from splitllm.attestation.evidence import load_attester
+
+        with reported(ValueError, OSError):  # here, before any replica starts
+            load_attester(settings.attestation, settings.attestation_sim)
         _serve_on_ray(model, settings, access, threads, log_format, replicas, host, port, ray_address)
         return
     with reported(ValueError, OSError):
@@ -135,11 +141,24 @@ def serve(
         server = MiddleServer(model, settings, tokens)
     scheme = "wss" if access.tls else "ws"
     typer.echo(f"serving layers [{server.start}, {server.end}) on {scheme}://{host}:{port}/ws", err=True)
+    _say_confidentiality(settings)
     if tokens is None:
         typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
     elif access.tls is None and not is_loopback(host):
         typer.echo(f"warning: tokens will cross the network in clear text to {host}; use --tls-cert or a tunnel", err=True)
     uvicorn.Server(uvicorn_config(server, host, port, access.tls)).run()
+
+
+def _say_confidentiality(settings: Any) -> None:
+    """Said once at start: who can read the hidden states this server receives."""
+    if settings.attestation == "none":
+        typer.echo("warning: no --attestation: this server's operator can read the hidden states clients send, "
+                   "which are as good as their text (docs/privacy.md)", err=True)
+    elif settings.attestation == "simulated":
+        typer.echo("warning: --attestation simulated: the evidence is signed by a simulated vendor and protects "
+                   "nothing (tests and development only)", err=True)
+    else:
+        typer.echo(f"confidential: {settings.attestation} evidence for every client; sessions are sealed", err=True)
 
 
 def _serve_on_ray(
@@ -165,6 +184,7 @@ def _serve_on_ray(
             typer.echo(f"serving on {replicas} Ray Serve replica(s) at {scheme}://{host}:{port}/ws", err=True)
             if access.tokens_file is None:
                 typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
+            _say_confidentiality(settings)
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:

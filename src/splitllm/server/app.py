@@ -29,6 +29,9 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from splitllm import wire
+from splitllm.attestation.evidence import load_attester
+from splitllm.attestation.handshake import answer
+from splitllm.attestation.sealing import SealedChannel, SealError
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.server.auth import ANONYMOUS, TokenTable
@@ -50,6 +53,7 @@ class MiddleServer:
     """
 
     def __init__(self, model: str | None, settings: ServerSettings, tokens: TokenTable | None = None) -> None:
+        self.attester = load_attester(settings.attestation, settings.attestation_sim)  # before any model work
         self.compute = ComputeThread()  # every request's math runs here, so the weights load (or convert) here too
         self.files = self.compute.run(ModelFiles, model)
         cfg = self.files.config
@@ -101,6 +105,7 @@ class MiddleServer:
             "fingerprint": self.fingerprint,
             "layers": [self.start, self.end],
             "precision": self.settings.precision.name,
+            "attestation": self.settings.attestation,
         }
         if principal is None:
             return out
@@ -188,6 +193,7 @@ class MiddleServer:
     async def _serve(self, ws: WebSocket, conn: int, principal: str) -> str:
         """Answer one request at a time until the peer leaves, goes idle or stops taking replies."""
         s = self.settings
+        channel: SealedChannel | None = None
         while True:
             try:
                 received = await asyncio.wait_for(ws.receive(), s.idle_timeout_s)
@@ -199,14 +205,58 @@ class MiddleServer:
             if message is None:  # a text frame: the protocol is binary
                 return await self._close(ws, 1003, "binary frames only")
             self.metrics.bytes_in.labels(principal).inc(len(message))
-            reply = await self.compute.run_async(self._reply, conn, principal, message, self._alone())
-            if isinstance(reply, PreparedStep):
-                reply = await self._batcher_for_loop().submit(reply)  # type: ignore[union-attr]
+            if channel is not None:
+                try:
+                    message = channel.open(message)
+                except SealError as exc:  # tampered, replayed or reordered: the connection and its sessions end
+                    self.metrics.errors.labels(f"sealed_{exc.check}", principal).inc()
+                    event("sealed_frame_refused", logging.WARNING, connection=conn, check=exc.check)
+                    return await self._close(ws, 1008, str(exc)[:120])
+                reply = await self._answer(conn, principal, message)
+                reply = channel.seal(reply)
+            elif self.attester is not None:  # a confidential server answers nothing but the handshake in the clear
+                reply, channel = await self._attest(conn, principal, message)
+            else:
+                reply = await self._answer(conn, principal, message)
             try:
                 await asyncio.wait_for(ws.send_bytes(reply), s.send_timeout_s)
             except TimeoutError:
                 return "stalled"  # the peer does not read: free its sessions now
             self.metrics.bytes_out.labels(principal).inc(len(reply))
+
+    async def _answer(self, conn: int, principal: str, message: bytes) -> bytes:
+        reply = await self.compute.run_async(self._reply, conn, principal, message, self._alone())
+        if isinstance(reply, PreparedStep):
+            reply = await self._batcher_for_loop().submit(reply)  # type: ignore[union-attr]
+        return reply
+
+    async def _attest(self, conn: int, principal: str, message: bytes) -> tuple[bytes, SealedChannel | None]:
+        """The `evidence` for an `attest` request and the channel that seals the rest of the connection; an
+        error frame for anything else."""
+        request_id = None
+        try:
+            frame = wire.decode(message)
+            request_id = frame.header.get("id")
+            if frame.header["op"] != "attest":
+                raise ProtocolError("attestation_required", "this server runs in a confidential VM and serves sealed "
+                                    "sessions only: attest it first (--attestation-policy)")
+            if frame.header.get("version") != wire.PROTOCOL_VERSION:
+                raise ProtocolError("version_mismatch", f"server speaks protocol {wire.PROTOCOL_VERSION}, got {frame.header.get('version')!r}")
+            try:
+                evidence, channel = await asyncio.to_thread(
+                    answer, frame.header, self.attester, self.fingerprint, (self.start, self.end), wire.PROTOCOL_VERSION
+                )
+            except ValueError as exc:
+                raise ProtocolError("bad_request", str(exc)) from None
+            except (OSError, RuntimeError) as exc:  # the firmware did not answer: this request fails, the server goes on
+                log.exception("no attestation report", extra={"fields": {"connection": conn}})
+                raise ProtocolError("evidence_unavailable", f"the server could not obtain a report: {exc}") from None
+        except ProtocolError as exc:
+            self.metrics.errors.labels(exc.code, principal).inc()
+            event("request_refused", logging.DEBUG, connection=conn, code=exc.code)
+            return wire.error_frame(request_id, exc.code, exc.message), None
+        event("attested", connection=conn, principal=principal, platform=evidence.platform)
+        return wire.encode(evidence.header(request_id)), channel
 
     async def _close(self, ws: WebSocket, code: int, reason: str) -> str:
         """Close with `code` (a peer that does not take the close frame is dropped anyway); return why."""
@@ -239,11 +289,17 @@ class MiddleServer:
                 while (reply := self.steps.run([prepared])[0]) is None:
                     pass
                 return reply
+            if op == "attest":
+                raise ProtocolError(
+                    "attestation_unavailable" if self.attester is None else "already_attested",
+                    "this server runs without --attestation: it offers no evidence, and its operator can read the "
+                    "hidden states" if self.attester is None else "this connection is already attested and sealed",
+                )
             if op == "close":
                 self.sessions.get(frame.header.get("session"), conn, principal)
                 self.sessions.close(frame.header["session"], "closed by client")
                 return wire.encode({"op": "closed", "id": request_id})
-            raise ProtocolError("unknown_op", f"unknown op {op!r}; expected open, step or close")
+            raise ProtocolError("unknown_op", f"unknown op {op!r}; expected attest, open, step or close")
         except ProtocolError as exc:
             self.metrics.errors.labels(exc.code, principal).inc()
             event("request_refused", logging.DEBUG, connection=conn, code=exc.code)

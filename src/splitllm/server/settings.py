@@ -39,6 +39,8 @@ class ServerSettings:
     handshake_timeout_s: float = 10.0  # a request head not complete this long after connecting is dropped
     max_header_bytes: int = 16 << 10  # request line plus headers
     max_header_lines: int = 64
+    attestation: str = "none"  # evidence the server offers: none, sev-snp, tdx or simulated (docs/confidential.md)
+    attestation_sim: str | None = None  # the folder of `splitllm attest sim-init`, with attestation="simulated"
 
     def __post_init__(self) -> None:
         for name in ("max_nodes_per_step", "max_batch_rows", "slice_rows", "slice_above"):

@@ -1,0 +1,38 @@
+"""`splitllm attest`: the simulated vendor that tests and development run a confidential server with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from splitllm.commands.options import reported
+
+app = typer.Typer(no_args_is_help=True, help="Attestation of a confidential server (docs/confidential.md).")
+
+
+@app.command("sim-init")
+def sim_init(
+    folder: Annotated[Path, typer.Argument(help="folder to write the simulated vendor, guest and policy.json into")],
+    product: Annotated[str, typer.Option(help="AMD product line the simulation imitates: milan, genoa or turin")] = "milan",
+) -> None:
+    """Write a SIMULATED SEV-SNP vendor chain, a guest measurement and a policy.json trusting exactly them.
+
+    `serve --attestation simulated --attestation-sim FOLDER` signs reports with it and a client with
+    `--attestation-policy FOLDER/policy.json` verifies them with the same code as genuine evidence.
+    Whoever holds the folder can sign anything: it protects nothing, and the policy says so.
+    """
+    from splitllm.attestation.policy import PRODUCTS
+    from splitllm.attestation.simulation import sim_init as write
+
+    if product not in PRODUCTS:
+        raise typer.BadParameter(f"--product must be one of {', '.join(PRODUCTS)}")
+    with reported(OSError):
+        policy = write(folder, product)
+    typer.echo(f"simulated vendor and guest in {folder}; clients use --attestation-policy {policy}")
+    typer.echo("warning: a simulated vendor protects nothing: for tests and development only", err=True)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="attest")
