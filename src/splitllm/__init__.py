@@ -1,4 +1,4 @@
-"""Private LLM inference split between a trusted client and an untrusted server.
+"""LLM inference split between a device and a server; confidential with an attested server (docs/confidential.md).
 
 The public classes load lazily, so `import splitllm` (and the server, which needs none of them)
 stays free of the tokenizer and model imports.

@@ -105,7 +105,8 @@ def serve(
     batching: dict[str, Any],
     access: Access,
 ) -> None:
-    """Run the middle layers behind a WebSocket endpoint (never loads embedding or LM head)."""
+    """Run the middle layers behind a WebSocket endpoint (never loads embedding or LM head); without
+    --attestation its operator can read the hidden states clients send."""
     import uvicorn
 
     from splitllm.server.app import MiddleServer

@@ -1,1 +1,1 @@
-"""The untrusted side: the middle layers behind a WebSocket endpoint."""
+"""The server side: the middle layers behind a WebSocket endpoint, optionally attested and sealed."""
