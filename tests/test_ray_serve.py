@@ -1,6 +1,8 @@
 """Ray Serve scale-out on a local CPU-only Ray cluster started here: 2 replicas of the default model's
 middle layers behind one HTTP address, 8 concurrent clients, and a replica killed mid-generation
-whose clients must reconnect and lose nothing."""
+whose clients must reconnect and lose nothing. The replicas are attested (the simulated vendor) and
+every client verifies them and seals its frames, so Ray's HTTP proxy carries only ciphertext and a
+reconnect attests afresh; the plain path differs only by not sealing (tests/test_confidential.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from protocol_client import greedy
 
+from splitllm.attestation.policy import AttestationPolicy
+from splitllm.attestation.simulation import sim_init
 from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
 from splitllm.lab.launch import free_port
@@ -26,11 +30,21 @@ MAX_NODES = 16  # the replicas' positions per step: the longer prompts go as sev
 
 
 @pytest.fixture(scope="module")
-def ray_url(default_files):  # type: ignore[no-untyped-def]
-    """ws:// address of a 2-replica deployment (each replica: one compute thread, no CPU reservation)."""
+def vendor(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("vendor")
+    sim_init(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ray_url(default_files, vendor):  # type: ignore[no-untyped-def]
+    """ws:// address of a 2-replica attested deployment (each replica: one compute thread, no CPU reservation)."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
     port = free_port()
-    settings = ServerSettings(head=HEAD, tail=TAIL, max_sessions=16, max_nodes_per_step=MAX_NODES)
+    settings = ServerSettings(
+        head=HEAD, tail=TAIL, max_sessions=16, max_nodes_per_step=MAX_NODES, attestation="simulated",
+        attestation_sim=str(vendor),
+    )
     spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=settings)
     try:
         ray_deployment.start(spec, replicas=2, host="127.0.0.1", port=port, cpus_per_replica=0)
@@ -52,26 +66,28 @@ def expected(default_files, server, local_model, split_greedy, prompts) -> list[
     return [split_greedy(local, url, p, NEW) for p in prompts]
 
 
-def _middle(url: str, files, prompt: list[int]) -> RemoteMiddle:  # type: ignore[no-untyped-def]
+def _middle(url: str, files, prompt: list[int], policy: AttestationPolicy) -> RemoteMiddle:  # type: ignore[no-untyped-def]
     layers = (HEAD, files.config.num_layers - TAIL)
-    return RemoteMiddle(url, files.fingerprint, layers, "float32", len(prompt) + NEW, ConnectionOptions(deadline_s=120))
+    options = ConnectionOptions(deadline_s=120, attestation=policy)
+    return RemoteMiddle(url, files.fingerprint, layers, "float32", len(prompt) + NEW, options)
 
 
-def _run_clients(url, files, local, prompts, after_token=None) -> tuple[list[list[int]], list[RemoteMiddle]]:  # type: ignore[no-untyped-def]
-    middles = [_middle(url, files, p) for p in prompts]
+def _run_clients(url, files, local, prompts, vendor, after_token=None) -> tuple[list[list[int]], list[RemoteMiddle]]:  # type: ignore[no-untyped-def]
+    policy = AttestationPolicy.load(vendor / "policy.json")
+    middles = [_middle(url, files, p, policy) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(greedy, local, m, p, NEW, after_token) for m, p in zip(middles, prompts)]
         return [f.result(timeout=600) for f in futures], middles
 
 
-def test_two_replicas_serve_eight_concurrent_clients(ray_url, default_files, local_model, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+def test_two_replicas_serve_eight_concurrent_clients(ray_url, default_files, local_model, prompts, expected, vendor) -> None:  # type: ignore[no-untyped-def]
     assert len(ray_deployment.replica_actor_names()) == 2
-    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts)
+    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts, vendor)
     assert got == expected
     assert sum(m.reconnects for m in middles) == 0
 
 
-def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files, local_model, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files, local_model, prompts, expected, vendor) -> None:  # type: ignore[no-untyped-def]
     victim = ray_deployment.replica_actor_names()[0]
     killed = threading.Event()
     lock = threading.Lock()
@@ -84,7 +100,7 @@ def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files,
                     ray_deployment.kill_replica(victim)
                     killed.set()
 
-    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts,
+    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts, vendor,
                                 kill_once)
     assert killed.is_set()
     assert got == expected
@@ -94,11 +110,12 @@ def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files,
     assert victim not in ray_deployment.replica_actor_names()
 
 
-def test_a_prompt_three_times_max_nodes_on_ray(ray_url, default_files, server, local_model, split_greedy, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_a_prompt_three_times_max_nodes_on_ray(ray_url, default_files, server, local_model, split_greedy, random_ids, vendor) -> None:  # type: ignore[no-untyped-def]
     prompt = random_ids(3 * MAX_NODES + 5, seed=7, vocab=49152)
     local = local_model(str(default_files.path), HEAD, TAIL)
     want = split_greedy(local, server(str(default_files.path), HEAD, TAIL).url, prompt, 8)  # one step, unsplit
-    assert greedy(local, _middle(ray_url, default_files, prompt), prompt, 8) == want[:8]
+    policy = AttestationPolicy.load(vendor / "policy.json")
+    assert greedy(local, _middle(ray_url, default_files, prompt, policy), prompt, 8) == want[:8]
 
 
 def test_every_limit_is_settable_and_public_addresses_need_tokens(default_files) -> None:  # type: ignore[no-untyped-def]

@@ -162,6 +162,38 @@ def speculation(
 app.command("speculation")(with_options(sampling=sampling)(speculation))
 
 
+@app.command("confidential")
+def confidential(
+    model: Annotated[str, typer.Option(help="comma-separated models")] = "default,qwen2.5-coder-1.5b",
+    rtt_ms: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
+    prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 1,
+    max_new_tokens: int = 64,
+    decode: Annotated[str, typer.Option(help="decoding mode of both runs")] = "auto",
+    cores: Annotated[str, typer.Option(help="halves: each side on its own half of the cores; alternate: both on all")] = "halves",
+    out: Annotated[str, typer.Option(help="folder for confidential.json and confidential.md")] = "results",
+    publish: Annotated[bool, typer.Option(help="also write docs/results/confidential.json and regenerate docs/confidential.md's table")] = False,
+) -> None:
+    """What an attested, sealed session costs against the same split in the clear: tok/s, handshake, sealing."""
+    import json
+
+    from splitllm.lab import results
+    from splitllm.lab.bench.confidential import markdown, run_confidential
+
+    if decode not in DECODERS:
+        raise typer.BadParameter(f"--decode is one of {', '.join(DECODERS)}")
+    models = tuple(m.strip() for m in model.split(",") if m.strip())
+    result = {"provenance": results.provenance(_command())}
+    result |= run_confidential(models, numbers(rtt_ms, float), prompts_per_category, max_new_tokens, decode, cores, _progress)
+    table = markdown(result)
+    for folder in (Path(out), results.RESULTS) if publish else (Path(out),):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "confidential.json").write_text(json.dumps(result, indent=1) + "\n")
+        (folder / "confidential.md").write_text(table)
+    if publish:
+        results.update_doc(results.CHECKOUT / "docs" / "confidential.md", "confidential", table)
+    typer.echo(table)
+
+
 @app.command("exactness")
 def exactness(
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
