@@ -105,6 +105,24 @@ def test_bad_requests_get_openai_errors(api: openai.OpenAI) -> None:
     assert _chat(api, logprobs=False).choices[0].message.content
 
 
+def test_a_field_the_endpoint_cannot_honour_is_a_400_naming_it(api: openai.OpenAI) -> None:
+    """Never a reply that silently did without what was asked for."""
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    refused = [
+        ({"tools": [tool]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"extra_body": {"beam_width": 4}}, "beam_width"),
+    ]
+    for fields, name in refused:
+        with pytest.raises(openai.BadRequestError, match=name):
+            _chat(api, **fields)
+    with pytest.raises(openai.BadRequestError, match="name"):
+        api.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION, "name": "bob"}], max_tokens=2)
+    honoured = _chat(api, max_tokens=2, response_format={"type": "text"}, frequency_penalty=0, user="u1")
+    assert honoured.choices[0].finish_reason in ("stop", "length")
+
+
 def test_a_developer_message_is_a_system_message(api: openai.OpenAI) -> None:
     def ask(role: str) -> str:
         messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": QUESTION}]

@@ -33,10 +33,20 @@ from splitllm.threads import ComputeThread
 DEFAULT_MAX_TOKENS = 256
 
 
-class _Request(BaseModel):
-    """Fields shared by both completion kinds; unknown OpenAI fields are ignored."""
+class _TextFormat(BaseModel):
+    """`response_format`: plain text only. JSON modes need constrained decoding this endpoint does not
+    have, and free text where JSON was asked for would break the caller later: refused instead."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+
+
+class _Request(BaseModel):
+    """Fields shared by both completion kinds. A field the endpoint cannot honour (an unknown one,
+    `tools`, a JSON `response_format`, a penalty other than 0) is a 400 naming it, never dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -50,6 +60,10 @@ class _Request(BaseModel):
     stream_options: dict[str, Any] | None = None
     n: Literal[1] = 1
     logprobs: Literal[False] | None = None  # asked for, they would be silently missing: refused instead
+    presence_penalty: Literal[0] | None = None  # OpenAI's penalties are not implemented: only their no-op value
+    frequency_penalty: Literal[0] | None = None
+    response_format: _TextFormat | None = None
+    user: str | None = None  # an end-user id for the provider's abuse monitoring: changes no output
     decode: str | None = None
 
     def sampling(self) -> SamplingParams:
@@ -71,7 +85,7 @@ class _Request(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # `name`, `tool_calls`, ...: refused, not dropped
 
     role: Literal["system", "developer", "user", "assistant"]  # no tools; "developer" is OpenAI's newer "system"
     content: str | list[dict[str, Any]] | None = None
