@@ -121,8 +121,8 @@ def test_clopper_pearson_matches_known_bounds() -> None:
 
 
 def test_docs_tables_match_the_committed_report() -> None:
-    """README.md and docs/privacy.md carry the tables `splitllm privacy docs` generates from the
-    committed report; editing either by hand, or committing a new report without regenerating, fails."""
+    """docs/privacy.md carries the tables `splitllm privacy docs` generates from the committed
+    report; editing them by hand, or committing a new report without regenerating, fails."""
     root = Path(__file__).resolve().parents[1]
     report = load(root / PUBLISHED / "report.json")
     for name in DOCS:

@@ -34,7 +34,7 @@ def audit(
     long_windows: Annotated[Optional[int], typer.Option(help="whole long contexts the white-box search also inverts (default: 2)")] = None,
     whitebox_max_candidates: Annotated[int, typer.Option(help="white-box candidates per position on defended states at most (0: whole vocabulary)")] = 8192,
     whitebox_exhaustive_positions: Annotated[Optional[int], typer.Option(help="positions per window searched over the whole vocabulary for collisions (default: 4; --reduced: 1; each costs a forward of every token through the first K layers)")] = None,
-    update_docs: Annotated[bool, typer.Option(help="also publish the report to docs/privacy-audit and regenerate the README and docs tables")] = False,
+    update_docs: Annotated[bool, typer.Option(help="also publish the report to docs/privacy-audit and regenerate the tables in docs/privacy.md")] = False,
     threads: Annotated[int, typer.Option(help="compute threads")] = 1,
 ) -> None:
     """Train and run token-recovery attacks at each split depth, measure defenses, write a report."""
@@ -109,7 +109,7 @@ def private_head(
 def docs(
     report: Annotated[Optional[str], typer.Argument(help="the report.json to generate the tables from (default: the published one)")] = None,
 ) -> None:
-    """Regenerate the privacy tables in the checkout's README.md and docs/privacy.md from a report."""
+    """Regenerate the privacy tables in the checkout's docs/privacy.md from a report."""
     from splitllm.lab import CHECKOUT
     from splitllm.lab.privacy.published import PUBLISHED, update_docs
 

@@ -1,6 +1,6 @@
 """The committed report and the docs generated from it.
 
-The tables in README.md and docs/privacy.md are generated from a committed report.json, between
+The tables in docs/privacy.md are generated from a committed report.json, between
 `<!-- privacy-audit:NAME -->` and `<!-- /privacy-audit:NAME -->` markers (`update_docs`); a test
 fails when they drift from it.
 """
@@ -15,7 +15,7 @@ from splitllm.lab import CHECKOUT
 from splitllm.lab.privacy.report_tables import results, summary_table
 
 PUBLISHED = CHECKOUT / "docs" / "privacy-audit"  # the committed report the docs are generated from
-DOCS = ("README.md", "docs/privacy.md")
+DOCS = ("docs/privacy.md",)
 
 
 def blocks(r: dict) -> dict[str, str]:
@@ -46,7 +46,7 @@ def load(report_json: Path) -> dict:
 
 
 def update_docs(report_json: Path, root: Path) -> list[Path]:
-    """Regenerate the marked blocks of README.md and docs/privacy.md; returns the files changed."""
+    """Regenerate the marked blocks of docs/privacy.md; returns the files changed."""
     r = load(Path(report_json))
     changed = []
     for name in DOCS:

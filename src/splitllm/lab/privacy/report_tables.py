@@ -1,5 +1,5 @@
 """The audit's report as Markdown: a table per attack and defense, the results section docs/privacy.md
-carries, the README's summary, and report.md."""
+carries, its summary by head depth, and report.md."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def lowrank_table(rows: list[dict]) -> str:
 
 
 def summary_table(r: dict) -> str:
-    """The README's table: leakage by head depth K, with 95% intervals."""
+    """The summary table (docs/privacy.md): leakage by head depth K, with 95% intervals."""
     rows = r["input_side"]
     return _table(
         ["client layers before sending (K)"] + [str(x["K"]) for x in rows],
