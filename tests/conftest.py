@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 import threading
-import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
 from protocol_client import greedy
 from transformers import (
     AutoModelForCausalLM,
@@ -32,7 +30,7 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.draft.model import Drafter, drafter_config
-from splitllm.lab.launch import ServerThread, free_port
+from splitllm.lab.launch import ServerThread
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
 from splitllm.server.app import MiddleServer
@@ -278,19 +276,3 @@ def stage_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, str]]
     monkeypatch.setattr(Stage, "load", classmethod(spy_load))
     monkeypatch.setattr(Stage, "forward_many", spy_forward)
     return seen
-
-
-@contextmanager
-def serve_http(app: object) -> Iterator[str]:
-    """An ASGI app served by uvicorn on a free loopback port, in a thread: yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
-from conftest import serve_http
+from splitllm.lab.launch import serve_http
 from transformers import TextIteratorStreamer, TextStreamer
 
 from splitllm.api.hf import SplitModelForCausalLM
@@ -121,6 +121,24 @@ def test_a_field_the_endpoint_cannot_honour_is_a_400_naming_it(api: openai.OpenA
         api.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION, "name": "bob"}], max_tokens=2)
     honoured = _chat(api, max_tokens=2, response_format={"type": "text"}, frequency_penalty=0, user="u1")
     assert honoured.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_follow_up_request_continues_its_conversation(api: openai.OpenAI, split_client: SplitClient) -> None:
+    """Two chats interleaved, each re-sending its whole history: each follow-up goes on in its own
+    conversation (reading only its new tokens) and answers as a fresh request of that history would."""
+    chats = [[{"role": "user", "content": q}] for q in ("My name is Ada.", "Count to three.")]
+    for messages in chats:
+        reply = api.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "Say that again, shorter."}]
+    for messages in chats:
+        follow_up = api.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+        ext = follow_up.model_extra["splitllm"]
+        assert 0 < ext["reused_prompt_tokens"] < follow_up.usage.prompt_tokens
+        assert ext["prompt_tokens"] == follow_up.usage.prompt_tokens - ext["reused_prompt_tokens"]
+        prompt = split_client.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        fresh = split_client.generate(split_client.tokenizer(prompt, add_special_tokens=False)["input_ids"], 12)
+        assert follow_up.choices[0].message.content == fresh.text
 
 
 def test_a_developer_message_is_a_system_message(api: openai.OpenAI) -> None:

@@ -252,3 +252,16 @@ def test_the_commands_refuse_without_evidence(server, tmp_path, sim) -> None:  #
     )
     assert out.returncode == 1 and "attestation failed (evidence)" in out.stderr and "no hidden state was sent" in out.stderr
     assert "SIMULATED vendor" in out.stderr
+
+
+def test_the_python_apis_take_a_policy(server, sim) -> None:  # type: ignore[no-untyped-def]
+    from splitllm.api.hf import SplitModelForCausalLM
+
+    sealed = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(sim)).url
+    plain = server(None, HEAD, TAIL).url
+    ids = [[1, 504, 3458, 314]]
+    want = SplitModelForCausalLM.from_pretrained(None, plain).generate(ids, max_new_tokens=6)
+    model = SplitModelForCausalLM.from_pretrained(None, sealed, attestation_policy=sim / "policy.json")
+    assert torch.equal(model.generate(ids, max_new_tokens=6), want)
+    with pytest.raises(ValueError, match="needs a server URL"):
+        SplitModelForCausalLM.from_pretrained(None, None, attestation_policy=sim / "policy.json")

@@ -5,6 +5,9 @@ remote server still receives only hidden states. One generation runs at a time: 
 are the bottleneck, so requests queue on a lock. Beyond OpenAI's fields a request may set `top_k`,
 `repetition_penalty` and `decode` (the decoding mode); every response carries `splitllm`, the
 generation's step statistics (streamed: each chunk carries its step's, the last one the summary).
+A request that continues a conversation an earlier request left (the whole history re-sent, as chat
+clients do) goes on in that conversation's server session and caches and reads only its new tokens
+(`client.conversations`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitllm.client.connection import CLIENT_ERRORS
+from splitllm.client.conversations import ConversationCache, ReuseLimits
 from splitllm.client.session import Generation, SplitClient
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, check_mode
 from splitllm.decoding.sampling import SamplingParams
@@ -126,17 +130,15 @@ def _error(exc: BaseException) -> _APIError:
     return _APIError(502, f"split server: {exc}", "upstream_error")
 
 
-def _extension(gen: Generation, decode: str) -> dict[str, Any]:
+def _extension(gen: Generation, decode: str, reused: int) -> dict[str, Any]:
+    """splitllm's statistics of a generation; `reused_prompt_tokens`: prompt tokens an earlier request of
+    the same conversation had already read (`prompt_tokens` counts only the rest)."""
     summary = gen.summary()
-    return {"decode": decode, **{k: v for k, v in summary.items() if k not in ("text", "ids")}}
+    return {"decode": decode, "reused_prompt_tokens": reused, **{k: v for k, v in summary.items() if k not in ("text", "ids")}}
 
 
-def _usage(gen: Generation) -> dict[str, int]:
-    return {
-        "prompt_tokens": len(gen.prompt_ids),
-        "completion_tokens": len(gen.ids),
-        "total_tokens": len(gen.prompt_ids) + len(gen.ids),
-    }
+def _usage(prompt: list[int], gen: Generation) -> dict[str, int]:
+    return {"prompt_tokens": len(prompt), "completion_tokens": len(gen.ids), "total_tokens": len(prompt) + len(gen.ids)}
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -146,9 +148,12 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class OpenAIEndpoint:
     """The routes' logic over one SplitClient; `create_app` wires it into FastAPI."""
 
-    def __init__(self, client: SplitClient, model_name: str, decode: str, compute: ComputeThread) -> None:
+    def __init__(
+        self, client: SplitClient, model_name: str, decode: str, compute: ComputeThread, reuse: ReuseLimits
+    ) -> None:
         self.client, self.model_name, self.decode = client, model_name, check_mode(decode)
         self.compute = compute
+        self.conversations = ConversationCache(client, reuse)  # used on the compute thread, under the lock
         self.created = int(time.time())
         self.lock = asyncio.Lock()
 
@@ -158,14 +163,15 @@ class OpenAIEndpoint:
             "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitllm"}],
         }
 
-    def _start(self, prompt: list[int], req: _Request) -> tuple[str, Iterator[tuple[Generation, Any]]]:
-        """Validate a request up front (so errors come back as 400s before any streaming starts)."""
+    def _start(self, prompt: list[int], req: _Request) -> tuple[str, Iterator[tuple[Generation, Any, int]]]:
+        """Validate a request up front (so errors come back as 400s before any streaming starts); the
+        generation continues the kept conversation the prompt extends, if any."""
         try:
             decode = check_mode(req.decode or self.decode)
             sampling = req.sampling()
         except ValueError as exc:
             raise _APIError(400, str(exc)) from None
-        return decode, self.client.stream(prompt, req.new_tokens(), decode, False, sampling, req.stops())
+        return decode, self.conversations.stream(prompt, req.new_tokens(), decode, sampling, req.stops())
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         tok = self.client.tokenizer
@@ -181,14 +187,14 @@ class OpenAIEndpoint:
     async def complete(self, prompt: list[int], req: _Request, chat: bool) -> dict[str, Any]:
         decode, steps = self._start(prompt, req)
         async with self.lock:
-            gen = await self.compute.run_async(_last, steps)
+            gen, reused = await self.compute.run_async(_last, steps)
         reply = self._head(chat, False)
         if chat:
             message = {"role": "assistant", "content": gen.text}
             reply["choices"] = [{"index": 0, "message": message, "finish_reason": gen.finish_reason}]
         else:
             reply["choices"] = [{"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}]
-        return {**reply, "usage": _usage(gen), "splitllm": _extension(gen, decode)}
+        return {**reply, "usage": _usage(prompt, gen), "splitllm": _extension(gen, decode, reused)}
 
     async def stream(self, prompt: list[int], req: _Request, chat: bool) -> AsyncIterator[bytes]:
         decode, steps = self._start(prompt, req)
@@ -200,20 +206,20 @@ class OpenAIEndpoint:
 
         async def events() -> AsyncIterator[bytes]:
             async with self.lock:
-                gen, sent = None, ""
+                gen, sent, reused = None, "", 0
                 try:
                     if chat:
                         yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
                     while (item := await self.compute.run_async(next, steps, None)) is not None:
-                        gen, out = item
+                        gen, out, reused = item
                         if gen.finish_reason is None:  # every step, so a viewer sees each round trip
                             yield _sse(chunk(gen.text[len(sent) :], splitllm={"step": out.stats.as_dict()}))
                             sent = gen.text
                     assert gen is not None
-                    summary = {**_extension(gen, decode), "step": gen.steps[-1].as_dict()}
+                    summary = {**_extension(gen, decode, reused), "step": gen.steps[-1].as_dict()}
                     yield _sse(chunk(gen.text[len(sent) :], gen.finish_reason, splitllm=summary))
                     if (req.stream_options or {}).get("include_usage"):
-                        yield _sse({**head, "choices": [], "usage": _usage(gen)})
+                        yield _sse({**head, "choices": [], "usage": _usage(prompt, gen)})
                     yield _sse("[DONE]")
                 except CLIENT_ERRORS as exc:
                     yield _sse(_error(exc).body())
@@ -233,22 +239,24 @@ class OpenAIEndpoint:
         }
 
 
-def _last(steps: Iterator[tuple[Generation, Any]]) -> Generation:
-    gen = None
-    for gen, _ in steps:
+def _last(steps: Iterator[tuple[Generation, Any, int]]) -> tuple[Generation, int]:
+    gen, reused = None, 0
+    for gen, _, reused in steps:
         pass
     if gen is None:
         raise ValueError("the generation produced no step")
-    return gen
+    return gen, reused
 
 
 def create_app(
-    client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE, compute: ComputeThread | None = None
+    client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE, compute: ComputeThread | None = None,
+    reuse: ReuseLimits = ReuseLimits(),
 ) -> FastAPI:
     """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (streaming over SSE), and the
     web chat at / (its files under /static, its settings at /splitllm/info). Every generation runs on
-    `compute` (default: a new one), which should be the thread that loaded `client` (see ComputeThread)."""
-    endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode, compute or ComputeThread())
+    `compute` (default: a new one), which should be the thread that loaded `client` (see ComputeThread).
+    `reuse` bounds the conversations kept open so a follow-up request reads only its new tokens."""
+    endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode, compute or ComputeThread(), reuse)
     app = FastAPI(title="splitllm", summary="OpenAI-compatible endpoint over a split model")
     app.state.endpoint = endpoint
 

@@ -214,6 +214,18 @@ class Conversation:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def nbytes(self) -> int:
+        """Client memory this conversation's caches hold: its pipeline's and its draft models'."""
+        if self._pipeline is None:
+            return 0
+        caches = self._pipeline.caches
+        total = caches.head.nbytes + (caches.tail.nbytes if caches.tail is not None else 0)
+        for decoder in self._decoders.values():
+            proposer = getattr(decoder, "draft_model_proposer", None)
+            total += proposer.cache.nbytes if proposer is not None else 0
+        return total
+
     def close(self) -> None:
         """Drop the caches and close the server session; the next turn starts afresh."""
         if self._pipeline is not None and isinstance(self._pipeline.middle, RemoteMiddle):

@@ -139,17 +139,21 @@ def client_api(
     port: Port = 8000,
     decode: Decode = DEFAULT_DECODE,
     served_model_name: Annotated[Optional[str], typer.Option(help="the model id clients see")] = None,
+    max_conversations: Annotated[int, typer.Option(min=0, help="conversations kept open so a follow-up request reads only its new tokens (0: none)")] = 8,
+    max_conversation_gib: Annotated[float, typer.Option(min=0, help="client memory the kept conversations' caches may hold, GiB")] = 2.0,
 ) -> None:
     """A local web chat at / and an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
     /v1/models) over the split; a request's 'decode' overrides --decode."""
     import uvicorn
 
     from splitllm.api.openai import create_app
+    from splitllm.client.conversations import ReuseLimits
 
     split_client, compute = client
     where = split_client.server or "in-process middle"
     typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})", err=True)
-    app = create_app(split_client, served_model_name, decode, compute)
+    reuse = ReuseLimits(max_conversations, int(max_conversation_gib * (1 << 30)))
+    app = create_app(split_client, served_model_name, decode, compute, reuse)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 

@@ -69,6 +69,22 @@ class ServerThread:
         self._thread.join(timeout=10)
 
 
+@contextmanager
+def serve_http(app: object) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free loopback port, in a thread: yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def split_cores() -> tuple[set[int], set[int]]:
     """This process's cores in two halves (at least one each): a server's and a client's, so a benchmark
     on one machine gives each side cores of its own, as two machines would."""

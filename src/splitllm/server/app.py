@@ -252,9 +252,7 @@ class MiddleServer:
                 log.exception("no attestation report", extra={"fields": {"connection": conn}})
                 raise ProtocolError("evidence_unavailable", f"the server could not obtain a report: {exc}") from None
         except ProtocolError as exc:
-            self.metrics.errors.labels(exc.code, principal).inc()
-            event("request_refused", logging.DEBUG, connection=conn, code=exc.code)
-            return wire.error_frame(request_id, exc.code, exc.message), None
+            return self._refused(conn, principal, request_id, exc), None
         event("attested", connection=conn, principal=principal, platform=evidence.platform)
         return wire.encode(evidence.header(request_id)), channel
 
@@ -289,25 +287,28 @@ class MiddleServer:
                 while (reply := self.steps.run([prepared])[0]) is None:
                     pass
                 return reply
+            if op == "attest" and self.attester is None:
+                raise ProtocolError("attestation_unavailable", "this server runs without --attestation: it offers no "
+                                    "evidence, and its operator can read the hidden states")
             if op == "attest":
-                raise ProtocolError(
-                    "attestation_unavailable" if self.attester is None else "already_attested",
-                    "this server runs without --attestation: it offers no evidence, and its operator can read the "
-                    "hidden states" if self.attester is None else "this connection is already attested and sealed",
-                )
+                raise ProtocolError("already_attested", "this connection is already attested and sealed")
             if op == "close":
                 self.sessions.get(frame.header.get("session"), conn, principal)
                 self.sessions.close(frame.header["session"], "closed by client")
                 return wire.encode({"op": "closed", "id": request_id})
             raise ProtocolError("unknown_op", f"unknown op {op!r}; expected attest, open, step or close")
         except ProtocolError as exc:
-            self.metrics.errors.labels(exc.code, principal).inc()
-            event("request_refused", logging.DEBUG, connection=conn, code=exc.code)
-            return wire.error_frame(request_id, exc.code, exc.message, exc.code in RETRYABLE_CODES)
+            return self._refused(conn, principal, request_id, exc)
         except Exception as exc:  # never let one request take the server down
             self.metrics.errors.labels("internal", principal).inc()
             log.exception("internal error", extra={"fields": {"connection": conn}})
             return wire.error_frame(request_id, "internal", f"internal error: {type(exc).__name__}", retryable=True)
+
+    def _refused(self, conn: int, principal: str, request_id: Any, exc: ProtocolError) -> bytes:
+        """The error frame of a refused request, counted and logged."""
+        self.metrics.errors.labels(exc.code, principal).inc()
+        event("request_refused", logging.DEBUG, connection=conn, code=exc.code)
+        return wire.error_frame(request_id, exc.code, exc.message, exc.code in RETRYABLE_CODES)
 
     def _open(self, conn: int, principal: str, frame: wire.Frame) -> bytes:
         h = frame.header

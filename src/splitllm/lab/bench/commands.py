@@ -26,6 +26,27 @@ def _command() -> str:
     return shlex.join(["splitllm", *sys.argv[1:]])
 
 
+def _provenance() -> dict:
+    from splitllm.lab import results
+
+    return results.provenance(_command())
+
+
+def _write(result: dict, name: str, table: str, out: str, doc: str | None) -> None:
+    """NAME.json and NAME.md into `out`; with `doc`, also published under docs/results/ and into docs/DOC's block."""
+    import json
+
+    from splitllm.lab import results
+
+    for folder in (Path(out), results.RESULTS) if doc else (Path(out),):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (folder / f"{name}.md").write_text(table)
+    if doc:
+        results.update_doc(results.CHECKOUT / "docs" / doc, name, table)
+    typer.echo(table)
+
+
 @app.command("runtime")
 def runtime(
     out: Annotated[str, typer.Option(help="folder for runtime.json and runtime.md")] = "results",
@@ -168,30 +189,39 @@ def confidential(
     rtt_ms: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 1,
     max_new_tokens: int = 64,
-    decode: Annotated[str, typer.Option(help="decoding mode of both runs")] = "auto",
+    decode: Annotated[str, typer.Option(help="comma-separated decoding modes, each measured plain and sealed")] = "auto,sequential",
     cores: Annotated[str, typer.Option(help="halves: each side on its own half of the cores; alternate: both on all")] = "halves",
     out: Annotated[str, typer.Option(help="folder for confidential.json and confidential.md")] = "results",
     publish: Annotated[bool, typer.Option(help="also write docs/results/confidential.json and regenerate docs/confidential.md's table")] = False,
 ) -> None:
     """What an attested, sealed session costs against the same split in the clear: tok/s, handshake, sealing."""
-    import json
-
-    from splitllm.lab import results
     from splitllm.lab.bench.confidential import markdown, run_confidential
 
-    if decode not in DECODERS:
-        raise typer.BadParameter(f"--decode is one of {', '.join(DECODERS)}")
+    modes = tuple(m.strip() for m in decode.split(",") if m.strip())
+    if not modes or any(m not in DECODERS for m in modes):
+        raise typer.BadParameter(f"--decode takes modes among {', '.join(DECODERS)}")
     models = tuple(m.strip() for m in model.split(",") if m.strip())
-    result = {"provenance": results.provenance(_command())}
-    result |= run_confidential(models, numbers(rtt_ms, float), prompts_per_category, max_new_tokens, decode, cores, _progress)
-    table = markdown(result)
-    for folder in (Path(out), results.RESULTS) if publish else (Path(out),):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "confidential.json").write_text(json.dumps(result, indent=1) + "\n")
-        (folder / "confidential.md").write_text(table)
-    if publish:
-        results.update_doc(results.CHECKOUT / "docs" / "confidential.md", "confidential", table)
-    typer.echo(table)
+    result = {"provenance": _provenance()}
+    result |= run_confidential(models, numbers(rtt_ms, float), prompts_per_category, max_new_tokens, modes, cores, _progress)
+    _write(result, "confidential", markdown(result), out, "confidential.md" if publish else None)
+
+
+@app.command("conversation")
+def conversation(
+    model: Annotated[str, typer.Option(help="comma-separated models")] = "default,qwen2.5-coder-1.5b",
+    rtt_ms: RttMs = 80.0,
+    first_turn_tokens: Annotated[int, typer.Option(help="about this many tokens in the first turn (a pasted document)")] = 1500,
+    chats: Annotated[int, typer.Option(help="chats measured per model (after one that warms up)")] = 2,
+    cores: Annotated[str, typer.Option(help="halves: each side on its own half of the cores; alternate: both on all")] = "halves",
+    out: Annotated[str, typer.Option(help="folder for conversation.json and conversation.md")] = "results",
+    publish: Annotated[bool, typer.Option(help="also write docs/results/conversation.json and regenerate docs/usage.md's table")] = False,
+) -> None:
+    """A chat's follow-up turn through client-api: time to first token, continuing the conversation against fresh."""
+    from splitllm.lab.bench.conversation import markdown, run_conversation
+
+    models = tuple(m.strip() for m in model.split(",") if m.strip())
+    result = {"provenance": _provenance()} | run_conversation(models, rtt_ms, first_turn_tokens, chats, cores, _progress)
+    _write(result, "conversation", markdown(result), out, "usage.md" if publish else None)
 
 
 @app.command("exactness")

@@ -1,0 +1,56 @@
+"""Conversations kept between requests: which one a prompt continues, and the bounds on keeping them."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitllm.client.conversations import ConversationCache, ReuseLimits
+from splitllm.client.session import SplitClient
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client() -> SplitClient:
+    return SplitClient(None, head=2, tail=2)  # the middle in-process
+
+
+def _run(cache: ConversationCache, prompt: list[int], new: int = 4) -> tuple[list[int], int]:
+    items = list(cache.stream(prompt, new, "sequential"))
+    gen, _, held = items[-1]
+    return prompt + gen.ids, held
+
+
+def test_a_prompt_continues_the_conversation_it_extends_and_no_other(client: SplitClient) -> None:
+    cache = ConversationCache(client)
+    a, held = _run(cache, client.encode_prompt("Tell me about cats."))
+    assert held == 0
+    b, _ = _run(cache, client.encode_prompt("Tell me about dogs."))
+    continued, held = _run(cache, a + client.encode_prompt("And lions?"))
+    assert held == len(a)  # the whole of conversation a, nothing of b
+    fresh, _ = _run(ConversationCache(client, ReuseLimits(max_conversations=0)), a + client.encode_prompt("And lions?"))
+    assert continued == fresh
+    _, held = _run(cache, a[:-1] + [a[-1] + 1] + client.encode_prompt("x"))  # differs inside a: not a prefix
+    assert held == 0
+    _, held = _run(cache, list(b))  # no new token beyond b: read afresh
+    assert held == 0
+
+
+def test_kept_conversations_are_bounded_in_count_bytes_and_time(client: SplitClient) -> None:
+    prompts = [client.encode_prompt(f"Question {i}?") for i in range(3)]
+    cache = ConversationCache(client, ReuseLimits(max_conversations=2))
+    for p in prompts:
+        _run(cache, p)
+    assert len(cache) == 2
+    one = next(iter(cache._kept.values()))[0].nbytes
+    assert one > 0
+    small = ConversationCache(client, ReuseLimits(max_bytes=one))
+    for p in prompts:
+        _run(small, p)
+    assert len(small) == 1  # the newest; the others were dropped to fit
+    idle = ConversationCache(client, ReuseLimits(idle_s=0.0))
+    first, _ = _run(idle, prompts[0])
+    _, held = _run(idle, first + prompts[1])
+    assert held == 0 and len(idle) == 1  # the first had expired before the second came
+    cache.close()
+    assert len(cache) == 0
