@@ -62,6 +62,25 @@ print(len(steps), "splitllm_cpu_kernels" in sys.modules)
 
 
 @pytest.mark.slow
+def test_the_exact_mode_drafts_without_compiling_the_kernels(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The default model with its shipped drafter, `auto` in the exact mode: the drafter follows the
+    client's float32 instead of building bfloat16 stages that need the kernels."""
+    code = """
+import sys
+from splitllm.client.session import SplitClient
+from splitllm.model.precision import EXACT
+client = SplitClient(None, precision=EXACT)
+gen = client.generate("Name three colors.", 8, "auto")
+print(client.local.drafter.dtype, len(gen.ids) > 0, "splitllm_cpu_kernels" in sys.modules)
+"""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["torch.float32", "True", "False"]
+    assert not (tmp_path / "extensions").exists()
+
+
+@pytest.mark.slow
 def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy) -> None:  # type: ignore[no-untyped-def]
     """The commands as a user runs them: `splitllm serve --exact` in its own process, `splitllm generate
     --exact --json` in another; the answer is transformers' greedy continuation, token for token."""

@@ -79,12 +79,13 @@ class LocalModel(ModelEnds):
     @cached_property
     def drafter(self) -> Drafter | None:
         """The drafter of `drafter_path`, else the one shipped for this model, else None. Loaded on first
-        use; assign to swap it. It runs in bfloat16: half the drafting time of float32 on this CPU, and
-        drafts are only ever verified.
+        use; assign to swap it. It runs in bfloat16 (half the drafting time of float32 on this CPU, and
+        drafts are only ever verified), except beside exact layers: there it follows them in float32, so
+        the exact mode never compiles the CPU kernels.
 
         A fused drafter needs this split to hold the layers it taps: one named by `drafter_path` is
         refused otherwise; the shipped one is left out, with a warning."""
-        head = load_drafter(self.files, self.drafter_path, torch.bfloat16)
+        head = load_drafter(self.files, self.drafter_path, torch.float32 if self.precision.exact else torch.bfloat16)
         if head is None or set(head.taps) <= set(self.tap_layers):
             return head
         why = (f"the drafter reads the outputs of layers {list(head.taps)}, which the split "
@@ -105,7 +106,7 @@ class LocalModel(ModelEnds):
             raise ValueError("this client has no drafter")
         if self._vocab_head is None or self._vocab_head[0] is not head:
             rows = self.lm_head_rows(head.vocab)
-            precision = Precision(torch.bfloat16, head.quant, device=str(rows.device))
+            precision = Precision(head.dtype, head.quant, device=str(rows.device))
             self._vocab_head = (head, precision.linear(precision.store_linear(rows)))
         return self._vocab_head[1]
 

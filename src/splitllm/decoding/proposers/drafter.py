@@ -97,6 +97,6 @@ class DrafterProposer(ScoredTreeProposer):
         return self.head.grow(self.cache, parents, self.local.embed(tokens), positions, sees)
 
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = self.local.normed(outputs.to(self.local.dtype)).to(torch.bfloat16)
+        normed = self.local.normed(outputs.to(self.local.dtype)).to(self.head.dtype)  # the vocab head's dtype
         q, idx = torch.softmax(self.vocab_head(normed).float(), dim=-1).topk(min(k, self.vocab_head.out_features), dim=-1)
         return q, self.head.vocab[idx]
