@@ -26,6 +26,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from splitllm.attestation.simulation import sim_init
 from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
@@ -142,6 +143,14 @@ def vocab16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vocab16_draft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another random 16-token Llama (two layers): a draft model for `vocab16_model` that is right only sometimes."""
     return _vocab16(tmp_path_factory.mktemp("vocab16-draft"), seed=1, layers=2)
+
+
+@pytest.fixture(scope="session")
+def vendor(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A simulated SEV-SNP vendor and guest, and the policy.json that trusts them (`splitllm attest sim-init`)."""
+    folder = tmp_path_factory.mktemp("vendor")
+    sim_init(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

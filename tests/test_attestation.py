@@ -122,33 +122,26 @@ def test_policy_files_are_refused_with_the_reason(tmp_path: Path) -> None:
         AttestationPolicy.load(tmp_path / "bad.json")
 
 
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("sim")
-    sim_init(folder)
-    return folder
-
-
-def test_a_simulated_root_is_refused_unless_the_policy_says_so(sim: Path) -> None:
-    data = json.loads((sim / "policy.json").read_text())
+def test_a_simulated_root_is_refused_unless_the_policy_says_so(vendor: Path) -> None:
+    data = json.loads((vendor / "policy.json").read_text())
     assert data["simulated"] is True
     del data["simulated"]
     with pytest.raises(PolicyError, match="not AMD's"):
-        AttestationPolicy.from_dict(data, sim)
-    assert AttestationPolicy.load(sim / "policy.json").simulated
+        AttestationPolicy.from_dict(data, vendor)
+    assert AttestationPolicy.load(vendor / "policy.json").simulated
 
 
-def _handshake(sim: Path, policy: AttestationPolicy | None = None, attester: object = None, **claims: object) -> tuple:
+def _handshake(vendor: Path, policy: AttestationPolicy | None = None, attester: object = None, **claims: object) -> tuple:
     """One attest round trip between a client handshake and `answer` (claims override the server's)."""
-    policy = policy or AttestationPolicy.load(sim / "policy.json")
+    policy = policy or AttestationPolicy.load(vendor / "policy.json")
     client = ClientHandshake(policy, FINGERPRINT, LAYERS, VERSION)
     server = dict(fingerprint=FINGERPRINT, layers=LAYERS, version=VERSION) | claims
-    evidence, server_channel = answer(client.request(1), attester or SimulatedSnp(sim), **server)  # type: ignore[arg-type]
+    evidence, server_channel = answer(client.request(1), attester or SimulatedSnp(vendor), **server)  # type: ignore[arg-type]
     return client, Evidence.from_header(evidence.header(1)), server_channel
 
 
-def test_simulated_evidence_passes_the_same_verifier_and_opens_a_sealed_channel(sim: Path) -> None:
-    client, evidence, server_channel = _handshake(sim)
+def test_simulated_evidence_passes_the_same_verifier_and_opens_a_sealed_channel(vendor: Path) -> None:
+    client, evidence, server_channel = _handshake(vendor)
     channel, verified = client.finish(evidence)
     assert verified.simulated and verified.product == "milan"
     assert server_channel.open(channel.seal(b"open")) == b"open"
@@ -159,15 +152,15 @@ def test_simulated_evidence_passes_the_same_verifier_and_opens_a_sealed_channel(
     "claims, check",
     [({"fingerprint": "cd" * 32}, "model"), ({"layers": (3, 28)}, "split"), ({"version": 1}, "version")],
 )
-def test_an_attested_server_running_something_else_is_refused(sim: Path, claims: dict, check: str) -> None:
-    client, evidence, _ = _handshake(sim, **claims)
+def test_an_attested_server_running_something_else_is_refused(vendor: Path, claims: dict, check: str) -> None:
+    client, evidence, _ = _handshake(vendor, **claims)
     with pytest.raises(AttestationError) as err:
         client.finish(evidence)
     assert err.value.check == check and "no hidden state was sent" in str(err.value)
 
 
-def test_replayed_and_relayed_evidence_fail_the_binding(sim: Path) -> None:
-    client, evidence, _ = _handshake(sim)
+def test_replayed_and_relayed_evidence_fail_the_binding(vendor: Path) -> None:
+    client, evidence, _ = _handshake(vendor)
     replay = ClientHandshake(client.policy, FINGERPRINT, LAYERS, VERSION)  # a new handshake, an old report
     with pytest.raises(AttestationError, match=r"\(binding\)"):
         replay.finish(evidence)
@@ -176,8 +169,8 @@ def test_replayed_and_relayed_evidence_fail_the_binding(sim: Path) -> None:
         client.finish(dataclasses.replace(evidence, server_key=intruder))
 
 
-def test_each_policy_field_is_checked(sim: Path, tmp_path: Path) -> None:
-    policy = AttestationPolicy.load(sim / "policy.json")
+def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
+    policy = AttestationPolicy.load(vendor / "policy.json")
     cases = [
         (dataclasses.replace(policy, measurements=frozenset({bytes(48)})), "measurement"),
         (dataclasses.replace(policy, min_tcb=Tcb(bootloader=3, tee=0, snp=8, microcode=116)), "tcb"),
@@ -186,7 +179,7 @@ def test_each_policy_field_is_checked(sim: Path, tmp_path: Path) -> None:
         (dataclasses.replace(policy, anchors=(pinned_anchor("milan"),)), "chain"),
     ]
     for changed, check in cases:
-        client, evidence, _ = _handshake(sim, changed)
+        client, evidence, _ = _handshake(vendor, changed)
         with pytest.raises(AttestationError) as err:
             client.finish(evidence)
         assert err.value.check == check
@@ -200,8 +193,8 @@ def test_each_policy_field_is_checked(sim: Path, tmp_path: Path) -> None:
     client.finish(evidence)
 
 
-def test_malformed_evidence_is_a_named_failure(sim: Path) -> None:
-    client, evidence, _ = _handshake(sim)
+def test_malformed_evidence_is_a_named_failure(vendor: Path) -> None:
+    client, evidence, _ = _handshake(vendor)
     header = evidence.header(1)
     for broken in ({**header, "key": b"short"}, {**header, "layers": "x"}, {k: v for k, v in header.items() if k != "report"}):
         with pytest.raises(AttestationError, match=r"\(evidence\)"):
@@ -242,15 +235,15 @@ def test_the_certificate_table_round_trips() -> None:
         parse_cert_table(b"\x01" * 16 + bytes(8))  # one entry, of nothing, and no zero entry after it
 
 
-def test_a_server_without_the_device_refuses_to_attest(sim: Path) -> None:
+def test_a_server_without_the_device_refuses_to_attest(vendor: Path) -> None:
     for kind in ("sev-snp", "tdx"):
         with pytest.raises(AttestationUnavailable, match="not"):
             load_attester(kind)
     with pytest.raises(ValueError, match="needs --attestation-sim"):
         load_attester("simulated")
     with pytest.raises(ValueError, match="not a folder from"):
-        load_attester("simulated", str(sim / "missing"))
-    assert load_attester("none") is None and load_attester("simulated", str(sim)).platform == "sev-snp"
+        load_attester("simulated", str(vendor / "missing"))
+    assert load_attester("none") is None and load_attester("simulated", str(vendor)).platform == "sev-snp"
 
 
 def test_the_cost_table_is_generated_from_the_published_results() -> None:

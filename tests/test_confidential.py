@@ -90,13 +90,6 @@ def relay() -> Iterator[Callable[..., Relay]]:
 
 
 @pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("vendor")
-    sim_init(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def prompt(default_files) -> list[int]:  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
@@ -141,10 +134,10 @@ def _op(message: bytes) -> str | None:
         return None
 
 
-def _policy(sim: Path, folder: Path, **changes: object) -> AttestationPolicy:
-    data = json.loads((sim / "policy.json").read_text()) | changes
+def _policy(vendor: Path, folder: Path, **changes: object) -> AttestationPolicy:
+    data = json.loads((vendor / "policy.json").read_text()) | changes
     if "trust_anchors" not in changes:  # keep pointing at the simulated vendor's files
-        data["trust_anchors"] = [{**a, "ark": str(sim / a["ark"]), "ask": str(sim / a["ask"])} for a in data["trust_anchors"]]
+        data["trust_anchors"] = [{**a, "ark": str(vendor / a["ark"]), "ask": str(vendor / a["ask"])} for a in data["trust_anchors"]]
     (folder / "policy.json").write_text(json.dumps(data))
     return AttestationPolicy.load(folder / "policy.json")
 
@@ -156,13 +149,13 @@ def _run(local, url: str, prompt: list[int], policy: AttestationPolicy | None) -
 
 
 def test_an_attested_server_gives_the_plain_output_and_the_wire_carries_only_ciphertext(
-    server, local_model, relay, sim, prompt, attacker, default_files
+    server, local_model, relay, vendor, prompt, attacker, default_files
 ) -> None:  # type: ignore[no-untyped-def]
     local = local_model(None, HEAD, TAIL)
     plain = relay(server(None, HEAD, TAIL).url)
-    sealed = relay(server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(sim)).url)
+    sealed = relay(server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url)
     expected = _run(local, plain.url, prompt, None)
-    assert _run(local, sealed.url, prompt, AttestationPolicy.load(sim / "policy.json")) == expected
+    assert _run(local, sealed.url, prompt, AttestationPolicy.load(vendor / "policy.json")) == expected
     # The audit has teeth: the same attack reads the plain split's prompt off its recording.
     assert attacker(plain.received, prompt) >= 0.9 * len(prompt)
     assert [_op(m) for m in sealed.received] == ["attest"] + [None] * (len(sealed.received) - 1)
@@ -170,9 +163,9 @@ def test_an_attested_server_gives_the_plain_output_and_the_wire_carries_only_cip
     assert len(sealed.received) == len(plain.received) + 1  # the handshake; every other message sealed
 
 
-def _evidence_of_another_handshake(url: str, sim: Path, files) -> bytes:  # type: ignore[no-untyped-def]
+def _evidence_of_another_handshake(url: str, vendor: Path, files) -> bytes:  # type: ignore[no-untyped-def]
     """An honest evidence frame, recorded from an earlier handshake, for a replay."""
-    hs = ClientHandshake(AttestationPolicy.load(sim / "policy.json"), files.fingerprint, (HEAD, 30 - TAIL), wire.PROTOCOL_VERSION)
+    hs = ClientHandshake(AttestationPolicy.load(vendor / "policy.json"), files.fingerprint, (HEAD, 30 - TAIL), wire.PROTOCOL_VERSION)
     with connect(url + "/ws", compression=None) as ws:
         ws.send(wire.encode(hs.request(1)))
         return ws.recv(timeout=30)  # type: ignore[return-value]
@@ -184,26 +177,26 @@ def _with_intruders_key(index: int, reply: bytes) -> bytes:
 
 
 def test_every_failed_check_sends_no_state(
-    server, local_model, relay, sim, prompt, attacker, default_files, tiny_models, tmp_path
+    server, local_model, relay, vendor, prompt, attacker, default_files, tiny_models, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     local = local_model(None, HEAD, TAIL)
-    honest = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(sim)).url
+    honest = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url
     debug_vendor = tmp_path / "debug"
     sim_init(debug_vendor, debug=True)
-    replayed = _evidence_of_another_handshake(honest, sim, default_files)
-    trusted = AttestationPolicy.load(sim / "policy.json")
-    measurement = json.loads((sim / "policy.json").read_text())["measurements"]
+    replayed = _evidence_of_another_handshake(honest, vendor, default_files)
+    trusted = AttestationPolicy.load(vendor / "policy.json")
+    measurement = json.loads((vendor / "policy.json").read_text())["measurements"]
     cases = [
         ("evidence", server(None, HEAD, TAIL).url, trusted, None),
-        ("measurement", honest, _policy(sim, tmp_path, measurements=["00" * 48]), None),
+        ("measurement", honest, _policy(vendor, tmp_path, measurements=["00" * 48]), None),
         ("debug", server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(debug_vendor)).url,
          AttestationPolicy.load(debug_vendor / "policy.json"), None),
-        ("tcb", honest, _policy(sim, tmp_path, min_tcb={"microcode": 200}), None),
-        ("chain", honest, _policy(sim, tmp_path, trust_anchors=["amd-milan"], simulated=False, measurements=measurement), None),
+        ("tcb", honest, _policy(vendor, tmp_path, min_tcb={"microcode": 200}), None),
+        ("chain", honest, _policy(vendor, tmp_path, trust_anchors=["amd-milan"], simulated=False, measurements=measurement), None),
         ("binding", honest, trusted, lambda i, reply: replayed if i == 0 else reply),
         ("binding", honest, trusted, _with_intruders_key),
-        ("model", server(tiny_models["llama"], 1, 1, attestation="simulated", attestation_sim=str(sim)).url, trusted, None),
-        ("split", server(None, HEAD + 1, TAIL, attestation="simulated", attestation_sim=str(sim)).url, trusted, None),
+        ("model", server(tiny_models["llama"], 1, 1, attestation="simulated", attestation_sim=str(vendor)).url, trusted, None),
+        ("split", server(None, HEAD + 1, TAIL, attestation="simulated", attestation_sim=str(vendor)).url, trusted, None),
     ]
     for check, url, policy, rewrite in cases:
         mitm = relay(url, rewrite)
@@ -214,10 +207,10 @@ def test_every_failed_check_sends_no_state(
         assert attacker(mitm.received, prompt) == 0
 
 
-def test_tampered_and_replayed_frames_are_refused(server, local_model, relay, sim, prompt) -> None:  # type: ignore[no-untyped-def]
+def test_tampered_and_replayed_frames_are_refused(server, local_model, relay, vendor, prompt) -> None:  # type: ignore[no-untyped-def]
     local = local_model(None, HEAD, TAIL)
-    url = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(sim)).url
-    policy = AttestationPolicy.load(sim / "policy.json")
+    url = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url
+    policy = AttestationPolicy.load(vendor / "policy.json")
     expected = _run(local, relay(url).url, prompt, policy)
 
     def flip(message: bytes) -> bytes:
@@ -241,27 +234,27 @@ def test_tampered_and_replayed_frames_are_refused(server, local_model, relay, si
     assert mitm.connections == 2 and [_op(m) for m in mitm.received].count("attest") == 2  # attested afresh
 
 
-def test_the_commands_refuse_without_evidence(server, tmp_path, sim) -> None:  # type: ignore[no-untyped-def]
+def test_the_commands_refuse_without_evidence(server, tmp_path, vendor) -> None:  # type: ignore[no-untyped-def]
     cli = [sys.executable, "-m", "splitllm.cli"]
     out = subprocess.run([*cli, "serve", "--attestation", "sev-snp"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: neither /sys/kernel/config/tsm")
     plain = server(None, HEAD, TAIL).url
     out = subprocess.run(
-        [*cli, "generate", "--server", plain, "--attestation-policy", str(sim / "policy.json"), "--max-new-tokens", "4", "hi"],
+        [*cli, "generate", "--server", plain, "--attestation-policy", str(vendor / "policy.json"), "--max-new-tokens", "4", "hi"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 1 and "attestation failed (evidence)" in out.stderr and "no hidden state was sent" in out.stderr
     assert "SIMULATED vendor" in out.stderr
 
 
-def test_the_python_apis_take_a_policy(server, sim) -> None:  # type: ignore[no-untyped-def]
+def test_the_python_apis_take_a_policy(server, vendor) -> None:  # type: ignore[no-untyped-def]
     from splitllm.api.hf import SplitModelForCausalLM
 
-    sealed = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(sim)).url
+    sealed = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url
     plain = server(None, HEAD, TAIL).url
     ids = [[1, 504, 3458, 314]]
     want = SplitModelForCausalLM.from_pretrained(None, plain).generate(ids, max_new_tokens=6)
-    model = SplitModelForCausalLM.from_pretrained(None, sealed, attestation_policy=sim / "policy.json")
+    model = SplitModelForCausalLM.from_pretrained(None, sealed, attestation_policy=vendor / "policy.json")
     assert torch.equal(model.generate(ids, max_new_tokens=6), want)
     with pytest.raises(ValueError, match="needs a server URL"):
-        SplitModelForCausalLM.from_pretrained(None, None, attestation_policy=sim / "policy.json")
+        SplitModelForCausalLM.from_pretrained(None, None, attestation_policy=vendor / "policy.json")

@@ -14,7 +14,6 @@ import pytest
 from protocol_client import greedy
 
 from splitllm.attestation.policy import AttestationPolicy
-from splitllm.attestation.simulation import sim_init
 from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
 from splitllm.lab.launch import free_port
@@ -27,13 +26,6 @@ pytestmark = pytest.mark.slow
 HEAD, TAIL = 2, 2
 CLIENTS, NEW = 8, 24
 MAX_NODES = 16  # the replicas' positions per step: the longer prompts go as several steps
-
-
-@pytest.fixture(scope="module")
-def vendor(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("vendor")
-    sim_init(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
