@@ -20,6 +20,8 @@ import shutil
 from pathlib import Path
 from types import ModuleType
 
+from splitllm.progress import working
+
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("bindings.cpp", "linear.cpp", "attention.cpp", "decoder.cpp")]
 # A definition that matches no declaration in kernels.h fails the build (it would load as a missing symbol).
@@ -49,9 +51,11 @@ def load() -> ModuleType | None:
         reason = f"no C++ compiler ({compiler})"
     else:
         try:
-            return cpp_extension.load(
-                "splitllm_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
-            )
+            with working("building splitllm's CPU kernels (once per machine)"):
+                return cpp_extension.load(
+                    "splitllm_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
         except Exception as err:  # no ninja, a compiler without these instructions, a compile error
             reason = f"the build failed: {_gist(err)}"
     log.warning("CPU kernels unavailable, using PyTorch's: %s", reason)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from splitllm.model.precision import Precision
 from splitllm.model.weights import ModelFiles, cache_root
+from splitllm.progress import working
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _PART = "::"  # a linear weight's stored parts are kept as "<name>::<part>"
@@ -98,13 +99,14 @@ class StoredWeights:
         """Write one group's tensors in this precision (atomically: a concurrent reader sees all or nothing)."""
         names = [n for n in self.files.tensor_names if _group(n) == group]
         out: dict[str, torch.Tensor] = {}
-        for name, w in self.files.read(names, torch.float32).items():
-            if _is_dense(name):
-                out[name] = (w if w.dim() == 1 else w.to(self.precision.dtype)).contiguous()
-            if _is_linear(name, self.precision.quant != "none") and w.dim() == 2:
-                out.update({f"{name}{_PART}{k}": v.contiguous() for k, v in self.precision.store_linear(w).items()})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            pass
-        save_file(out, tmp.name, metadata={"format": "pt", "precision": self.precision.name})
+        with working(f"storing {self.files.path.name}'s {group} in {self.precision.name} (once)"):
+            for name, w in self.files.read(names, torch.float32).items():
+                if _is_dense(name):
+                    out[name] = (w if w.dim() == 1 else w.to(self.precision.dtype)).contiguous()
+                if _is_linear(name, self.precision.quant != "none") and w.dim() == 2:
+                    out.update({f"{name}{_PART}{k}": v.contiguous() for k, v in self.precision.store_linear(w).items()})
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+                pass
+            save_file(out, tmp.name, metadata={"format": "pt", "precision": self.precision.name})
         Path(tmp.name).replace(path)

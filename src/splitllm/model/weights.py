@@ -27,6 +27,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from splitllm.model.config import ModelConfig
 from splitllm.model.packaged import DEFAULT_MODEL, PACKAGED_MODELS
+from splitllm.progress import tracked
 
 if TYPE_CHECKING:
     from gguf import ReaderTensor
@@ -62,7 +63,7 @@ def packaged_gguf_path(alias: str) -> Path:
     with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".join-", delete=False) as out:
         tmp = Path(out.name)
         digest = hashlib.sha256()
-        for part in parts:
+        for part in tracked(parts, f"joining {model.name} (once)", len(parts)):
             with open(part, "rb") as f:
                 for block in iter(lambda: f.read(1 << 22), b""):
                     digest.update(block)
@@ -203,7 +204,7 @@ def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> di
 
     shards: dict[str, list[str]] = {}
     with open(gguf, "rb") as source:
-        for i, group in enumerate(groups.values()):
+        for i, group in enumerate(tracked(groups.values(), f"converting {gguf.name} (once)", len(groups))):
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             if saved := write_shard(group, source, folder / file):
                 shards[file] = saved
