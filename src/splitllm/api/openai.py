@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitllm.client.connection import CLIENT_ERRORS
 from splitllm.client.conversations import ConversationCache, ReuseLimits
@@ -37,20 +37,28 @@ from splitllm.threads import ComputeThread
 DEFAULT_MAX_TOKENS = 256
 
 
-class _TextFormat(BaseModel):
-    """`response_format`: plain text only. JSON modes need constrained decoding this endpoint does not
-    have, and free text where JSON was asked for would break the caller later: refused instead."""
+class _Strict(BaseModel):
+    """A request part whose every field is honoured or refused: an unknown field is a 400 naming it. A
+    field sent as null is a field not sent, as OpenAI reads it (clients and tools send some that way)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _TextFormat(_Strict):
+    """`response_format`: plain text only. JSON modes need constrained decoding this endpoint does not
+    have, and free text where JSON was asked for would break the caller later: refused instead."""
 
     type: Literal["text"]
 
 
-class _Request(BaseModel):
+class _Request(_Strict):
     """Fields shared by both completion kinds. A field the endpoint cannot honour (an unknown one,
     `tools`, a JSON `response_format`, a penalty other than 0) is a 400 naming it, never dropped."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -88,8 +96,7 @@ class _Request(BaseModel):
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # `name`, `tool_calls`, ...: refused, not dropped
+class _Message(_Strict):  # `name`, `tool_calls`, ...: refused, not dropped
 
     role: Literal["system", "developer", "user", "assistant"]  # no tools; "developer" is OpenAI's newer "system"
     content: str | list[dict[str, Any]] | None = None
