@@ -37,7 +37,8 @@ def pin_compute_threads() -> dict[int, set[int]]:
     woken after such a wait (tens of ms) is often put by the kernel on the core of the thread that
     woke it (a virtual machine reports its idle vCPUs as preempted, and the scheduler avoids those),
     and the two then spin-wait for each other on one core: on a 2-core VM the default model's LM
-    head took 10 ms instead of 0.5 after an 80 ms wait (docs/operations.md). Only a team of one thread
+    head took many times longer after a round trip's wait than back to back (measured in
+    docs/operations.md, "A core per compute thread"). Only a team of one thread
     per core this thread may use is pinned: with fewer threads the others' cores stay free for them to
     move to, and `OMP_PROC_BIND` in the environment (`false` keeps threads free) is left to OpenMP.
     """

@@ -97,10 +97,10 @@ class LocalModel(ModelEnds):
 
     def drafter_vocab_head(self) -> nn.Module:
         """The LM head's rows of the drafter's draft vocabulary, in the drafter's precision: built once
-        per drafter, since reading rows back from a quantized LM head reads all of it (over a second
-        at 1.5B), and every generation's drafting needs them. Guesses only: bfloat16 drafts 4x faster
-        than float32 here, and a drafter drafting in int8 reads these rows in int8 too (at 1.5B they
-        weigh more than its layer)."""
+        per drafter, since reading rows back from a quantized LM head reads all of it (seconds of the
+        1.5B's first token: docs/results/drafting-log.md), and every generation's drafting needs them.
+        Guesses only: bfloat16 drafts several times faster than float32 here, and a drafter drafting in
+        int8 reads these rows in int8 too (at 1.5B they weigh more than its layer)."""
         head = self.drafter
         if head is None:
             raise ValueError("this client has no drafter")

@@ -21,8 +21,9 @@ from splitllm.model.precision import EXACT, Precision, fastest
 from splitllm.wire import WIRE_DTYPES
 
 ENV_PREFIX = "SPLITLLM"
-# What each setting costs against float32 on the default model (`splitllm bench quality`, docs/precision.md).
-COSTS = "perplexity vs float32: bfloat16 0.999x, bfloat16-int8 1.001x, bfloat16-int4 1.059x"
+# What each setting costs against float32 (perplexity, `splitllm bench quality`) is in docs/precision.md;
+# the help strings point there rather than quote figures that go stale.
+COSTS = "each setting's cost against float32: docs/precision.md"
 
 Model = Annotated[str, typer.Option(help=f"{', '.join(map(repr, PACKAGED_MODELS))}, an HF folder or a .gguf file")]
 Head = Annotated[int, typer.Option(help="layers the client runs before the server's (K)")]

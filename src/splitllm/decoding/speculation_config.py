@@ -60,7 +60,7 @@ SPECULATIVE_MODES: Mapping[Mode, Drafting] = MappingProxyType({
 class TreeShape:
     """How wide a drafter's scored tree grows: each depth runs the `beam` best frontier nodes, and each
     offers its `top_k` likeliest tokens. Wider trees find more accepted tokens in more nodes, which the
-    server pays for in rows (docs/drafting.md measures both)."""
+    server pays for in rows (docs/results/drafting-log.md measures both)."""
 
     top_k: int = 6
     beam: int = 4

@@ -221,9 +221,10 @@ class _Generation:
         A chain of more than one token is a prefill (the prompt, a conversation's new turn): the server
         reads those tokens through its layers, more and larger than a draft model's, so the draft model
         reads them meanwhile for free, where drafting would first read them on the client's critical
-        path (a 300-token prompt: about 0.7 s for the 0.5B Qwen on one core). On other steps a draft
-        model that does not draft catches up when it next drafts, in one pass: reading beside every
-        round trip measured no faster (0.98x at 0 ms, 1.01x at 80 ms)."""
+        path (a prompt of a few hundred tokens costs the 0.5B Qwen a large part of a second on one
+        core). On other steps a draft model that does not draft catches up when it next drafts, in one
+        pass: reading beside every round trip measured no faster. Both measurements:
+        docs/results/drafting-log.md, "Reading a prefill beside its round trip"."""
         if len(self.chain) <= 1:
             return []
         return [d for d in self.drafters if isinstance(d, DraftModelProposer)]

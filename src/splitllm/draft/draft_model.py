@@ -2,7 +2,8 @@
 
 Where a model family ships a small sibling with the same tokenizer (Qwen2.5-Coder 0.5B beside 1.5B),
 that sibling predicts the target's greedy tokens far more often than a one-layer head trained here
-can: on the 1.5B's own answers the 0.5B's next token is the 1.5B's in about 83% of positions. It
+can: on the 1.5B's own answers the 0.5B's next token is the 1.5B's far more often than the shipped
+head's first guess is (docs/results/drafting-log.md). It
 drafts from the committed tokens alone (no target features), so nothing about it crosses the wire:
 the client holds it whole, embedding to LM head, at the client's precisions. What it costs is client
 time, one pass of all its layers per tree depth, which `auto`'s gate weighs against what it gains.

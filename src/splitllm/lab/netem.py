@@ -14,8 +14,9 @@ so connections do not contend with each other):
   chunk but never lets it overtake earlier bytes (TCP never reorders bytes).
 * A writer task sleeps until each absolute release time (``loop.time()``), so
   scheduling error does not accumulate over many chunks. The event loop's 1 ms
-  timer granularity makes each release ~0.5-1 ms late (a measured loopback RTT of
-  ~rtt + 1.5 ms), which is below real WAN noise and not worth a CPU-burning spin.
+  timer granularity makes each release slightly late (a loopback RTT measures a
+  little above rtt; `bench sweep` reports each link's real RTT), which is below real
+  WAN noise and not worth a CPU-burning spin.
 
 EOF is a half-close that travels through the same delay line after the data
 preceding it; the connection is torn down once both directions have ended, or at

@@ -1,11 +1,11 @@
 """How a layer attends: PyTorch's scaled-dot-product attention, or splitllm's CPU kernel in 16-bit settings.
 
 Both take queries (1, H, n, D) and a cache view (1, KV, L, D) with an additive mask (or None) and return
-(1, n, H * D). The kernel (`kernels/attention.cpp`) is 2-4x faster for one to eight rows and gives a row
+(1, n, H * D). The kernel (`kernels/attention.cpp`) is faster for a few rows (docs/precision.md) and gives a row
 the same bits alone, in a speculative tree or after its ancestors were committed. It serves every step
 of the 16-bit precisions on the CPU, prompts included: a first speculative step carries the prompt and
 a tree, so a prompt row must score the same in a step of any size (PyTorch's blocked attention is
-faster for hundreds of rows, about 3x at 512, but its rows depend on the step; the server cuts long
+faster for hundreds of rows, but its rows depend on the step; the server cuts long
 prompts into 16-row slices anyway). The float32 exact mode always uses PyTorch's, as transformers does.
 """
 

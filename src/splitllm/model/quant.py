@@ -19,7 +19,7 @@ from torch import nn
 
 from splitllm.model import cpu_kernels
 
-# The packed kernels take bfloat16 activations on CPU (float32 / float16 inputs run 10-30x slower there).
+# The packed kernels take bfloat16 activations on CPU (float32 / float16 inputs run many times slower there).
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP = 32  # inputs per int4 scale: gpt-fast's smallest group, the most accurate
 
@@ -49,8 +49,8 @@ class PackedLinear(nn.Module):
     """bfloat16 weights laid out once, at load, in oneDNN's blocked format for its CPU kernel.
 
     Same bits as `F.linear` in bfloat16 for any number of rows (so any batch of verification rows
-    scores like sequential steps), and faster for the few rows of a decoding step: measured here over
-    the middle layers' 104 weights, 1.65x for one row (15 against 25 ms) and 1.9x for eight (16 against 30).
+    scores like sequential steps), and faster than `F.linear` for the few rows of a decoding step
+    (docs/precision.md has the kernels' measured speeds).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -83,9 +83,10 @@ class BlockedLinear(nn.Module):
     """Weights in the blocks of splitllm's own CPU kernel: bfloat16, int8 with per-output scales, or
     int4 with a scale and zero per output and group of `INT4_GROUP` inputs.
 
-    Where it runs (`cpu_kernels`), it streams a step's weights at the memory bandwidth (1.6-2x
-    PyTorch's kernels for 1-8 rows here) and gives every row the same bits alone or in any batch. Its
-    sums run in a different order from oneDNN's, so bits differ from `F.linear` (by bfloat16 rounding).
+    Where it runs (`cpu_kernels`), it streams a step's weights at the memory bandwidth (faster than
+    PyTorch's kernels for the few rows of a decoding step; docs/precision.md, *Linear*) and gives every
+    row the same bits alone or in any batch. Its sums run in a different order from oneDNN's, so bits
+    differ from `F.linear` (by bfloat16 rounding).
     `scales` is the int8 per-output float32 vector or the int4 kernel's packed bfloat16 scales and zeros.
     """
 
@@ -147,8 +148,8 @@ def on_huge_pages(modules: Iterable[nn.Module]) -> None:
     for transparent huge pages (Linux; elsewhere, or for other modules, nothing changes).
 
     A step streams every weight once: on 4 KiB pages that is a TLB miss every 4 KiB and the hardware
-    prefetcher stopping at each page edge. Measured on the middle layers here, a one-position bfloat16
-    step took 8.6-9.1 instead of 9.7-12.1 ms on one thread, with less spread between processes. Weights
+    prefetcher stopping at each page edge. Huge pages make a one-position step faster and steadier
+    between processes (measured in docs/precision.md, *Huge pages*). Weights
     are copied once and the old storage freed (and handed back to the system as the copy proceeds, so
     memory does not peak at two copies); the modules stay as they were otherwise.
     """
@@ -204,8 +205,8 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> nn.Module:
-        """splitllm's kernel where it runs (a one-position step of the middle layers 2x faster than in
-        PyTorch's int8 kernel here), else PyTorch's."""
+        """splitllm's kernel where it runs (faster than PyTorch's int8 kernel for a one-position step;
+        docs/precision.md), else PyTorch's."""
         if BlockedLinear.available(KERNEL_DTYPE, device):
             return BlockedLinear(stored["q"], bias, stored["scales"])
         return cls(stored["q"].to(device), stored["scales"].to(device), bias)

@@ -169,7 +169,7 @@ def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> di
     reader = GGUFReader(str(gguf))
     architecture = read_field(reader, "general.architecture")[0]
     tensors = reader.tensors
-    del reader  # its fields hold the tokenizer (about 0.5 GB for a 152k vocabulary); the tensors need none
+    del reader  # its fields hold the tokenizer (much memory for a 152k vocabulary); the tensors need none
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=processor_config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # names only: no memory for weights

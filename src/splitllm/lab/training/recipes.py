@@ -2,7 +2,7 @@
 
 A model's recipe is sized to finish from nothing (an empty work folder) within about an hour on a
 2-core CPU with two threads: answering and training time grow with the model, so the larger model
-answers fewer conversations. docs/drafting.md has each recipe's measured time and acceptance.
+answers fewer conversations. docs/results/drafting-log.md has each recipe's measured time and acceptance.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ class Recipe:
 GENERIC = Recipe(prompts=480, epochs=6, generate_batch=64, weights="int8")
 
 RECIPES = {
-    # 50 min 53 s measured; the shipped default-model drafter.
+    # Fits the hour; the shipped default-model drafter (its runs: docs/results/drafting-log.md).
     DEFAULT_MODEL: Recipe(prompts=3600, epochs=2, generate_batch=64, weights="int8"),
-    # 54 min 50 s measured; 1,200 conversations took 74-77 min on the days this host answered at 89-95
-    # tokens/s. A full layer of the 1.5B is 52 M parameters: the MLP is narrowed to 2048 of 8960.
+    # What fits the hour on this host's slower days; more conversations ran well over it there (timings:
+    # docs/results/drafting-log.md). A full layer of the 1.5B is 52 M parameters: the MLP is narrowed to
+    # 2048 of 8960.
     "qwen2.5-coder-1.5b": Recipe(prompts=900, epochs=2, generate_batch=64, weights="int8", intermediate=2048),
 }
 
