@@ -194,13 +194,15 @@ def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: igno
 
 def test_the_drafters_vocabulary_rows_are_read_once_per_drafter(vocab16_model: Path) -> None:
     """Every generation's drafting shares the LM head's rows of the draft vocabulary (reading them back
-    from a quantized head reads the whole head); a swapped drafter gets its own."""
+    from a quantized head reads the whole head), in the drafter's own precision; a swapped drafter gets
+    its own."""
     files = ModelFiles(str(vocab16_model))
     local = LocalModel(files, 1, 1, torch.float64)
     local.drafter = random_head(files, torch.float64)
     first = DrafterProposer(local.drafter, local, CONTEXT).vocab_head
     assert DrafterProposer(local.drafter, local, CONTEXT).vocab_head is first
-    torch.testing.assert_close(first.weight.double(), local.lm_head_rows(local.drafter.vocab).to(torch.bfloat16).double())
+    assert first.weight.dtype == local.drafter.dtype
+    torch.testing.assert_close(first.weight, local.lm_head_rows(local.drafter.vocab).to(local.drafter.dtype))
     local.drafter = random_head(files, torch.float64)
     assert local.drafter_vocab_head() is not first
 
