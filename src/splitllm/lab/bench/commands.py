@@ -17,6 +17,24 @@ from splitllm.decoding.modes import DECODERS
 app = typer.Typer(no_args_is_help=True, help="Benchmarks over the real client, server and WAN proxy.")
 
 
+Cores = Annotated[str, typer.Option(help=(
+    "halves: each side pinned to half the cores (two machines of half this size); alternate: both sides on "
+    "every core, computing in turn (two machines of this size)"))]
+Models = Annotated[str, typer.Option(help="comma-separated models")]
+
+
+def _core_layout(cores: str) -> str:
+    from splitllm.lab.launch import CORE_LAYOUTS
+
+    if cores not in CORE_LAYOUTS:
+        raise typer.BadParameter(f"--cores is one of {', '.join(CORE_LAYOUTS)}, not {cores!r}")
+    return cores
+
+
+def _models(model: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in model.split(",") if m.strip())
+
+
 def _progress(line: str) -> None:
     typer.echo(line, err=True)
 
@@ -158,20 +176,16 @@ def speculation(
     draft_model: Annotated[Optional[str], typer.Option(help="a smaller model with the same tokenizer that drafts instead (default: the model's packaged one; none: none)")] = None,
     setting: Setting = None,
     model: Model = "default",
-    cores: Annotated[str, typer.Option(help=(
-        "halves: each side pinned to half the cores (two machines of half this size); alternate: both sides on "
-        "every core, computing in turn (two machines of this size)"))] = "halves",
+    cores: Cores = "halves",
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
     from splitllm.lab.bench.speculation import EXTRA_DECODERS, run_speculation
-    from splitllm.lab.launch import CORE_LAYOUTS
 
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())
     unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
     if unknown:
         raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
-    if cores not in CORE_LAYOUTS:
-        raise typer.BadParameter(f"--cores is one of {', '.join(CORE_LAYOUTS)}, not {cores!r}")
+    _core_layout(cores)
     result = run_speculation(
         prompts_per_category, max_new_tokens, rtt_ms, modes, out, progress=_progress, sampling=sampling,
         wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting), model=model, core_layout=cores,
@@ -185,12 +199,12 @@ app.command("speculation")(with_options(sampling=sampling)(speculation))
 
 @app.command("confidential")
 def confidential(
-    model: Annotated[str, typer.Option(help="comma-separated models")] = "default,qwen2.5-coder-1.5b",
+    model: Models = "default,qwen2.5-coder-1.5b",
     rtt_ms: Annotated[str, typer.Option(help="comma-separated emulated RTTs, ms")] = "0,80",
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 1,
     max_new_tokens: int = 64,
     decode: Annotated[str, typer.Option(help="comma-separated decoding modes, each measured plain and sealed")] = "auto,sequential",
-    cores: Annotated[str, typer.Option(help="halves: each side on its own half of the cores; alternate: both on all")] = "halves",
+    cores: Cores = "halves",
     out: Annotated[str, typer.Option(help="folder for confidential.json and confidential.md")] = "results",
     publish: Annotated[bool, typer.Option(help="also write docs/results/confidential.json and regenerate docs/confidential.md's table")] = False,
 ) -> None:
@@ -200,27 +214,28 @@ def confidential(
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())
     if not modes or any(m not in DECODERS for m in modes):
         raise typer.BadParameter(f"--decode takes modes among {', '.join(DECODERS)}")
-    models = tuple(m.strip() for m in model.split(",") if m.strip())
     result = {"provenance": _provenance()}
-    result |= run_confidential(models, numbers(rtt_ms, float), prompts_per_category, max_new_tokens, modes, cores, _progress)
+    result |= run_confidential(
+        _models(model), numbers(rtt_ms, float), prompts_per_category, max_new_tokens, modes, _core_layout(cores), _progress
+    )
     _write(result, "confidential", markdown(result), out, "confidential.md" if publish else None)
 
 
 @app.command("conversation")
 def conversation(
-    model: Annotated[str, typer.Option(help="comma-separated models")] = "default,qwen2.5-coder-1.5b",
+    model: Models = "default,qwen2.5-coder-1.5b",
     rtt_ms: RttMs = 80.0,
     first_turn_tokens: Annotated[int, typer.Option(help="about this many tokens in the first turn (a pasted document)")] = 1500,
     chats: Annotated[int, typer.Option(help="chats measured per model (after one that warms up)")] = 2,
-    cores: Annotated[str, typer.Option(help="halves: each side on its own half of the cores; alternate: both on all")] = "halves",
+    cores: Cores = "halves",
     out: Annotated[str, typer.Option(help="folder for conversation.json and conversation.md")] = "results",
     publish: Annotated[bool, typer.Option(help="also write docs/results/conversation.json and regenerate docs/usage.md's table")] = False,
 ) -> None:
     """A chat's follow-up turn through client-api: time to first token, continuing the conversation against fresh."""
     from splitllm.lab.bench.conversation import markdown, run_conversation
 
-    models = tuple(m.strip() for m in model.split(",") if m.strip())
-    result = {"provenance": _provenance()} | run_conversation(models, rtt_ms, first_turn_tokens, chats, cores, _progress)
+    result = {"provenance": _provenance()}
+    result |= run_conversation(_models(model), rtt_ms, first_turn_tokens, chats, _core_layout(cores), _progress)
     _write(result, "conversation", markdown(result), out, "usage.md" if publish else None)
 
 
