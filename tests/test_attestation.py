@@ -25,6 +25,7 @@ DATA = Path(__file__).parent / "data" / "sev-snp"
 FINGERPRINT = "ab" * 32
 LAYERS = (2, 28)
 VERSION = 2
+WHEN = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)  # inside the genuine VCEK's validity (to 2030-04)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def genuine() -> tuple[SnpReport, object]:
 
 def test_genuine_milan_evidence_verifies_against_amds_pinned_root(genuine) -> None:  # type: ignore[no-untyped-def]
     report, vcek = genuine
-    anchor = verify_chain(vcek, None, tuple(pinned_anchor(p) for p in ("genoa", "turin", "milan")))
+    anchor = verify_chain(vcek, None, tuple(pinned_anchor(p) for p in ("genoa", "turin", "milan")), WHEN)
     assert anchor.product == "milan" and anchor.pinned
     verify_report_signature(report, vcek)
     verify_vcek_binding(report, vcek, "milan")
@@ -64,9 +65,9 @@ def test_a_tampered_vcek_or_another_products_root_breaks_the_chain(genuine) -> N
     der = bytearray((DATA / "vcek_milan.der").read_bytes())
     der[200] ^= 0x01  # inside the signed part (the TBS), in the subject public key
     with pytest.raises(AttestationError, match=r"\(chain\)"):
-        verify_chain(load_certificate(bytes(der)), None, (pinned_anchor("milan"),))
+        verify_chain(load_certificate(bytes(der)), None, (pinned_anchor("milan"),), WHEN)
     with pytest.raises(AttestationError, match=r"\(chain\).*amd-genoa, amd-turin"):
-        verify_chain(vcek, None, (pinned_anchor("genoa"), pinned_anchor("turin")))
+        verify_chain(vcek, None, (pinned_anchor("genoa"), pinned_anchor("turin")), WHEN)
     later = datetime.datetime(2031, 1, 1, tzinfo=datetime.timezone.utc)
     with pytest.raises(AttestationError, match="VCEK certificate is not valid now"):
         verify_chain(vcek, None, (pinned_anchor("milan"),), later)
@@ -86,13 +87,13 @@ def test_the_genuine_report_meets_a_policy_only_for_its_own_handshake(genuine, t
     report, vcek = genuine
     policy = _policy(tmp_path, {"trust_anchors": ["amd-milan"], "measurements": [report.measurement.hex()],
                                 "min_tcb": {"bootloader": 3, "snp": 8, "microcode": 115}})
-    verified = verify_evidence(report, vcek, None, policy, report.report_data)
+    verified = verify_evidence(report, vcek, None, policy, report.report_data, WHEN)
     assert verified.product == "milan" and not verified.simulated
     with pytest.raises(AttestationError, match=r"\(binding\)"):
-        verify_evidence(report, vcek, None, policy, bytes(64))
+        verify_evidence(report, vcek, None, policy, bytes(64), WHEN)
     strict = dataclasses.replace(policy, min_tcb=Tcb(bootloader=3, tee=0, snp=9, microcode=115))
     with pytest.raises(AttestationError, match=r"\(tcb\).*snp"):
-        verify_evidence(report, vcek, None, strict, report.report_data)
+        verify_evidence(report, vcek, None, strict, report.report_data, WHEN)
 
 
 def _policy(folder: Path, fields: dict) -> AttestationPolicy:
