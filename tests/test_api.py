@@ -110,7 +110,6 @@ def test_a_field_the_endpoint_cannot_honour_is_a_400_naming_it(api: openai.OpenA
     tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
     refused = [
         ({"tools": [tool]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"extra_body": {"beam_width": 4}}, "beam_width"),
     ]

@@ -42,7 +42,7 @@ def test_kept_conversations_are_bounded_in_count_bytes_and_time(client: SplitCli
     for p in prompts:
         _run(cache, p)
     assert len(cache) == 2
-    one = next(iter(cache._kept.values()))[0].nbytes
+    one = next(iter(cache._kept.values())).conversation.nbytes
     assert one > 0
     small = ConversationCache(client, ReuseLimits(max_bytes=one))
     for p in prompts:
@@ -54,3 +54,20 @@ def test_kept_conversations_are_bounded_in_count_bytes_and_time(client: SplitCli
     assert held == 0 and len(idle) == 1  # the first had expired before the second came
     cache.close()
     assert len(cache) == 0
+
+
+def test_a_prompt_whose_text_extends_a_conversation_continues_it_in_the_models_own_tokens(client: SplitClient) -> None:
+    """A model's tokens may split a text other than the tokenizer would (forced tool calls often do): given
+    the prompt's text, the conversation whose text it extends goes on, keeping its own tokens."""
+    tok = client.tokenizer
+    odd = [t for ch in "Tell me about cats." for t in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert odd != tok("Tell me about cats.", add_special_tokens=False)["input_ids"]
+    cache = ConversationCache(client)
+    held_ids, _ = _run(cache, odd)
+    text = tok.decode(held_ids) + " And dogs?"
+    canonical = tok(text, add_special_tokens=False)["input_ids"]
+    items = list(cache.stream(canonical, 4, "sequential", text=text))
+    gen, _, held = items[-1]
+    assert held == len(held_ids) and gen.prompt_ids == tok(" And dogs?", add_special_tokens=False)["input_ids"]
+    _, _, held = list(cache.stream(canonical, 4, "sequential"))[-1]  # tokens alone: no prefix, read afresh
+    assert held == 0

@@ -13,6 +13,7 @@ from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
+import llguidance
 import pytest
 import torch
 from conftest import random_head
@@ -23,6 +24,7 @@ from splitllm.client.local import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.session import DECODERS, SplitClient
 from splitllm.client.stopping import IncrementalText, StopRule
+from splitllm.decoding.grammar import Grammar
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.tree import ROOT, DraftTree
 from splitllm.decoding.verifier import verify
@@ -115,29 +117,36 @@ def _pipeline(model: tuple[LocalModel, Stage]) -> SplitPipeline:
     return SplitPipeline(local, LocalMiddle(stage, 32), 32)
 
 
-def _exact_pairs(model: tuple[LocalModel, Stage]) -> dict[tuple[int, int], float]:
-    """P(first two tokens) under PARAMS: one step scores the prompt and every first token as a tree."""
+def _exact_pairs(model: tuple[LocalModel, Stage], params: SamplingParams = PARAMS) -> dict[tuple[int, int], float]:
+    """P(first two tokens) under `params`: one step scores the prompt and every first token as a tree."""
     n = len(PROMPT)
     tokens = torch.tensor(PROMPT + list(range(VOCAB)))
     positions = torch.tensor(list(range(n)) + [n] * VOCAB)
     vis = Visibility.from_parents([*range(-1, n - 1), *[n - 1] * VOCAB])
     logits, _ = _pipeline(model).score(tokens, positions, vis, [])
-    first = Sampler(PARAMS, PROMPT).probs(logits[n - 1])
+    first = Sampler(params, PROMPT).probs(logits[n - 1])
+
+    def second(a: int) -> Sampler:
+        sampler = Sampler(params, PROMPT + [a])
+        if sampler.grammar is not None:
+            sampler.grammar.advance(a)
+        return sampler
+
     return {
         (a, b): float(first[a] * q)
         for a in range(VOCAB)
         if first[a] > 0
-        for b, q in enumerate(Sampler(PARAMS, PROMPT + [a]).probs(logits[n + a]).tolist())
+        for b, q in enumerate(second(a).probs(logits[n + a]).tolist())
         if q > 0
     }
 
 
-def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler, tokens: int = 2) -> tuple[list[tuple[int, ...]], float]:  # type: ignore[no-untyped-def]
+def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler, tokens: int = 2, params: SamplingParams = PARAMS) -> tuple[list[tuple[int, ...]], float]:  # type: ignore[no-untyped-def]
     """SAMPLES continuations of PROMPT (seeds 0..SAMPLES-1), two tokens long by default, and the mean
     tokens per step."""
     samples, emitted, steps = [], 0, 0
     for seed in range(SAMPLES):
-        sampler = sampler_class(replace(PARAMS, seed=seed), PROMPT)
+        sampler = sampler_class(replace(params, seed=seed), PROMPT)
         out = list(DECODERS[mode]()(_pipeline(model), PROMPT, tokens, frozenset(), sampler=sampler))
         ids = [t for o in out for t in o.tokens][:tokens]
         samples.append(tuple(ids))
@@ -157,6 +166,30 @@ def test_speculative_sampling_keeps_the_distribution(small_vocab) -> None:  # ty
     assert 1.2 < per_step < 2.0  # candidates were accepted often and rejected often
     assert p_plain > PASS_P and p_spec > PASS_P
     assert p_broken < FAIL_P
+
+
+class _Letters:
+    """The 16-token models' vocabulary as the letters a-p (p ends), for grammars over them."""
+
+    eos_token_id, bos_token_id, special_token_ids = VOCAB - 1, None, []
+    tokens = [bytes([ord("a") + i]) for i in range(VOCAB)]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return [b - ord("a") for b in text]
+
+
+def test_speculative_sampling_under_a_grammar_keeps_the_masked_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
+    """Under a grammar, speculative sampling emits what sequential sampling under it does: the model's
+    distribution masked to the grammar, node by node, whatever the drafts were."""
+    letters = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Letters()))
+    params = replace(PARAMS, grammar=Grammar.lark(letters, "start: /[bdhl][a-h]+/"))
+    exact = _exact_pairs(small_vocab, params)
+    assert {a for a, _ in exact} <= {1, 3, 7, 11} and {b for _, b in exact} <= set(range(8))
+    p_plain = _chi_square_p(_sample_pairs(small_vocab, "sequential", params=params)[0], exact)
+    spec, per_step = _sample_pairs(small_vocab, "auto", params=params)
+    p_spec = _chi_square_p(spec, exact)
+    print(f"chi-square p under a grammar: plain {p_plain:.3g}, speculative {p_spec:.3g} ({per_step:.2f} tok/step)")
+    assert per_step > 1.1 and p_plain > PASS_P and p_spec > PASS_P
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ remote server still receives only hidden states. One generation runs at a time: 
 are the bottleneck, so requests queue on a lock. Beyond OpenAI's fields a request may set `top_k`,
 `repetition_penalty` and `decode` (the decoding mode); every response carries `splitllm`, the
 generation's step statistics (streamed: each chunk carries its step's, the last one the summary).
+`response_format` JSON and forced tool calls are decoded under a grammar (decoding/grammar.py);
+tools are rendered by the model's chat template and its calls read back (api/tools.py).
 A request that continues a conversation an earlier request left (the whole history re-sent, as chat
 clients do) goes on in that conversation's server session and caches and reads only its new tokens
 (`client.conversations`).
@@ -18,7 +20,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from importlib import resources
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Annotated, Any, Literal, NamedTuple
 
 import anyio
 from fastapi import FastAPI, Request
@@ -29,7 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitllm.client.connection import CLIENT_ERRORS
 from splitllm.client.conversations import ConversationCache, ReuseLimits
+from splitllm.api.tools import ToolCall, ToolCallReader, call_grammar, takes_tools
 from splitllm.client.session import Generation, SplitClient
+from splitllm.decoding.grammar import Grammar, grammar_tokenizer
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, check_mode
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.threads import ComputeThread
@@ -50,15 +55,31 @@ class _Strict(BaseModel):
 
 
 class _TextFormat(_Strict):
-    """`response_format`: plain text only. JSON modes need constrained decoding this endpoint does not
-    have, and free text where JSON was asked for would break the caller later: refused instead."""
-
     type: Literal["text"]
+
+
+class _JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class _JsonSchema(_Strict):
+    name: str
+    definition: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # the schema is always enforced: strict or not changes nothing
+
+
+class _JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: _JsonSchema
+
+
+ResponseFormat = Annotated[_TextFormat | _JsonObjectFormat | _JsonSchemaFormat, Field(discriminator="type")]
 
 
 class _Request(_Strict):
     """Fields shared by both completion kinds. A field the endpoint cannot honour (an unknown one,
-    `tools`, a JSON `response_format`, a penalty other than 0) is a 400 naming it, never dropped."""
+    logprobs, a penalty other than 0) is a 400 naming it, never dropped."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -74,7 +95,7 @@ class _Request(_Strict):
     logprobs: Literal[False] | None = None  # asked for, they would be silently missing: refused instead
     presence_penalty: Literal[0] | None = None  # OpenAI's penalties are not implemented: only their no-op value
     frequency_penalty: Literal[0] | None = None
-    response_format: _TextFormat | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None  # an end-user id for the provider's abuse monitoring: changes no output
     decode: str | None = None
 
@@ -96,23 +117,86 @@ class _Request(_Strict):
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
 
-class _Message(_Strict):  # `name`, `tool_calls`, ...: refused, not dropped
+class _FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
 
-    role: Literal["system", "developer", "user", "assistant"]  # no tools; "developer" is OpenAI's newer "system"
+    def template(self) -> dict[str, Any]:
+        """The call as chat templates render it: the arguments as an object."""
+        try:
+            arguments = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise _APIError(400, f"messages: the arguments of a call to {self.name!r} are not a JSON object")
+        return {"type": "function", "function": {"name": self.name, "arguments": arguments}}
+
+
+class _Call(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
+class _Message(_Strict):  # `name` and other fields: refused, not dropped
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # "developer" is OpenAI's newer "system"
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[_Call] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
         return self.content or ""
 
+    def template(self) -> dict[str, Any]:
+        """The message as the chat template takes it."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.function.template() for c in self.tool_calls]
+        return message
+
+
+class _Function(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # forced calls always follow `parameters`: strict or not changes nothing
+
+
+class _Tool(_Strict):
+    type: Literal["function"]
+    function: _Function
+
+
+class _Named(_Strict):
+    name: str
+
+
+class _ToolChoice(_Strict):
+    type: Literal["function"]
+    function: _Named
+
 
 class ChatRequest(_Request):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def new_tokens(self) -> int:
         return self.max_completion_tokens or super().new_tokens()
+
+    def offers_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tool(self) -> str | None | Literal[False]:
+        """The tool a call is forced to (None: any offered one), or False when the model may answer in text."""
+        if not self.offers_tools() or self.tool_choice in (None, "auto"):
+            return False
+        return self.tool_choice.function.name if isinstance(self.tool_choice, _ToolChoice) else None
 
 
 class CompletionRequest(_Request):
@@ -144,8 +228,16 @@ def _extension(gen: Generation, decode: str, reused: int) -> dict[str, Any]:
     return {"decode": decode, "reused_prompt_tokens": reused, **{k: v for k, v in summary.items() if k not in ("text", "ids")}}
 
 
-def _usage(prompt: list[int], gen: Generation) -> dict[str, int]:
-    return {"prompt_tokens": len(prompt), "completion_tokens": len(gen.ids), "total_tokens": len(prompt) + len(gen.ids)}
+def _usage(gen: Generation, reused: int) -> dict[str, int]:
+    prompt = reused + len(gen.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": len(gen.ids), "total_tokens": prompt + len(gen.ids)}
+
+
+class Prompt(NamedTuple):
+    """A request's prompt: its tokens, and its text when a chat template made it (see ConversationCache)."""
+
+    ids: list[int]
+    text: str | None = None
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -163,6 +255,7 @@ class OpenAIEndpoint:
         self.conversations = ConversationCache(client, reuse)  # used on the compute thread, under the lock
         self.created = int(time.time())
         self.lock = asyncio.Lock()
+        self._grammar_tokenizer: Any = None  # built on the first constrained request (about a second)
 
     def models(self) -> dict[str, Any]:
         return {
@@ -170,63 +263,109 @@ class OpenAIEndpoint:
             "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitllm"}],
         }
 
-    def _start(self, prompt: list[int], req: _Request) -> tuple[str, Iterator[tuple[Generation, Any, int]]]:
+    async def _start(self, prompt: Prompt, req: _Request) -> tuple[str, Iterator[tuple[Generation, Any, int]]]:
         """Validate a request up front (so errors come back as 400s before any streaming starts); the
         generation continues the kept conversation the prompt extends, if any."""
         try:
             decode = check_mode(req.decode or self.decode)
             sampling = req.sampling()
+            grammar = await anyio.to_thread.run_sync(self._grammar, req)  # compiling takes a while
         except ValueError as exc:
             raise _APIError(400, str(exc)) from None
-        return decode, self.conversations.stream(prompt, req.new_tokens(), decode, sampling, req.stops())
+        sampling = replace(sampling, grammar=grammar)
+        return decode, self.conversations.stream(prompt.ids, req.new_tokens(), decode, sampling, req.stops(), prompt.text)
 
-    def chat_prompt(self, req: ChatRequest) -> list[int]:
+    def _grammar(self, req: _Request) -> Grammar | None:
+        """The grammar a request's output must follow: its JSON format, or the calls it forces."""
+        forced = req.forced_tool() if isinstance(req, ChatRequest) else False
+        fmt = req.response_format
+        json_format = fmt is not None and fmt.type != "text"
+        if forced is not False and json_format:
+            raise _APIError(400, "response_format: a JSON format and a forced tool call cannot both hold; pick one")
+        if forced is False and not json_format:
+            return None
+        if self._grammar_tokenizer is None:
+            client = self.client
+            self._grammar_tokenizer = grammar_tokenizer(client.tokenizer, client.files.hf_config.vocab_size, client.stop_ids)
+        if isinstance(fmt, _JsonSchemaFormat):
+            return Grammar.json_schema(self._grammar_tokenizer, fmt.json_schema.definition)
+        if isinstance(fmt, _JsonObjectFormat):
+            return Grammar.json_schema(self._grammar_tokenizer)
+        assert isinstance(req, ChatRequest) and req.tools
+        return call_grammar(self._grammar_tokenizer, [t.model_dump() for t in req.tools], forced or None, req.parallel_tool_calls)
+
+    def chat_prompt(self, req: ChatRequest) -> Prompt:
         tok = self.client.tokenizer
         if not tok.chat_template:
             raise _APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+        uses_tools = tools or req.tool_choice is not None or any(m.role == "tool" or m.tool_calls for m in req.messages)
+        if uses_tools and not takes_tools(tok):
+            raise _APIError(400, "tools: this model's chat template takes no tools (the Qwen2.5 models' does)")
+        if req.tool_choice not in (None, "none", "auto") and not tools:
+            raise _APIError(400, "tool_choice: it forces a call, but the request offers no tools")
+        named = req.tool_choice.function.name if isinstance(req.tool_choice, _ToolChoice) else None
+        if named is not None and all(t["function"]["name"] != named for t in tools):
+            raise _APIError(400, f"tool_choice: {named!r} is not among the tools offered")
+        messages = [m.template() for m in req.messages]
+        # With tool_choice "none" the tools stay in the prompt (as vLLM keeps them) and calls are not read
+        # back: the prompt stays the one the conversation's earlier turns had, so it goes on.
+        text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        return Prompt(tok(text, add_special_tokens=False)["input_ids"], text)
 
-    def text_prompt(self, req: CompletionRequest) -> list[int]:
-        return req.prompt if isinstance(req.prompt, list) else self.client.encode_prompt(req.prompt, chat=False)
+    def text_prompt(self, req: CompletionRequest) -> Prompt:
+        return Prompt(req.prompt if isinstance(req.prompt, list) else self.client.encode_prompt(req.prompt, chat=False))
 
-    async def complete(self, prompt: list[int], req: _Request, chat: bool) -> dict[str, Any]:
-        decode, steps = self._start(prompt, req)
+    async def complete(self, prompt: Prompt, req: _Request, chat: bool) -> dict[str, Any]:
+        decode, steps = await self._start(prompt, req)
         async with self.lock:
             gen, reused = await self.compute.run_async(_last, steps)
         reply = self._head(chat, False)
         if chat:
-            message = {"role": "assistant", "content": gen.text}
-            reply["choices"] = [{"index": 0, "message": message, "finish_reason": gen.finish_reason}]
+            calls = _Calls(req)
+            calls.feed(gen.text, True)
+            message = {"role": "assistant", "content": calls.content(gen.text)}
+            if calls.found:
+                message["tool_calls"] = [c.openai() for c in calls.found]
+            reply["choices"] = [{"index": 0, "message": message, "finish_reason": calls.finish(gen)}]
         else:
             reply["choices"] = [{"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}]
-        return {**reply, "usage": _usage(prompt, gen), "splitllm": _extension(gen, decode, reused)}
+        return {**reply, "usage": _usage(gen, reused), "splitllm": _extension(gen, decode, reused)}
 
-    async def stream(self, prompt: list[int], req: _Request, chat: bool) -> AsyncIterator[bytes]:
-        decode, steps = self._start(prompt, req)
+    async def stream(self, prompt: Prompt, req: _Request, chat: bool) -> AsyncIterator[bytes]:
+        decode, steps = await self._start(prompt, req)
         head = self._head(chat, True)
+        calls = _Calls(req)
 
-        def chunk(delta: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        def chunks(gen: Generation, **extra: Any) -> Iterator[dict[str, Any]]:
+            """The new content (one chunk, even empty, so a viewer sees each round trip), then each new call;
+            the last chunk carries `extra` and, once the generation ended, its finish reason."""
+            delta, found = calls.feed(gen.text, gen.finish_reason is not None)
+            finish = calls.finish(gen)
             choice = {"index": 0, "delta": {"content": delta}} if chat else {"index": 0, "text": delta, "logprobs": None}
-            return {**head, "choices": [{**choice, "finish_reason": finish}], **extra}
+            deltas = [choice] + [{"index": 0, "delta": {"tool_calls": [c.openai(len(calls.found) - len(found) + i)]}}
+                                 for i, c in enumerate(found)]
+            for i, d in enumerate(deltas):
+                last = i == len(deltas) - 1
+                yield {**head, "choices": [{**d, "finish_reason": finish if last else None}], **(extra if last else {})}
 
         async def events() -> AsyncIterator[bytes]:
             async with self.lock:
-                gen, sent, reused = None, "", 0
+                gen, reused = None, 0
                 try:
                     if chat:
                         yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
                     while (item := await self.compute.run_async(next, steps, None)) is not None:
                         gen, out, reused = item
                         if gen.finish_reason is None:  # every step, so a viewer sees each round trip
-                            yield _sse(chunk(gen.text[len(sent) :], splitllm={"step": out.stats.as_dict()}))
-                            sent = gen.text
+                            for c in chunks(gen, splitllm={"step": out.stats.as_dict()}):
+                                yield _sse(c)
                     assert gen is not None
                     summary = {**_extension(gen, decode, reused), "step": gen.steps[-1].as_dict()}
-                    yield _sse(chunk(gen.text[len(sent) :], gen.finish_reason, splitllm=summary))
+                    for c in chunks(gen, splitllm=summary):
+                        yield _sse(c)
                     if (req.stream_options or {}).get("include_usage"):
-                        yield _sse({**head, "choices": [], "usage": _usage(prompt, gen)})
+                        yield _sse({**head, "choices": [], "usage": _usage(gen, reused)})
                     yield _sse("[DONE]")
                 except CLIENT_ERRORS as exc:
                     yield _sse(_error(exc).body())
@@ -244,6 +383,33 @@ class OpenAIEndpoint:
             "created": int(time.time()),
             "model": self.model_name,
         }
+
+
+class _Calls:
+    """How an answer's text reads back: plain content, or content and tool calls when tools were offered."""
+
+    def __init__(self, req: _Request) -> None:
+        offered = isinstance(req, ChatRequest) and req.offers_tools()
+        self.reader = ToolCallReader([t.function.name for t in req.tools or ()]) if offered else None  # type: ignore[attr-defined]
+        self.parallel = not isinstance(req, ChatRequest) or req.parallel_tool_calls
+        self.found: list[ToolCall] = []
+        self._sent = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """New content and new calls, given the whole text so far (`final`: the generation ended)."""
+        if self.reader is None:
+            delta, self._sent = text[self._sent :], len(text)
+            return delta, []
+        delta, new = self.reader.feed(text, final)
+        new = new[: max(0, 1 - len(self.found))] if not self.parallel else new  # parallel_tool_calls false: the first
+        self.found += new
+        return delta, new
+
+    def content(self, text: str) -> str | None:
+        return text if self.reader is None else self.reader.content(text)
+
+    def finish(self, gen: Generation) -> str | None:
+        return "tool_calls" if self.found and gen.finish_reason == "stop" else gen.finish_reason
 
 
 def _last(steps: Iterator[tuple[Generation, Any, int]]) -> tuple[Generation, int]:
@@ -292,7 +458,7 @@ def create_app(
         """What the chat page shows and offers: the model, where the middle runs, the decoding modes."""
         return {"model": endpoint.model_name, "server": client.server, "modes": list(DECODERS), "decode": endpoint.decode}
 
-    async def respond(prompt: list[int], req: _Request, chat: bool) -> Any:
+    async def respond(prompt: Prompt, req: _Request, chat: bool) -> Any:
         try:
             if req.stream:
                 return StreamingResponse(await endpoint.stream(prompt, req, chat), media_type="text/event-stream")

@@ -4,7 +4,10 @@ An OpenAI-style request carries the whole conversation every time. Each request'
 against the conversations kept from earlier requests: the one whose tokens so far are the longest
 prefix of the prompt goes on, with its server session and caches, and only the rest of the prompt is
 read. A conversation continues only when everything it holds is a prefix of the new prompt, so one
-conversation's cache never serves another's text. Kept conversations are bounded in count and bytes
+conversation's cache never serves another's text. Given the prompt's text too (a chat template's
+output), a conversation whose text is a prefix also goes on: a model's own tokens for its answer may
+differ from how the tokenizer would split the same text (forced tool calls often do), and the
+conversation then keeps the model's own. Kept conversations are bounded in count and bytes
 and dropped least recently used first, or after `idle_s` unused (their server sessions close too).
 """
 
@@ -22,6 +25,13 @@ from splitllm.decoding.step import StepOutput
 
 
 @dataclass(frozen=True)
+class _Kept:
+    conversation: Conversation
+    used: float  # time.monotonic() when it last generated
+    text: str  # its tokens as text, special tokens included
+
+
+@dataclass(frozen=True)
 class ReuseLimits:
     """How many conversations stay open, how much client memory their caches may hold, and for how long."""
 
@@ -35,42 +45,47 @@ class ConversationCache:
 
     def __init__(self, client: SplitClient, limits: ReuseLimits = ReuseLimits()) -> None:
         self.client, self.limits = client, limits
-        self._kept: OrderedDict[int, tuple[Conversation, float]] = OrderedDict()  # least recently used first
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()  # least recently used first
         self._ids = 0
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def _take(self, prompt: Sequence[int]) -> tuple[Conversation, int]:
-        """The kept conversation that `prompt` continues (taken out while it generates) and how many of the
-        prompt's tokens it holds; a new conversation and 0 when none does."""
+    def _take(self, prompt: Sequence[int], text: str | None) -> tuple[Conversation, list[int], int]:
+        """The kept conversation the prompt continues (taken out while it generates), the tokens it has
+        yet to read and how many it holds; a new conversation, the whole prompt and 0 when none does."""
         self._expire()
         best, held = None, 0
-        for key, (conv, _) in self._kept.items():
-            n = len(conv.ids)
-            if held < n < len(prompt) and conv.ids == list(prompt[:n]):
+        for key, kept in self._kept.items():
+            n = len(kept.conversation.ids)
+            if held < n < len(prompt) and kept.conversation.ids == list(prompt[:n]):
                 best, held = key, n
-        if best is None:
-            return self.client.conversation(), 0
-        return self._kept.pop(best)[0], held
+        if best is not None:
+            return self._kept.pop(best).conversation, list(prompt[held:]), held
+        if text is not None:
+            found = [(len(k.text), key) for key, k in self._kept.items() if len(k.text) < len(text) and text.startswith(k.text)]
+            if found:
+                kept = self._kept.pop(max(found)[1])
+                rest = self.client.tokenizer(text[len(kept.text) :], add_special_tokens=False)["input_ids"]
+                return kept.conversation, rest, len(kept.conversation.ids)
+        return self.client.conversation(), list(prompt), 0
 
     def _keep(self, conv: Conversation) -> None:
         if not conv.ids:  # closed after a failure: nothing to continue
             return
         self._ids += 1
-        self._kept[self._ids] = (conv, time.monotonic())
+        self._kept[self._ids] = _Kept(conv, time.monotonic(), self.client.tokenizer.decode(conv.ids))
         while len(self._kept) > self.limits.max_conversations or (
-            len(self._kept) > 1 and sum(c.nbytes for c, _ in self._kept.values()) > self.limits.max_bytes
+            len(self._kept) > 1 and sum(k.conversation.nbytes for k in self._kept.values()) > self.limits.max_bytes
         ):
             self._drop(next(iter(self._kept)))
 
     def _drop(self, key: int) -> None:
-        conv, _ = self._kept.pop(key)
-        conv.close()
+        self._kept.pop(key).conversation.close()
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for key in [k for k, (_, used) in self._kept.items() if now - used > self.limits.idle_s]:
+        for key in [k for k, kept in self._kept.items() if now - kept.used > self.limits.idle_s]:
             self._drop(key)
 
     def stream(
@@ -80,12 +95,13 @@ class ConversationCache:
         decode: str | Decoder,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
+        text: str | None = None,
     ) -> Iterator[tuple[Generation, StepOutput, int]]:
-        """Generate after `prompt` like `SplitClient.stream`; each item also says how many of the prompt's
-        tokens an earlier request had already read (0: a fresh conversation)."""
-        conv, held = self._take(prompt)
+        """Generate after `prompt` (whose text `text` is, if given) like `SplitClient.stream`; each item also
+        says how many tokens an earlier request had already read (0: a fresh conversation)."""
+        conv, rest, held = self._take(prompt, text)
         try:
-            for gen, out in conv.stream(list(prompt[held:]), max_new_tokens, decode, sampling, stop):
+            for gen, out in conv.stream(rest, max_new_tokens, decode, sampling, stop):
                 yield gen, out, held
         finally:
             self._keep(conv)  # a generation stopped between steps is consistent: it may go on later

@@ -23,11 +23,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from splitllm.decoding.grammar import Grammar, GrammarState
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings with transformers' meaning; `do_sample=False` is greedy (argmax after the
-    repetition penalty, the only setting that can change the argmax)."""
+    repetition penalty and the grammar, the only settings that can change the argmax). `grammar`
+    constrains the output (decoding/grammar.py): what it does not allow is never chosen."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -35,6 +38,7 @@ class SamplingParams:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.do_sample and not self.temperature > 0:
@@ -62,6 +66,7 @@ class Sampler:
         self.history = list(history)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar: GrammarState | None = params.grammar.start() if params.grammar is not None else None
         self.processors = LogitsProcessorList()
         if params.repetition_penalty != 1.0:
             self.processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
@@ -74,8 +79,10 @@ class Sampler:
                 self.processors.append(TopPLogitsWarper(params.top_p))
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """This node's logits (vocab,) after the processors, in float64, given the history."""
+        """This node's logits (vocab,) after the grammar and the processors, in float64, given the history."""
         scores = logits.to(torch.float64)[None]
+        if self.grammar is not None:
+            scores = scores.masked_fill(~self.grammar.allowed(scores.shape[-1]), float("-inf"))
         if self.processors:
             scores = self.processors(torch.tensor([self.history], dtype=torch.long).reshape(1, -1), scores)
         return scores[0]
@@ -91,7 +98,13 @@ class Sampler:
         else:
             token = self._accept(self.probs(logits), candidates)
         self.history.append(token)
+        if self.grammar is not None:
+            self.grammar.advance(token)
         return token
+
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of a draft's `tokens`, after the history, the grammar allows (all without one)."""
+        return len(tokens) if self.grammar is None else self.grammar.accepted(tokens)
 
     def _accept(self, p: torch.Tensor, candidates: Sequence[int]) -> int:
         for x in candidates:

@@ -248,7 +248,7 @@ class _Generation:
         drafts = [d for p in self.proposers for d in p.propose(self.history, budget)]
         self.rates.track(drafts, len(self.history))
         if not self.drafters:
-            return drafts, None
+            return self._allowed(drafts), None
         free = [i for i, drafter in enumerate(self.drafters) if drafter not in reading]
         grows = free[0] if free else None
         if budget.cost is not None:
@@ -256,7 +256,22 @@ class _Generation:
             grows = max(offers, key=offers.__getitem__) if offers else None
         for i, drafter in enumerate(self.drafters):
             drafts += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))
-        return drafts, grows
+        return self._allowed(drafts), grows
+
+    def _allowed(self, drafts: list[Draft]) -> list[Draft]:
+        """Under a grammar, each draft cut where the grammar rejects it (no output changes: the verifier
+        never accepts a token the grammar masks), so the tree's room goes to tokens that can be accepted.
+        A scored draft stands for its last node only, so one the grammar cuts is dropped."""
+        if self.sampler.grammar is None:
+            return drafts
+        kept = []
+        for draft in drafts:
+            n = self.sampler.allowed_prefix(draft.tokens)
+            if n == len(draft.tokens):
+                kept.append(draft)
+            elif n and draft.score is None:
+                kept.append(replace(draft, tokens=draft.tokens[:n]))
+        return kept
 
     def _layout(self, budget: SpecBudget, room: int) -> WindowLayout | None:
         """Lookahead's window for this step, shrunk to the room the tree left."""

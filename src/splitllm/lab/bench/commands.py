@@ -239,6 +239,23 @@ def conversation(
     _write(result, "conversation", markdown(result), out, "usage.md" if publish else None)
 
 
+@app.command("structured")
+def structured(
+    model: Models = "default,gemma3,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b",
+    rtt_ms: RttMs = 80.0,
+    max_tokens: Annotated[int, typer.Option(help="the most tokens of each JSON answer")] = 128,
+    cores: Cores = "halves",
+    out: Annotated[str, typer.Option(help="folder for structured.json and structured.md")] = "results",
+    publish: Annotated[bool, typer.Option(help="also write docs/results/structured.json and regenerate docs/usage.md's table")] = False,
+) -> None:
+    """JSON schemas and tool calls through client-api (validity, auto against sequential) and the grammar's mask cost."""
+    from splitllm.lab.bench.structured import markdown, run_structured
+
+    result = {"provenance": _provenance()}
+    result |= run_structured(_models(model), rtt_ms, max_tokens, _core_layout(cores), _progress)
+    _write(result, "structured", markdown(result), out, "usage.md" if publish else None)
+
+
 @app.command("exactness")
 def exactness(
     prompts_per_category: Annotated[int, typer.Option(help="workload prompts per category (1-8)")] = 8,
