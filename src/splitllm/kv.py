@@ -23,8 +23,10 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, 1, num_kv_heads, max_context, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialized: attention reads only the slots [0, length + pending) a step has written, and the
+        # pages of slots never written are never touched, so a long max_context costs memory as it fills.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.positions = torch.zeros(max_context, dtype=torch.long)
         self.max_context = max_context
         self.length = 0
@@ -32,7 +34,13 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes reserved for the whole max_context (resident as the slots fill)."""
         return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def position_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one position takes in a cache of these dimensions."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def check_keep(self, keep: Sequence[int]) -> None:
         """Raise ValueError unless `keep` is a strictly increasing list of pending entries."""

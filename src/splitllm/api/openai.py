@@ -15,6 +15,7 @@ clients do) goes on in that conversation's server session and caches and reads o
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -263,7 +264,7 @@ class OpenAIEndpoint:
             "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitllm"}],
         }
 
-    async def _start(self, prompt: Prompt, req: _Request) -> tuple[str, Iterator[tuple[Generation, Any, int]]]:
+    async def _start(self, prompt: Prompt, req: _Request, owner: str | None) -> tuple[str, Iterator[tuple[Generation, Any, int]]]:
         """Validate a request up front (so errors come back as 400s before any streaming starts); the
         generation continues the kept conversation the prompt extends, if any."""
         try:
@@ -273,7 +274,8 @@ class OpenAIEndpoint:
         except ValueError as exc:
             raise _APIError(400, str(exc)) from None
         sampling = replace(sampling, grammar=grammar)
-        return decode, self.conversations.stream(prompt.ids, req.new_tokens(), decode, sampling, req.stops(), prompt.text)
+        steps = self.conversations.stream(prompt.ids, req.new_tokens(), decode, sampling, req.stops(), prompt.text, owner)
+        return decode, steps
 
     def _grammar(self, req: _Request) -> Grammar | None:
         """The grammar a request's output must follow: its JSON format, or the calls it forces."""
@@ -316,8 +318,8 @@ class OpenAIEndpoint:
     def text_prompt(self, req: CompletionRequest) -> Prompt:
         return Prompt(req.prompt if isinstance(req.prompt, list) else self.client.encode_prompt(req.prompt, chat=False))
 
-    async def complete(self, prompt: Prompt, req: _Request, chat: bool) -> dict[str, Any]:
-        decode, steps = await self._start(prompt, req)
+    async def complete(self, prompt: Prompt, req: _Request, chat: bool, owner: str | None) -> dict[str, Any]:
+        decode, steps = await self._start(prompt, req, owner)
         async with self.lock:
             gen, reused = await self.compute.run_async(_last, steps)
         reply = self._head(chat, False)
@@ -332,8 +334,8 @@ class OpenAIEndpoint:
             reply["choices"] = [{"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}]
         return {**reply, "usage": _usage(gen, reused), "splitllm": _extension(gen, decode, reused)}
 
-    async def stream(self, prompt: Prompt, req: _Request, chat: bool) -> AsyncIterator[bytes]:
-        decode, steps = await self._start(prompt, req)
+    async def stream(self, prompt: Prompt, req: _Request, chat: bool, owner: str | None) -> AsyncIterator[bytes]:
+        decode, steps = await self._start(prompt, req, owner)
         head = self._head(chat, True)
         calls = _Calls(req)
 
@@ -423,12 +425,14 @@ def _last(steps: Iterator[tuple[Generation, Any, int]]) -> tuple[Generation, int
 
 def create_app(
     client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE, compute: ComputeThread | None = None,
-    reuse: ReuseLimits = ReuseLimits(),
+    reuse: ReuseLimits = ReuseLimits(), api_keys: frozenset[str] = frozenset(),
 ) -> FastAPI:
     """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (streaming over SSE), and the
     web chat at / (its files under /static, its settings at /splitllm/info). Every generation runs on
     `compute` (default: a new one), which should be the thread that loaded `client` (see ComputeThread).
-    `reuse` bounds the conversations kept open so a follow-up request reads only its new tokens."""
+    `reuse` bounds the conversations kept open so a follow-up request reads only its new tokens. With
+    `api_keys`, every /v1 request must carry one (`Authorization: Bearer KEY`), and a conversation kept
+    for one key is never continued for another."""
     endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode, compute or ComputeThread(), reuse)
     app = FastAPI(title="splitllm", summary="OpenAI-compatible endpoint over a split model")
     app.state.endpoint = endpoint
@@ -442,8 +446,18 @@ def create_app(
         message = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in exc.errors())
         return JSONResponse(_APIError(400, message).body(), status_code=400)
 
+    def owner(request: Request) -> str | None:
+        """The request's API key (None when none are configured); a 401 unless it is one of `api_keys`."""
+        if not api_keys:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.encode(), k.encode()) for k in api_keys):
+            raise _APIError(401, "a valid API key is needed: Authorization: Bearer <key>", "invalid_request_error")
+        return key
+
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        owner(request)
         return endpoint.models()
 
     app.mount("/static", StaticFiles(packages=[("splitllm.api", "web")]), name="static")
@@ -456,22 +470,25 @@ def create_app(
     @app.get("/splitllm/info")
     async def info() -> dict[str, Any]:
         """What the chat page shows and offers: the model, where the middle runs, the decoding modes."""
-        return {"model": endpoint.model_name, "server": client.server, "modes": list(DECODERS), "decode": endpoint.decode}
+        return {"model": endpoint.model_name, "server": client.server, "modes": list(DECODERS), "decode": endpoint.decode,
+                "api_key": bool(api_keys)}
 
-    async def respond(prompt: Prompt, req: _Request, chat: bool) -> Any:
+    async def respond(prompt: Prompt, req: _Request, chat: bool, key: str | None) -> Any:
         try:
             if req.stream:
-                return StreamingResponse(await endpoint.stream(prompt, req, chat), media_type="text/event-stream")
-            return await endpoint.complete(prompt, req, chat)
+                return StreamingResponse(await endpoint.stream(prompt, req, chat, key), media_type="text/event-stream")
+            return await endpoint.complete(prompt, req, chat, key)
         except CLIENT_ERRORS as exc:
             raise _error(exc) from None
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest) -> Any:
-        return await respond(endpoint.chat_prompt(req), req, True)
+    async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        key = owner(request)
+        return await respond(endpoint.chat_prompt(req), req, True, key)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        return await respond(endpoint.text_prompt(req), req, False)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        key = owner(request)
+        return await respond(endpoint.text_prompt(req), req, False, key)
 
     return app

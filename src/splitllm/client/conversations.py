@@ -9,6 +9,7 @@ output), a conversation whose text is a prefix also goes on: a model's own token
 differ from how the tokenizer would split the same text (forced tool calls often do), and the
 conversation then keeps the model's own. Kept conversations are bounded in count and bytes
 and dropped least recently used first, or after `idle_s` unused (their server sessions close too).
+Where requests carry API keys, a conversation goes on only for the key that started it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _Kept:
     conversation: Conversation
     used: float  # time.monotonic() when it last generated
     text: str  # its tokens as text, special tokens included
+    owner: str | None  # whose requests it continues (an API key), None for all
 
 
 @dataclass(frozen=True)
@@ -51,30 +53,31 @@ class ConversationCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def _take(self, prompt: Sequence[int], text: str | None) -> tuple[Conversation, list[int], int]:
-        """The kept conversation the prompt continues (taken out while it generates), the tokens it has
-        yet to read and how many it holds; a new conversation, the whole prompt and 0 when none does."""
+    def _take(self, prompt: Sequence[int], text: str | None, owner: str | None) -> tuple[Conversation, list[int], int]:
+        """The kept conversation of `owner` the prompt continues (taken out while it generates), the tokens
+        it has yet to read and how many it holds; a new conversation, the whole prompt and 0 when none does."""
         self._expire()
+        mine = {key: kept for key, kept in self._kept.items() if kept.owner == owner}
         best, held = None, 0
-        for key, kept in self._kept.items():
+        for key, kept in mine.items():
             n = len(kept.conversation.ids)
             if held < n < len(prompt) and kept.conversation.ids == list(prompt[:n]):
                 best, held = key, n
         if best is not None:
             return self._kept.pop(best).conversation, list(prompt[held:]), held
         if text is not None:
-            found = [(len(k.text), key) for key, k in self._kept.items() if len(k.text) < len(text) and text.startswith(k.text)]
+            found = [(len(k.text), key) for key, k in mine.items() if len(k.text) < len(text) and text.startswith(k.text)]
             if found:
                 kept = self._kept.pop(max(found)[1])
                 rest = self.client.tokenizer(text[len(kept.text) :], add_special_tokens=False)["input_ids"]
                 return kept.conversation, rest, len(kept.conversation.ids)
         return self.client.conversation(), list(prompt), 0
 
-    def _keep(self, conv: Conversation) -> None:
+    def _keep(self, conv: Conversation, owner: str | None) -> None:
         if not conv.ids:  # closed after a failure: nothing to continue
             return
         self._ids += 1
-        self._kept[self._ids] = _Kept(conv, time.monotonic(), self.client.tokenizer.decode(conv.ids))
+        self._kept[self._ids] = _Kept(conv, time.monotonic(), self.client.tokenizer.decode(conv.ids), owner)
         while len(self._kept) > self.limits.max_conversations or (
             len(self._kept) > 1 and sum(k.conversation.nbytes for k in self._kept.values()) > self.limits.max_bytes
         ):
@@ -96,15 +99,17 @@ class ConversationCache:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         text: str | None = None,
+        owner: str | None = None,
     ) -> Iterator[tuple[Generation, StepOutput, int]]:
-        """Generate after `prompt` (whose text `text` is, if given) like `SplitClient.stream`; each item also
-        says how many tokens an earlier request had already read (0: a fresh conversation)."""
-        conv, rest, held = self._take(prompt, text)
+        """Generate after `prompt` (whose text `text` is, if given) like `SplitClient.stream`, in a
+        conversation only `owner`'s requests continue; each item also says how many tokens an earlier
+        request had already read (0: a fresh conversation)."""
+        conv, rest, held = self._take(prompt, text, owner)
         try:
             for gen, out in conv.stream(rest, max_new_tokens, decode, sampling, stop):
                 yield gen, out, held
         finally:
-            self._keep(conv)  # a generation stopped between steps is consistent: it may go on later
+            self._keep(conv, owner)  # a generation stopped between steps is consistent: it may go on later
 
     def close(self) -> None:
         while self._kept:

@@ -60,7 +60,7 @@ class SplitPipeline:
     def __init__(self, local: LocalModel, middle: Middle, max_context: int) -> None:
         self.local = local
         self.middle = middle
-        self.caches = local.new_caches(max_context)
+        self.caches = local.new_caches(min(max_context, middle.max_context))  # what the middle granted
         self.score_ms = 0.0  # wall time spent in score() since the last take_score_ms()
         self._outputs: dict[int, torch.Tensor] = {}  # the last step's head and middle outputs, by layer count
 

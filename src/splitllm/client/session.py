@@ -22,6 +22,7 @@ from splitllm.client.stopping import StopRule, stop_ids
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, Decoder, check_mode
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.step import StepOutput
+from splitllm.kv import KVCache
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
 from splitllm.model.weights import ModelFiles
@@ -79,7 +80,8 @@ class SplitClient:
     client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a
     drafter folder from `splitllm draft train` (default: the one shipped for this model, if any);
     `draft_model`: a smaller model with this one's tokenizer that drafts instead (`DraftModel`).
-    `attestation_policy` (a JSON file or an `AttestationPolicy`): the server must prove it runs in a
+    `max_context` (default: the model's own limit) bounds a conversation's positions; the server may
+    grant fewer, and the caches are sized to what it grants. `attestation_policy` (a JSON file or an `AttestationPolicy`): the server must prove it runs in a
     confidential VM that meets it before any hidden state leaves this process, and every frame is
     sealed (docs/confidential.md). Without one, the server's operator can read the hidden states,
     which are as good as the text (docs/privacy.md).
@@ -94,7 +96,7 @@ class SplitClient:
         head: int = 2,
         tail: int = 2,
         wire_dtype: str = "float16",
-        max_context: int = 4096,
+        max_context: int | None = None,
         precision: Precision | torch.dtype | None = None,
         connection: ConnectionOptions | None = None,
         lm_head_precision: Precision | torch.dtype | None = None,
@@ -107,10 +109,32 @@ class SplitClient:
         self.precision = fastest() if precision is None else Precision.of(precision)
         self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, drafter, draft_model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
-        self.server, self.wire_dtype, self.max_context = server, wire_dtype, max_context
+        self.server, self.wire_dtype = server, wire_dtype
+        self.max_context = self._context(max_context)
         self.dtype = self.precision.dtype
         self._local_middle: Stage | None = None
         self.stop_ids = stop_ids(self.tokenizer, self.files.hf_config)
+
+    def _context(self, wanted: int | None) -> int:
+        """Positions a conversation may hold: `wanted`, or the model's own limit (a server may grant fewer).
+
+        The caches fill as a conversation grows, so this only reserves address space; ValueError where
+        this device's free memory could not hold the caches it keeps here once they are full."""
+        cfg = self.files.config
+        limit = cfg.max_position
+        context = limit if wanted is None else wanted
+        if not 1 <= context <= limit:
+            raise ValueError(f"max_context must be between 1 and the model's limit of {limit} tokens, not {context}")
+        layers = self.local.head_layers + self.local.tail_layers
+        layers += cfg.num_layers - layers if self.server is None else 0  # the in-process middle's too
+        need = context * KVCache.position_bytes(layers, cfg.num_kv_heads, cfg.head_dim, self.precision.attention_dtype)
+        free = _available_bytes()
+        if free is not None and need > free:
+            raise ValueError(
+                f"a context of {context} tokens needs {need / 2**30:.1f} GiB of KV cache on this device, more than the "
+                f"{free / 2**30:.1f} GiB available: ask for a shorter one (--max-context)"
+            )
+        return context
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = True) -> list[int]:
         """Token ids for a prompt; text goes through the chat template when the tokenizer has one."""
@@ -174,6 +198,18 @@ class SplitClient:
         if gen is None:
             gen = Generation(self.encode_prompt(prompt, chat))
         return gen
+
+
+def _available_bytes() -> int | None:
+    """Memory the kernel can still hand out (Linux's MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _with_policy(

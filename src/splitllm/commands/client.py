@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -39,6 +40,7 @@ def client(
     reconnect_deadline_s: Annotated[float, typer.Option(help="seconds to keep trying to reach a server")] = 60.0,
     drafter: Annotated[Optional[str], typer.Option(help="drafter folder (`splitllm draft train`); default: the shipped one")] = None,
     attestation_policy: Annotated[Optional[str], typer.Option(help="JSON policy a confidential server must prove it meets before any hidden state is sent; frames are then sealed (docs/confidential.md). Without it the server's operator can read the states")] = None,
+    max_context: Annotated[Optional[int], typer.Option(min=1, help="tokens a conversation may hold (default: the model's own limit; a server may grant fewer, and the caches take memory as they fill)")] = None,
     draft_model: Annotated[Optional[str], typer.Option(help="a smaller model with this one's tokenizer (an alias, folder or .gguf), run whole on the client, that drafts in place of the drafter (default: the model's packaged one, as qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; none: none)")] = None,
 ) -> Any:
     """The SplitClient that the model and connection options of every client command describe."""
@@ -58,7 +60,7 @@ def client(
         )
     return SplitClient(
         model, server, head, tail, wire_dtype, precision=layers, lm_head_precision=lm_head, connection=options,
-        drafter=drafter, draft_model=draft_model, attestation_policy=attestation_policy,
+        drafter=drafter, draft_model=draft_model, attestation_policy=attestation_policy, max_context=max_context,
     )
 
 
@@ -141,6 +143,7 @@ def client_api(
     served_model_name: Annotated[Optional[str], typer.Option(help="the model id clients see")] = None,
     max_conversations: Annotated[int, typer.Option(min=0, help="conversations kept open so a follow-up request reads only its new tokens (0: none)")] = 8,
     max_conversation_gib: Annotated[float, typer.Option(min=0, help="client memory the kept conversations' caches may hold, GiB")] = 2.0,
+    api_keys: Annotated[Optional[Path], typer.Option(help="file of API keys, one a line: every /v1 request must then carry one (Authorization: Bearer KEY), and each key's conversations are kept apart")] = None,
 ) -> None:
     """A local web chat at / and an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
     /v1/models) over the split; a request's 'decode' overrides --decode."""
@@ -153,7 +156,13 @@ def client_api(
     where = split_client.server or "in-process middle"
     typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})", err=True)
     reuse = ReuseLimits(max_conversations, int(max_conversation_gib * (1 << 30)))
-    app = create_app(split_client, served_model_name, decode, compute, reuse)
+    keys = frozenset()
+    if api_keys is not None:
+        with reported(OSError):
+            keys = frozenset(line.strip() for line in api_keys.read_text().splitlines() if line.strip())
+        if not keys:
+            fail(f"{api_keys} holds no API key")
+    app = create_app(split_client, served_model_name, decode, compute, reuse, keys)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 

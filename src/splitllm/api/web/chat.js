@@ -5,10 +5,12 @@ const $ = (id) => document.getElementById(id);
 const history = [];   // the conversation as the model sees it: {role, content}
 const answers = [];   // per answer: {steps: [...], summary, el}
 let selected = null;  // the answer whose steps the panel shows
+let keyed = false;    // the endpoint wants an API key (client-api --api-keys)
 const COLORS = { client: "#4f7cff", network: "#f5a524", server: "#2fb380", tokens: "#1d2330" };
 
 async function loadInfo() {
   const info = await (await fetch("/splitllm/info")).json();
+  keyed = info.api_key;
   $("model").textContent = info.model;
   $("server").textContent = info.server ? `middle layers on ${info.server}` : "middle layers in this process";
   for (const mode of info.modes) {
@@ -146,9 +148,13 @@ async function send(text) {
   el.addEventListener("click", () => select(answer));
   select(answer);
   const body = { messages: history, stream: true, temperature: 0, max_tokens: 256, decode: answer.decode };
-  const response = await fetch("/v1/chat/completions", {
-    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
-  });
+  const headers = { "Content-Type": "application/json" };
+  if (keyed) {  // asked once per tab, kept for this tab only
+    if (!sessionStorage.getItem("apiKey")) sessionStorage.setItem("apiKey", prompt("API key for this endpoint") || "");
+    headers.Authorization = `Bearer ${sessionStorage.getItem("apiKey")}`;
+  }
+  const response = await fetch("/v1/chat/completions", { method: "POST", headers, body: JSON.stringify(body) });
+  if (response.status === 401) sessionStorage.removeItem("apiKey");
   if (!response.ok) throw new Error((await response.json()).error.message);
   for await (const data of events(response)) {
     if (data === "[DONE]") break;

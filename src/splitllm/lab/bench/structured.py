@@ -11,6 +11,7 @@ the outputs are identical), and, where the chat template takes tools, tool calls
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,19 +93,39 @@ def _xgrammar(client: SplitClient, ids: list[int]) -> list[float]:
     return _walk_ms(step, lambda: xgrammar.GrammarMatcher(compiled), ids)
 
 
+class _Unsupported(Exception):
+    """A library that could not be measured on a model."""
+
+
+def _token_bytes(vocab: dict[str, int]) -> dict[bytes, list[int]]:
+    """Each token's bytes: byte-level BPE through GPT-2's byte map, SentencePiece through its '▁' and
+    <0xXX> tokens."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(extra)}
+    byte_level = any("Ġ" in t for t in vocab)
+    out: dict[bytes, list[int]] = {}
+    for text, i in vocab.items():
+        if byte_level:
+            if not all(c in byte_of for c in text):
+                continue
+            raw = bytes(byte_of[c] for c in text)
+        else:
+            hex_byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
+            raw = bytes([int(hex_byte.group(1), 16)]) if hex_byte else text.replace("▁", " ").encode()
+        out.setdefault(raw, []).append(i)
+    return out
+
+
 def _outlines_core(client: SplitClient, ids: list[int]) -> list[float]:
-    """outlines-core wants the vocabulary as bytes: byte-level BPE tokens are decoded here (GPT-2's map)."""
+    """outlines-core wants the vocabulary as bytes (`_token_bytes`)."""
     import torch
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = [b for b in range(256) if b not in printable]
-    byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(extra)}
-    eos, vocab_bytes = client.tokenizer.eos_token_id, {}
-    for text, i in client.tokenizer.get_vocab().items():
-        if i != eos and all(c in byte_of for c in text):
-            vocab_bytes.setdefault(bytes(byte_of[c] for c in text), []).append(i)
+    eos = client.tokenizer.eos_token_id
+    vocab_bytes = {k: [i for i in v if i != eos] for k, v in _token_bytes(client.tokenizer.get_vocab()).items()}
+    vocab_bytes = {k: v for k, v in vocab_bytes.items() if v}
     index = Index(build_regex_from_schema(json.dumps(PERSON), r"( )?"), Vocabulary(eos, vocab_bytes))
     vocab = client.files.hf_config.vocab_size
     mask = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
@@ -112,7 +133,8 @@ def _outlines_core(client: SplitClient, ids: list[int]) -> list[float]:
     def step(guide: Any, token: int) -> None:
         guide.write_mask_into(mask.data_ptr(), mask.numel(), 4)
         allowed = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
-        assert allowed[token]
+        if not allowed[token]:
+            raise _Unsupported("outlines-core refused a token of the valid text: its vocabulary was not rebuilt faithfully")
         guide.advance(token)
 
     return _walk_ms(step, lambda: Guide(index), ids)
@@ -126,7 +148,10 @@ def mask_costs(client: SplitClient) -> list[dict]:
     for name, walk in (("llguidance", _llguidance), ("xgrammar", _xgrammar), ("outlines-core", _outlines_core)):
         try:
             times = walk(client, ids)
-        except ImportError:
+        except ImportError:  # not installed: `pip install xgrammar outlines-core` to compare
+            continue
+        except _Unsupported as exc:
+            rows.append({"library": name, "tokens": len(ids), "unsupported": str(exc)})
             continue
         rows.append({"library": name, "tokens": len(ids), "mean_ms": float(np.mean(times)),
                      "p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99))})
@@ -182,7 +207,7 @@ def measure_model(model: str, rtt_ms: float, max_tokens: int, core_layout: str, 
     compute = ComputeThread()
     client = compute.run(lambda: SplitClient(model, wire_dtype="float16", precision=precision))
     row: dict[str, Any] = {"model": model, "precision": precision.name, "masks": mask_costs(client)}
-    progress(f"{model}: mask cost " + ", ".join(f"{m['library']} {m['mean_ms']:.3f} ms" for m in row["masks"]))
+    progress(f"{model}: mask cost " + ", ".join(f"{m['library']} {m.get('mean_ms', float('nan')):.3f} ms" for m in row["masks"]))
     chat = bool(client.tokenizer.chat_template)
     serve = ("--model", model, "--threads", str(cores.threads), *precision.serve_args())
     with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
@@ -231,5 +256,8 @@ def markdown(result: dict) -> str:
               "| model | library | mean ms | p50 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         for m in r["masks"]:
+            if "unsupported" in m:
+                lines.append(f"| {r['model']} | {m['library']} | not measured: {m['unsupported']} | | |")
+                continue
             lines.append(f"| {r['model']} | {m['library']} | {m['mean_ms']:.3f} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} |")
     return "\n".join(lines) + "\n"
