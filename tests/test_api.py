@@ -201,3 +201,39 @@ def test_client_api_loads_and_generates_on_one_compute_thread(stage_threads) -> 
     assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in {"stop", "length"}
     assert {what for what, _, _ in stage_threads} == {"load", "forward"}
     assert {name for _, _, name in stage_threads} == {compute.run(lambda: threading.current_thread().name)}
+
+
+def test_api_keys_admit_their_holders_and_keep_their_conversations_apart(split_client: SplitClient) -> None:
+    app = create_app(split_client, "m", api_keys=frozenset({"key-a", "key-b"}))
+    with serve_http(app) as url:
+        def api(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+        for bad in ("-", "key-c", "KEY-A"):
+            with pytest.raises(openai.AuthenticationError, match="API key"):
+                api(bad).models.list()
+        messages = [{"role": "user", "content": "My name is Ada."}]
+        reply = api("key-a").chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "What is my name?"}]
+        other = api("key-b").chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+        assert other.model_extra["splitllm"]["reused_prompt_tokens"] == 0  # key a's conversation: not for key b
+        mine = api("key-a").chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+        assert mine.model_extra["splitllm"]["reused_prompt_tokens"] > 0
+
+
+def test_max_context_defaults_to_the_models_limit_and_caches_take_what_the_server_grants(
+    split_client: SplitClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from splitllm.client import session
+
+    limit = split_client.files.config.max_position
+    assert split_client.max_context == limit > 4096  # the server below grants its default, 4096
+    with split_client.conversation() as conv:
+        list(conv.stream(split_client.encode_prompt(QUESTION), 2, "sequential"))
+        assert conv._pipeline is not None and conv._pipeline.caches.head.max_context == 4096
+    with pytest.raises(ValueError, match="model's limit"):
+        SplitClient(None, split_client.server, max_context=limit + 1)
+    monkeypatch.setattr(session, "_available_bytes", lambda: 1 << 20)
+    with pytest.raises(ValueError, match="GiB available"):
+        SplitClient(None, max_context=limit)

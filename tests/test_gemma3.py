@@ -103,3 +103,21 @@ def test_gemma3_lookup_speculation_commits_the_same_tokens(client, prompts, refe
 def test_gemma3_base_model_refuses_chat_turns(client) -> None:  # type: ignore[no-untyped-def]
     with client.conversation() as conv, pytest.raises(ValueError, match="no chat template"):
         next(conv.say("Hello"))
+
+
+def test_gemma3_json_under_a_schema_is_valid_and_speculation_changes_nothing(client) -> None:  # type: ignore[no-untyped-def]
+    """A model with no chat template still answers in JSON under a schema (its vocabulary is 262k tokens)."""
+    import json
+
+    from splitllm.decoding.grammar import Grammar, grammar_tokenizer
+    from splitllm.decoding.sampling import SamplingParams
+
+    vocab = grammar_tokenizer(client.tokenizer, client.files.hf_config.vocab_size, client.stop_ids)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "year": {"type": "integer", "minimum": 0, "maximum": 3000}},
+              "required": ["city", "year"], "additionalProperties": False}
+    sampling = SamplingParams(grammar=Grammar.json_schema(vocab, schema))
+    texts = [client.generate("The capital of France, as JSON:", 48, decode, chat=False, sampling=sampling).text
+             for decode in ("sequential", "auto")]
+    assert texts[0] == texts[1]
+    assert set(json.loads(texts[0])) == {"city", "year"}

@@ -29,10 +29,11 @@ from splitllm.threads import ComputeThread, set_compute_threads
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "skills": {"type": "array", "items": {"type": "string", "maxLength": 32}, "maxItems": 4},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                   "country": {"type": "string", "maxLength": 40}},
                     "required": ["city", "country"], "additionalProperties": False},
     },
     "required": ["name", "age", "skills", "address"],
@@ -170,8 +171,8 @@ def _schema_runs(api: Any, chat: bool, max_tokens: int) -> dict:
                                                     max_tokens=max_tokens, extra_body=extra)
                 text = reply.choices[0].message.content
             else:
-                reply = api.completions.create(model="m", prompt=f"{ask}\nJSON:", temperature=0, max_tokens=max_tokens,
-                                               extra_body=extra)
+                prompt = f"{ask}\nAn example: {json.dumps(SAMPLE)}\nJSON: "  # a base model needs the example
+                reply = api.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=max_tokens, extra_body=extra)
                 text = reply.choices[0].text
             try:
                 valid = isinstance(json.loads(text), dict)
