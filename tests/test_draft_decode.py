@@ -8,6 +8,7 @@ A second random 16-token model drafts the same way as a whole draft model.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -273,6 +274,55 @@ def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, 
     outs = list(decoder(pipeline, feed, 6, frozenset(), Sampler(history=list(history)), rest[-1].path))
     assert outs[0].stats.overlap_ms > 0 and all(o.stats.overlap_ms == 0 for o in outs[1:])
     assert proposer.tokens[: len(history)] == history
+
+
+class _Distant(LocalMiddle):
+    """A simulation of a middle on another machine, FLIGHT_MS away: this in-process middle computes, then the
+    client's core is free (the piece of client work runs) until the reply would be back."""
+
+    overlaps = True
+    FLIGHT_MS = 30.0
+
+    def step(self, hidden, positions, vis, keep, stats, while_waiting=None):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = self.stage(self.cache, hidden, positions, vis, keep)
+        stats.server_ms += (time.perf_counter() - t0) * 1000
+        next(while_waiting or iter(()), None)
+        time.sleep(max(0.0, t0 + self.FLIGHT_MS / 1000 - time.perf_counter()))
+        stats.round_trip_ms += (time.perf_counter() - t0) * 1000
+        return out
+
+
+@pytest.mark.parametrize("drafting", ["a random draft model", "the model itself"])
+def test_a_draft_model_prepares_the_next_tree_while_a_step_is_in_flight(  # type: ignore[no-untyped-def]
+    draft_model_split, vocab16_model: Path, drafting: str
+) -> None:
+    """While a step is in flight the draft model drafts the next tree for the step's likeliest outcome; a
+    step whose outcome came true takes it and drafts nothing on its critical path. Output stays
+    sequential's whatever the guesses were (a random draft model's mostly fail, the model's own come
+    true once its calibration learns so), and the draft model's cache follows the committed sequence
+    through right and wrong ones."""
+    local, stage = draft_model_split
+    if drafting == "the model itself":
+        local = LocalModel(local.files, 1, 1, torch.float64)
+        local.draft_model = DraftModel(ModelFiles(str(vocab16_model)), torch.float64)
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFT, drafter_policy=StaticPolicy(replace(BIG, depth=3))))
+    prepared = adopted = 0
+    for seed in range(4):
+        prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected, _ = _ids(decode_sequential, _pipeline((local, stage)), prompt, 40)
+        ids, outs = _ids(decoder, SplitPipeline(local, _Distant(stage, CONTEXT), CONTEXT), prompt, 40)
+        assert ids == expected, seed
+        assert all(o.stats.overlap_ms > 0 for o in outs if o.stats.prepared)
+        prepared += sum(o.stats.prepared for o in outs)
+        adopted += sum(o.stats.adopted for o in outs)
+        proposer = decoder.draft_model_proposer  # its cache may hold guesses: drafting after the real history drops them
+        fresh = DraftModelProposer(local.draft_model, CONTEXT)
+        fresh.calibration = proposer.calibration
+        proposer.prepared = None  # (a tree prepared for the sequence's end would be taken instead)
+        budget = SpecBudget(max_nodes=30, depth=5)
+        assert proposer.propose(prompt + ids, budget) == fresh.propose(prompt + ids, budget)
+    assert prepared > 12 and (adopted > 4 if drafting == "the model itself" else adopted < prepared)
 
 
 @pytest.mark.parametrize("mode", ["lookahead", "auto", "draft"])

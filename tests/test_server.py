@@ -174,6 +174,8 @@ def _hostile(header: dict, hidden: torch.Tensor, other_session: str, max_positio
 class _HostileMiddle:
     """A server session that receives, before each real step, every hostile variation of it."""
 
+    overlaps = False
+
     def __init__(self, raw: RawClient, session: str, other_session: str, max_position: int, hostile_steps: int) -> None:
         self.raw, self.session, self.other, self.max_position = raw, session, other_session, max_position
         self.hostile_steps = hostile_steps

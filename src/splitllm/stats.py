@@ -21,7 +21,9 @@ class StepStats:
     proposer: str = ""  # whose draft the accepted path came from ("" if no draft token was accepted)
     sources: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by their node's sources ("a+b": both)
     draft_ms: float = 0.0  # the drafter's share of decode_ms (syncing its cache, growing the tree)
-    overlap_ms: float = 0.0  # client work while the round trip was in flight (a draft model reading a prefill)
+    overlap_ms: float = 0.0  # client work while the round trip was in flight (reading a prefill, preparing a tree)
+    prepared: int = 0  # 1: the next step's tree was prepared while this step was in flight
+    adopted: int = 0  # 1: this step's tree was the one prepared while the last step was in flight
     head_ms: float = 0.0
     serialize_ms: float = 0.0
     round_trip_ms: float = 0.0

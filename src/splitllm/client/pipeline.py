@@ -22,6 +22,7 @@ from splitllm.visibility import Visibility
 class Middle(Protocol):
     max_context: int  # positions its cache holds (a server may grant fewer than asked)
     max_nodes: int  # positions one step may send
+    overlaps: bool  # whether the client's core is free while a step is in flight (the middle computes elsewhere)
 
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
@@ -34,6 +35,8 @@ class Middle(Protocol):
 
 class LocalMiddle:
     """The middle stage run in this process, with the same contract as a server session."""
+
+    overlaps = False  # it computes on the client's own cores
 
     def __init__(self, stage: Stage, max_context: int) -> None:
         self.stage = stage
@@ -77,6 +80,11 @@ class SplitPipeline:
     def max_context(self) -> int:
         """Positions every cache holds, within the model's maximum position."""
         return min(self.caches.head.max_context, self.middle.max_context, self.local.cfg.max_position)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the client's core is free while a step is in flight, for work that can go there."""
+        return self.middle.overlaps
 
     def room(self, start: int) -> int:
         """How many positions a step starting at absolute position `start` may send: what the caches

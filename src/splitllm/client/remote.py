@@ -73,6 +73,8 @@ class _SentRecord:
 class RemoteMiddle:
     """A session on a splitllm server holding layers [start, end) and their KV cache."""
 
+    overlaps = True  # the server computes while the client's core is free
+
     def __init__(
         self,
         url: str,

@@ -31,6 +31,11 @@ class Scorer(Protocol):
         """Positions every cache holds, within the model's maximum position."""
         ...
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether the client's core is free while a step is in flight (the middle runs elsewhere)."""
+        ...
+
     def room(self, start: int) -> int:
         """How many positions a step starting at absolute position `start` may send."""
         ...

@@ -86,6 +86,7 @@ class SpeculationConfig:
     gate: when growing the drafter's tree pays for the time it takes.
     calibration: how drafts' acceptance rates are learned.
     tree: how wide the drafters' trees grow (the budgets bound their nodes and depth).
+    prepare: whether a draft model drafts the next step's tree while a step is in flight (speculative.py).
     """
 
     mode: Mode = Mode.AUTO
@@ -97,6 +98,7 @@ class SpeculationConfig:
     gate: GateConfig = GateConfig()
     calibration: CalibrationConfig = CalibrationConfig()
     tree: TreeShape = TreeShape()
+    prepare: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATIVE_MODES:

@@ -7,10 +7,15 @@ One step sends, in one `Scorer.forward` call:
   window - lookahead's Jacobi window, also hanging off the root, invisible to the tree.
 The verifier walks the tree with the model's argmax; the next step's `keep` commits the chain and the
 accepted nodes, so every stage compacts its cache without an extra round trip.
+
+While a step is in flight the client's core would idle: a draft model that drafted the step meanwhile
+prepares the next step's tree for the step's likeliest outcome (`ScoredTreeProposer.prepare`), which
+the next step takes when the outcome came true, so its drafting leaves the critical path.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
@@ -159,7 +164,7 @@ class _Generation:
         sampler: Sampler,
         keep: Sequence[int],
     ) -> None:
-        self.pipeline, self.stop_ids, self.sampler = pipeline, stop_ids, sampler
+        self.pipeline, self.stop_ids, self.sampler, self.config = pipeline, stop_ids, sampler, decoder.config
         self.history = sampler.history
         self.proposers, self.drafters = _proposers(decoder, pipeline)
         self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
@@ -171,15 +176,21 @@ class _Generation:
         self.steps: list[StepStats] = []
         self.remaining = max_new_tokens
         self.stopped = False
+        # The link's share of a round trip, least seen: work in flight that outlasts it only ever adds.
+        self.link_ms = float("inf")
 
     @property
     def done(self) -> bool:
         return self.stopped or self.remaining <= 0
 
+    @property
+    def _seeded(self) -> bool:
+        """A seeded sample repeats only if every step's tree does: nothing about them may follow the clock."""
+        return self.sampler.params.do_sample and self.sampler.params.seed is not None
+
     def _policy(self, decoder: SpeculativeDecoder) -> BudgetPolicy:
         """Who sizes this generation's steps: the drafter's policy when it drafts, the decoder's otherwise."""
-        if self.sampler.params.do_sample and self.sampler.params.seed is not None:
-            # A seeded sample repeats only if every step's tree does: size them without the clock.
+        if self._seeded:
             return StaticPolicy(decoder.config.static_budget(bool(self.drafters)))
         head = decoder.drafter_policy if self.drafters else None
         return decoder.policy if head is None else head
@@ -195,10 +206,11 @@ class _Generation:
         layout = self._layout(budget, room - len(tree))
         plan = plan_step(self.chain, self.start, tree, layout)
         tokens, positions = torch.tensor(plan.tokens), torch.tensor(plan.positions)
-        stats = StepStats()
+        stats = StepStats(adopted=int(any(d.adopted for d in self.drafters)))
         catching_up = self._catch_up(reading, stats)
-        hidden, stats = self.pipeline.forward(tokens, positions, plan.vis, self.keep, stats, catching_up)
-        for _ in catching_up:  # what the round trip did not hide
+        waiting = itertools.chain(catching_up, self._prepare(tree, budget, grew, stats))
+        hidden, stats = self.pipeline.forward(tokens, positions, plan.vis, self.keep, stats, waiting)
+        for _ in catching_up:  # what the round trip did not hide (a next tree not prepared in time is drafted later)
             pass
         verdict = self._verify(tree, hidden, stats)
         keep = [*range(len(self.chain)), *(len(self.chain) + i for i in verdict.path)]
@@ -237,6 +249,30 @@ class _Generation:
                 stats.overlap_ms += (time.perf_counter() - t0) * 1000
                 yield
                 t0 = time.perf_counter()
+
+    def _prepare(self, tree: DraftTree, budget: SpecBudget, grew: int | None, stats: StepStats) -> Iterator[None]:
+        """One piece of work for the round trip: the drafter that grew this step's tree prepares the next
+        step's (if it can) after the path this step likely accepts, timed into `overlap_ms`."""
+        drafter = self.drafters[grew] if grew is not None else None
+        if drafter is None or not drafter.prepares or not self.pipeline.overlaps or not self.config.prepare or self._seeded:
+            return
+
+        def verified(path: list[int]) -> bool:
+            node = ROOT
+            for token in path:
+                node = tree.child(node, token)
+                if node is None:
+                    return False
+            return True
+
+        path = drafter.likely_path(verified)
+        if self.remaining - len(path) <= 2 or not self.steps:  # the generation ends with this step or the next
+            return
+        t0 = time.perf_counter()
+        back = t0 + (self.link_ms + self.steps[-1].server_ms) / 1000  # when the step is expected back
+        stats.prepared = int(drafter.prepare([*self.history, *path], budget, back))
+        stats.overlap_ms += (time.perf_counter() - t0) * 1000
+        yield
 
     def _draft(self, budget: SpecBudget, reading: list[DraftModelProposer]) -> tuple[list[Draft], int | None]:
         """Every proposer's drafts, and which drafter grew a tree (None: none did).
@@ -320,6 +356,7 @@ class _Generation:
     def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int]) -> None:
         """Move past this step: its path is the next step's keep, its bonus token the next chain."""
         self.steps.append(stats)
+        self.link_ms = min(self.link_ms, stats.round_trip_ms - stats.server_ms)
         self.stopped = verdict.stopped
         self.remaining -= len(verdict.tokens)
         self.start += len(keep)

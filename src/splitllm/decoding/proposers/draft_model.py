@@ -28,6 +28,7 @@ class DraftModelProposer(ScoredTreeProposer):
     """Scored trees from a `DraftModel`'s next-token distributions."""
 
     name = "draft-model"
+    prepares = True
 
     def __init__(
         self,

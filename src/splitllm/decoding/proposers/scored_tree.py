@@ -11,6 +11,12 @@ add at most the chances of the nodes it runs in expected tokens, each worth what
 link, against the measured time of one pass (a few milliseconds for a one-layer head, one whole
 forward for a draft model).
 
+While a step is in flight, a proposer that reads tokens alone (a draft model) can `prepare` the next
+tree for the outcome it thinks likeliest (`likely_path`): the tree after that path, one level deeper,
+whose first level stands for the bonus token. If the step commits that path and a bonus among the
+first level, the next `propose` takes the subtree under the bonus instead of drafting on the
+critical path (`_adopt`); otherwise it drafts as usual, its cache keeping the common prefix.
+
 Node scores are estimated acceptance chances: the product along the path of the drafting model's
 probability, recalibrated per probability bin against the tokens actually committed. They depend only
 on the committed history (and the target's features, for a head that reads them), never on the
@@ -22,8 +28,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -53,6 +59,15 @@ class _Node:
     children: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Prepared:
+    """A tree drafted while a step was in flight, after `history` (the committed tokens and the path the
+    step was expected to accept): its first level stands for the step's bonus token."""
+
+    history: list[int]
+    tree: list[_Node]
+
+
 class ScoredTreeProposer(ABC):
     """A Proposer whose drafts are single scored nodes of a tree (see `Draft.score`).
 
@@ -62,6 +77,7 @@ class ScoredTreeProposer(ABC):
 
     name = "draft"
     taps: tuple[int, ...] = ()  # layers whose outputs `observe` needs beside the features
+    prepares = False  # whether it drafts from tokens alone, so it can `prepare` while a step is in flight
 
     def __init__(self, cache: KVCache, top_k: int, beam: int, calibration_config: CalibrationConfig) -> None:
         self.cache, self.top_k, self.beam = cache, top_k, beam
@@ -72,6 +88,8 @@ class ScoredTreeProposer(ABC):
         self.tree_start = 0  # history index of the tree's depth-1 tokens
         self.draft_ms = 0.0  # time spent drafting since the last take_draft_ms()
         self.pass_ms: float | None = None  # running average of one depth's pass (None: none timed yet)
+        self.prepared: _Prepared | None = None
+        self.adopted = False  # whether the last propose took the prepared tree
 
     @abstractmethod
     def observe(self, start: int, features: torch.Tensor, taps: torch.Tensor | None = None) -> None:
@@ -103,11 +121,16 @@ class ScoredTreeProposer(ABC):
 
     def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Draft]:
         t0 = time.perf_counter()
+        prepared, self.prepared = self.prepared, None
+        self.adopted = False
         try:
             self._resolve(history)
             self.tree = []
             if not budget.max_nodes or not budget.depth:
                 return []  # the committed positions wait: the next drafting step syncs them in one pass
+            self.adopted = prepared is not None and self._adopt(prepared, history)
+            if self.adopted:
+                return self._drafts()
             synced = self._sync(history)
             if synced is None:
                 return []
@@ -117,6 +140,64 @@ class ScoredTreeProposer(ABC):
         finally:
             self.cache.keep(list(range(self.cache.pending)))  # so the next crop finds every entry committed
             self.draft_ms += (time.perf_counter() - t0) * 1000
+
+    def prepare(self, history: Sequence[int], budget: SpecBudget, until: float) -> bool:
+        """Draft the tree after `history` (committed tokens plus the path the step in flight is expected
+        to accept) one level deeper than `budget`, for the next `propose` to take if the step goes so;
+        no depth is begun that would end after `until` (time.perf_counter()), when the step is expected
+        back. Learns nothing (the step's outcome is not known yet); whether a tree was prepared."""
+        if not self.prepares or not budget.max_nodes or not budget.depth:
+            return False
+        tree, start = self.tree, self.tree_start  # the tree in flight, which the next propose resolves
+        try:
+            synced = self._sync(history)
+            if synced is None:
+                return False
+            self.tree = []
+            self._grow(*synced, replace(budget, depth=budget.depth + 1), until)
+            self.prepared = _Prepared(list(history), self.tree)
+            return True
+        finally:
+            self.cache.keep(list(range(self.cache.pending)))
+            self.tree, self.tree_start = tree, start
+
+    def _adopt(self, prepared: _Prepared, history: Sequence[int]) -> bool:
+        """Take the prepared tree's subtree under the bonus token, if `history` is what it was prepared for
+        plus a bonus on its first level: depths one less, scores given the bonus."""
+        n = len(prepared.history)
+        if len(history) != n + 1 or list(history[:n]) != prepared.history:
+            return False
+        tree = prepared.tree
+        root = next((i for i, nd in enumerate(tree) if nd.parent < 0 and nd.token == history[-1]), None)
+        if root is None or not tree[root].children:
+            return False
+        renumber = {root: -1}
+        for i, nd in enumerate(tree):  # parents come first
+            if nd.parent in renumber:
+                renumber[i] = len(self.tree)
+                self.tree.append(_Node(nd.token, renumber[nd.parent], nd.depth - 1, nd.q, nd.bin, nd.score / tree[root].score))
+                if nd.parent != root:
+                    self.tree[renumber[nd.parent]].children.append(renumber[i])
+        self.tree_start = len(history)
+        return True
+
+    def likely_path(self, verified: Callable[[list[int]], bool]) -> list[int]:
+        """The tokens of the last tree the step verifying it most likely accepts before its bonus token:
+        down the likeliest nodes the step holds (`verified(path)`), to where stopping is likeliest (a
+        node's chance less its verified children's)."""
+        best: list[int] = []
+        path: list[int] = []
+        level = [i for i, nd in enumerate(self.tree) if nd.parent < 0]
+        kids = [i for i in level if verified([self.tree[i].token])]
+        best_stop = 1.0 - sum(self.tree[i].score for i in kids)
+        while kids:
+            node = self.tree[max(kids, key=lambda i: self.tree[i].score)]
+            path = [*path, node.token]
+            kids = [i for i in node.children if verified([*path, self.tree[i].token])]
+            stop = node.score - sum(self.tree[i].score for i in kids)
+            if stop > best_stop:
+                best, best_stop = path, stop
+        return best
 
     def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
         """Add the top_k children of each parent (-1: root), given its output."""
@@ -131,8 +212,9 @@ class ScoredTreeProposer(ABC):
                 if parent >= 0:
                     self.tree[parent].children.append(len(self.tree) - 1)
 
-    def _grow(self, root_out: torch.Tensor, last: int, budget: SpecBudget) -> None:
-        """Grow the tree after the bonus token; depth-d nodes enter the cache at position `last` + d."""
+    def _grow(self, root_out: torch.Tensor, last: int, budget: SpecBudget, until: float | None = None) -> None:
+        """Grow the tree after the bonus token; depth-d nodes enter the cache at position `last` + d; no
+        depth begins that would end after `until` (time.perf_counter(); None: no such bound)."""
         max_depth = min(budget.depth, self.max_position - last)
         # A node less likely than this is not worth verifying even first (see NodeCost): nor expanding.
         floor = budget.cost.node_ms / budget.cost.step_ms if budget.cost and budget.cost.step_ms > 0 else MIN_SCORE
@@ -146,6 +228,8 @@ class ScoredTreeProposer(ABC):
             if not chosen:
                 return
             if budget.cost is not None and not self._pays(chosen, budget.cost):
+                return
+            if until is not None and time.perf_counter() + (self.pass_ms or 0.0) / 1000 > until:
                 return
             offset = self.cache.length + self.cache.pending
             n = len(chosen)

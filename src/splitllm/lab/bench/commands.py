@@ -168,7 +168,8 @@ def speculation(
     rtt_ms: RttMs = 80.0,
     decode: Annotated[
         str, typer.Option(help="comma-separated decoding modes (sequential always runs; auto-static: auto's static budget; "
-                          "draft-wide: draft with 64-node trees, 8 beams of 8; auto-wide: auto choosing from 8 x 8 candidates)")
+                          "draft-wide: draft with 64-node trees, 8 beams of 8; auto-wide: auto choosing from 8 x 8 candidates; "
+                          "auto-serial: auto drafting only between steps, none while one is in flight)")
     ] = "sequential,lookup,lookahead,draft,auto,auto-static",
     out: Annotated[str, typer.Option(help="folder for speculation.json and speculation.md")] = "results",
     wire_dtype: Annotated[WireDtypeName, typer.Option(help="float32 makes every mode's output sequential's, bit for bit")] = "float32",

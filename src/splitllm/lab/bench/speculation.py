@@ -35,7 +35,8 @@ MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
 # adaptive policy, to show what adapting to the link adds; `draft` with trees of about the size EAGLE-2
 # verifies (64 nodes, 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what
-# width buys and costs; and `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6.
+# width buys and costs; `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6; and
+# `auto` drafting only between steps (no tree prepared while one is in flight), to show what that hides.
 WIDE = TreeShape(top_k=8, beam=8)
 EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
     "auto-static": lambda: SpeculativeDecoder(SpeculationConfig()),
@@ -43,6 +44,7 @@ EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
         SpeculationConfig(Mode.DRAFT, drafter_budget=SpecBudget(max_nodes=64, guesses=3, depth=10), tree=WIDE)
     ),
     "auto-wide": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, tree=WIDE)),
+    "auto-serial": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, prepare=False)),
 }
 
 
@@ -63,6 +65,9 @@ class Tally:
     sources: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # node sources -> draft tokens accepted
     draft_ms: float = 0.0  # the drafter's time (part of the client's critical path)
     server_ms: float = 0.0  # the server's compute, as it reports it
+    overlap_ms: float = 0.0  # client work done while steps were in flight
+    prepared: int = 0  # steps during whose flight the next tree was prepared
+    adopted: int = 0  # steps that took the tree prepared during the last one
     first_ms: float = 0.0  # the prefill steps' time: the first token's wait, the prompt read by every side
 
     def add(self, run: dict, identical: bool) -> None:
@@ -83,6 +88,9 @@ class Tally:
                 self.sources[source] += n
             self.draft_ms += s.get("draft_ms", 0.0)
             self.server_ms += s["server_ms"]
+            self.overlap_ms += s.get("overlap_ms", 0.0)
+            self.prepared += s.get("prepared", 0)
+            self.adopted += s.get("adopted", 0)
 
     def summary(self, sequential: Tally | None) -> dict:
         tps = self.tokens / self.ms * 1000 if self.ms else 0.0
@@ -102,6 +110,10 @@ class Tally:
             "bytes_down_per_step": per_step(self.bytes_down),
             "draft_ms_per_step": per_step(self.draft_ms),
             "server_ms_per_step": per_step(self.server_ms),
+            "server_busy": self.server_ms / self.ms if self.ms else 0.0,  # of the decode's wall time
+            "hidden_ms_per_step": per_step(self.overlap_ms),  # client work done while a step was in flight
+            "prepared_share": per_step(self.prepared),  # steps whose flight prepared the next tree
+            "adopted_share": self.adopted / self.prepared if self.prepared else 0.0,  # prepared trees used
             "first_step_ms": self.first_ms / self.prompts if self.prompts else 0.0,
             "proposers": {
                 p: {"steps_won": self.won[p], "draft_tokens_accepted": self.drafted[p]} for p in sorted(self.won)
@@ -180,15 +192,16 @@ def markdown(summary: dict, settings: dict) -> str:
         f"{', drafting with ' + settings['drafter'] if settings.get('drafter') else ''}.",
         "",
         "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
-        "| draft ms/step | server ms/step | first token ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| draft ms/step | hidden ms/step | prepared trees used | server busy | server ms/step | first token ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for group, modes in summary.items():
         for mode, s in modes.items():
             lines.append(
                 f"| {group} | {mode} | {s['tokens_per_step']:.2f} | {s['tokens_per_second']:.2f} | "
                 f"{s['speedup']:.2f}x | {s['identical']}/{s['prompts']} | {s['nodes_per_step']:.1f} | "
-                f"{s['bytes_up_per_step']:.0f} | {s['draft_ms_per_step']:.1f} | {s['server_ms_per_step']:.1f} | "
+                f"{s['bytes_up_per_step']:.0f} | {s['draft_ms_per_step']:.1f} | {s['hidden_ms_per_step']:.1f} | "
+                f"{s['adopted_share']:.0%} of {s['prepared_share']:.0%} | {s['server_busy']:.0%} | {s['server_ms_per_step']:.1f} | "
                 f"{s['first_step_ms']:.0f} |"
             )
     lines += [

@@ -90,6 +90,10 @@ class NoisyMiddle:
     def max_context(self) -> int:
         return self.inner.max_context
 
+    @property
+    def overlaps(self) -> bool:
+        return self.inner.overlaps
+
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
         while_waiting: Iterator[object] | None = None,
