@@ -245,13 +245,3 @@ def test_a_server_without_the_device_refuses_to_attest(vendor: Path) -> None:
     with pytest.raises(ValueError, match="not a folder from"):
         load_attester("simulated", str(vendor / "missing"))
     assert load_attester("none") is None and load_attester("simulated", str(vendor)).platform == "sev-snp"
-
-
-def test_the_cost_table_is_generated_from_the_published_results() -> None:
-    from splitllm.lab import results
-    from splitllm.lab.bench.confidential import markdown
-
-    published = json.loads((results.RESULTS / "confidential.json").read_text())
-    assert {"date", "git_commit", "cpu", "command"} <= published["provenance"].keys()
-    doc = (results.CHECKOUT / "docs" / "confidential.md").read_text()
-    assert results.block(doc, "confidential") == markdown(published)

@@ -178,9 +178,10 @@ def speculation(
     setting: Setting = None,
     model: Model = "default",
     cores: Cores = "halves",
+    publish: Annotated[bool, typer.Option(help="also write docs/results/speculation.json (the summary) and regenerate docs/drafting.md's table")] = False,
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy."""
-    from splitllm.lab.bench.speculation import EXTRA_DECODERS, run_speculation
+    from splitllm.lab.bench.speculation import EXTRA_DECODERS, report, run_speculation
 
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())
     unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
@@ -192,7 +193,10 @@ def speculation(
         wire_dtype=wire_dtype, drafter=drafter, precision=parse_setting(setting), model=model, core_layout=cores,
         draft_model=draft_model,
     )
-    typer.echo(result["markdown"])
+    if publish:
+        _write({"provenance": _provenance(), **result}, "speculation", report(result), out, "drafting.md")
+    else:
+        typer.echo(report(result))
 
 
 app.command("speculation")(with_options(sampling=sampling)(speculation))

@@ -289,18 +289,24 @@ def run_speculation(
     diverged = divergences(client, prompts, runs) if not (sampling and sampling.do_sample) else []
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    report = markdown(summary, settings)
+    data = {"settings": settings, "summary": summary, "divergences": diverged, "llama_cpp_rpc": peer}
+    (folder / "speculation.json").write_text(json.dumps({**data, "runs": runs}))
+    (folder / "speculation.md").write_text(report(data))
+    return data
+
+
+def report(data: dict) -> str:
+    """The whole report of a run (`run_speculation`'s result, or its JSON without the runs)."""
+    summary, diverged, peer = data["summary"], data["divergences"], data["llama_cpp_rpc"]
+    text = markdown(summary, data["settings"])
     if diverged:
-        report += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix):\n\n"
-        report += "| prompt | mode | at token | top-2 gap |\n| --- | --- | --- | --- |\n"
-        report += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
+        text += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix):\n\n"
+        text += "| prompt | mode | at token | top-2 gap |\n| --- | --- | --- | --- |\n"
+        text += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
     if "tokens_per_second" in peer:
         auto = summary["overall"].get("auto", {}).get("tokens_per_second", 0.0)
-        report += (f"\nllama.cpp RPC (every layer remote, nothing private; the same cores and threads) over the same link: "
-                   f"{peer['tokens_per_second']:.2f} tok/s; auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
+        text += (f"\nllama.cpp RPC (every layer remote, nothing private; the same cores and threads) over the same link: "
+                 f"{peer['tokens_per_second']:.2f} tok/s; auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
     else:
-        report += f"\nllama.cpp RPC: {peer['skipped']}\n"
-    data = {"settings": settings, "summary": summary, "divergences": diverged, "llama_cpp_rpc": peer, "runs": runs}
-    (folder / "speculation.json").write_text(json.dumps(data))
-    (folder / "speculation.md").write_text(report)
-    return {"summary": summary, "markdown": report}
+        text += f"\nllama.cpp RPC: {peer['skipped']}\n"
+    return text
