@@ -391,8 +391,8 @@ class _Calls:
     """How an answer's text reads back: plain content, or content and tool calls when tools were offered."""
 
     def __init__(self, req: _Request) -> None:
-        offered = isinstance(req, ChatRequest) and req.offers_tools()
-        self.reader = ToolCallReader([t.function.name for t in req.tools or ()]) if offered else None  # type: ignore[attr-defined]
+        tools = req.tools if isinstance(req, ChatRequest) and req.offers_tools() else None
+        self.reader = ToolCallReader([t.function.name for t in tools]) if tools else None
         self.parallel = not isinstance(req, ChatRequest) or req.parallel_tool_calls
         self.found: list[ToolCall] = []
         self._sent = 0

@@ -4,8 +4,9 @@ The template lists the tools in its system block and asks for each call as
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (the Hermes format, also what vLLM's and
 llama.cpp's servers parse for these models). With `tool_choice` "auto" the model decides and its
 calls are read out of the text: tagged, or, as the small Qwen2.5-Coder models often answer, a whole
-answer that is a call object in a ```json fence (llama.cpp reads those too). "required" or a named function constrain the output with a grammar
-(decoding/grammar.py), so the model can only answer with well-formed calls to the tools offered.
+answer that is a call object in a ```json fence (llama.cpp reads those too). "required" or a named
+function constrain the output with a grammar (decoding/grammar.py), so the model can only answer with
+well-formed calls to the tools offered.
 """
 
 from __future__ import annotations

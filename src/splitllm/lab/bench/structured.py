@@ -244,8 +244,8 @@ def markdown(result: dict) -> str:
     head = (f"{s['asks']} JSON-schema requests per model through `client-api` (the official `openai` client) at "
             f"{s['rtt_ms']:g} ms, each side on its own cores ({s['core_layout']}), up to {s['max_tokens']} tokens; "
             f"{p['date'][:10]}, `{p['git_commit'][:10]}`, {p['cpu']}.")
-    lines = [head, "", "| model | valid JSON | auto tok/s | sequential tok/s | auto / sequential | identical | tool call, plain / streamed |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [head, "", "| model | valid JSON | auto tok/s | sequential tok/s | auto / sequential | identical "
+             "| tool call, plain / streamed |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         runs = r["schema"]["sequential"] + r["schema"]["auto"]
         tools = r.get("tools")
