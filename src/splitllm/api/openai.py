@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal, NamedTuple
 
 import anyio
+import llguidance
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
@@ -256,7 +257,7 @@ class OpenAIEndpoint:
         self.conversations = ConversationCache(client, reuse)  # used on the compute thread, under the lock
         self.created = int(time.time())
         self.lock = asyncio.Lock()
-        self._grammar_tokenizer: Any = None  # built on the first constrained request (about a second)
+        self._grammar_tokenizer: llguidance.LLTokenizer | None = None  # built on the first constrained request
 
     def models(self) -> dict[str, Any]:
         return {

@@ -18,6 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
 from transformers import PreTrainedTokenizerBase
 
 from splitllm.decoding.grammar import Grammar, json_rule
@@ -129,7 +130,9 @@ def _safe_end(text: str) -> int:
     return len(text)
 
 
-def call_grammar(tokenizer: Any, tools: list[dict[str, Any]], only: str | None, parallel: bool) -> Grammar:
+def call_grammar(
+    tokenizer: llguidance.LLTokenizer, tools: list[dict[str, Any]], only: str | None, parallel: bool
+) -> Grammar:
     """Output that is one call (or, with `parallel`, several) to the offered tools, or to `only`."""
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     options = [

@@ -32,8 +32,10 @@ from transformers import PreTrainedTokenizerBase
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: Collection[int]) -> Any:
-    """llguidance's view of a model's vocabulary (built once per model: about a second for 150k tokens).
+def grammar_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: Collection[int]
+) -> llguidance.LLTokenizer:
+    """llguidance's view of a model's vocabulary (built once per model: it reads every token).
 
     `vocab_size` is the LM head's (rows past the tokenizer's are never allowed); every stop id ends a
     generation the grammar has completed."""
@@ -44,11 +46,11 @@ def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_
 class Grammar:
     """A compiled constraint on a generation's output, over one model's vocabulary."""
 
-    tokenizer: Any  # llguidance.LLTokenizer
+    tokenizer: llguidance.LLTokenizer
     source: str  # llguidance's grammar text
 
     @classmethod
-    def compile(cls, tokenizer: Any, source: str) -> Grammar:
+    def compile(cls, tokenizer: llguidance.LLTokenizer, source: str) -> Grammar:
         """ValueError with llguidance's message where the grammar is not usable."""
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer)
         if error:
@@ -56,13 +58,13 @@ class Grammar:
         return cls(tokenizer, source)
 
     @classmethod
-    def json_schema(cls, tokenizer: Any, schema: dict[str, Any] | None = None) -> Grammar:
+    def json_schema(cls, tokenizer: llguidance.LLTokenizer, schema: dict[str, Any] | None = None) -> Grammar:
         """Any JSON object (`schema` None), or JSON valid under `schema`."""
         schema = {"type": "object"} if schema is None else schema
         return cls.compile(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE))
 
     @classmethod
-    def lark(cls, tokenizer: Any, source: str) -> Grammar:
+    def lark(cls, tokenizer: llguidance.LLTokenizer, source: str) -> Grammar:
         return cls.compile(tokenizer, llguidance.LLMatcher.grammar_from_lark(source))
 
     def start(self) -> GrammarState:
