@@ -164,7 +164,11 @@ def _pack(header: dict[str, Any]) -> bytes:
 
 
 class Target:
-    """The decode under attack: one connection, a live session fed real steps, a scratch session."""
+    """The decode under attack: one connection, a live session fed real steps, a scratch session; to the
+    decoder, the middle its steps go through."""
+
+    max_context = 64  # what its sessions ask for
+    overlaps = False
 
     def __init__(self, url: str, files: ModelFiles, local, prompt: list[int], expected: list[int], bystander) -> None:  # type: ignore[no-untyped-def]
         self.url, self.files, self.local = url, files, local

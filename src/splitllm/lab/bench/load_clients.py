@@ -53,7 +53,7 @@ class _Recorder:
         self.inner = inner
         self.calls: list[Call] = []
         self._last = time.perf_counter()
-        self.overlaps = inner.overlaps
+        self.max_context, self.max_nodes, self.overlaps = inner.max_context, inner.max_nodes, inner.overlaps
 
     def step(
         self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
