@@ -17,8 +17,12 @@ from types import TracebackType
 
 import uvicorn
 
+from splitllm.client.session import SplitClient
+from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.model.precision import Precision, fastest
 from splitllm.server.app import MiddleServer
 from splitllm.server.transport import TlsFiles, uvicorn_config
+from splitllm.threads import ComputeThread, set_compute_threads
 
 
 def free_port() -> int:
@@ -176,3 +180,28 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@dataclass
+class LinkedClient:
+    """A client as `client-api` builds it (on its own compute thread), talking to a server subprocess."""
+
+    client: SplitClient
+    compute: ComputeThread
+    precision: Precision
+
+
+@contextmanager
+def client_over_link(model: str, rtt_ms: float, core_layout: str) -> Iterator[LinkedClient]:
+    """A server subprocess behind the WAN proxy at `rtt_ms` and a client of it in this process, each side
+    on its own cores (`sides`), both at the fastest precision here; the block runs on the client's cores."""
+    cores = sides(core_layout)
+    set_compute_threads(cores.threads)
+    precision = fastest()
+    compute = ComputeThread()
+    client = compute.run(lambda: SplitClient(model, wire_dtype="float16", precision=precision))
+    serve = ("--model", model, "--threads", str(cores.threads), *precision.serve_args())
+    with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
+        with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
+            client.server = f"ws://127.0.0.1:{proxy.port}"
+            yield LinkedClient(client, compute, precision)

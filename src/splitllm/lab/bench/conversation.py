@@ -16,10 +16,7 @@ from splitllm.api.openai import create_app
 from splitllm.client.conversations import ReuseLimits
 from splitllm.client.session import SplitClient
 from splitllm.lab.data.workload import workload
-from splitllm.lab.launch import ServerProcess, on_cores, serve_http, sides
-from splitllm.lab.netem import LinkProfile, ProxyThread
-from splitllm.model.precision import fastest
-from splitllm.threads import ComputeThread, set_compute_threads
+from splitllm.lab.launch import client_over_link, serve_http
 
 
 def _document(client: SplitClient, tokens: int) -> str:
@@ -47,39 +44,32 @@ def _first_token_ms(api, messages: list[dict], max_tokens: int) -> tuple[float, 
 def measure_model(model: str, rtt_ms: float, tokens: int, chats: int, core_layout: str, progress: Callable[[str], None]) -> dict:
     import openai
 
-    cores = sides(core_layout)
-    set_compute_threads(cores.threads)
-    precision = fastest()
-    compute = ComputeThread()
-    client = compute.run(lambda: SplitClient(model, wire_dtype="float16", precision=precision, max_context=4096))
-    serve = ("--model", model, "--threads", str(cores.threads), *precision.serve_args())
     rows = []
-    with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
-        with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
-            client.server = f"ws://127.0.0.1:{proxy.port}"
-            apps = {name: create_app(client, "m", compute=compute, reuse=ReuseLimits(max_conversations=n))
-                    for name, n in (("continued", 8), ("fresh", 0))}
-            with serve_http(apps["continued"]) as kept_url, serve_http(apps["fresh"]) as fresh_url:
-                api = {name: openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
-                       for name, url in (("continued", kept_url), ("fresh", fresh_url))}
-                doc = _document(client, tokens)
-                for i in range(chats + 1):  # the first chat warms both sides up
-                    messages = [{"role": "user", "content": f"{doc}\nChat {i}: summarize the text above in one sentence."}]
-                    first_ms, answer, ext = _first_token_ms(api["continued"], messages, 32)
-                    messages += [{"role": "assistant", "content": answer},
-                                 {"role": "user", "content": "Now name its main topic in two words."}]
-                    results = {name: _first_token_ms(api[name], messages, 16) for name in ("continued", "fresh")}
-                    if i == 0:
-                        continue
-                    row = {
-                        "first_turn_prompt_tokens": ext.get("prompt_tokens", 0), "first_turn_first_token_ms": first_ms,
-                        "continued_ms": results["continued"][0], "fresh_ms": results["fresh"][0],
-                        "continued_reused_tokens": results["continued"][2].get("reused_prompt_tokens", 0),
-                        "identical": results["continued"][1] == results["fresh"][1],
-                    }
-                    rows.append(row)
-                    progress(f"{model} chat {i}: follow-up first token {row['continued_ms']:.0f} ms continued, "
-                             f"{row['fresh_ms']:.0f} ms fresh")
+    with client_over_link(model, rtt_ms, core_layout) as linked:
+        client, compute, precision = linked.client, linked.compute, linked.precision
+        apps = {name: create_app(client, "m", compute=compute, reuse=ReuseLimits(max_conversations=n))
+                for name, n in (("continued", 8), ("fresh", 0))}
+        with serve_http(apps["continued"]) as kept_url, serve_http(apps["fresh"]) as fresh_url:
+            api = {name: openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+                   for name, url in (("continued", kept_url), ("fresh", fresh_url))}
+            doc = _document(client, tokens)
+            for i in range(chats + 1):  # the first chat warms both sides up
+                messages = [{"role": "user", "content": f"{doc}\nChat {i}: summarize the text above in one sentence."}]
+                first_ms, answer, ext = _first_token_ms(api["continued"], messages, 32)
+                messages += [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": "Now name its main topic in two words."}]
+                results = {name: _first_token_ms(api[name], messages, 16) for name in ("continued", "fresh")}
+                if i == 0:
+                    continue
+                row = {
+                    "first_turn_prompt_tokens": ext.get("prompt_tokens", 0), "first_turn_first_token_ms": first_ms,
+                    "continued_ms": results["continued"][0], "fresh_ms": results["fresh"][0],
+                    "continued_reused_tokens": results["continued"][2].get("reused_prompt_tokens", 0),
+                    "identical": results["continued"][1] == results["fresh"][1],
+                }
+                rows.append(row)
+                progress(f"{model} chat {i}: follow-up first token {row['continued_ms']:.0f} ms continued, "
+                         f"{row['fresh_ms']:.0f} ms fresh")
     continued, fresh = sum(r["continued_ms"] for r in rows), sum(r["fresh_ms"] for r in rows)
     return {"model": model, "precision": precision.name, "rtt_ms": rtt_ms, "chats": rows,
             "ratio": continued / fresh if fresh else 0.0}

@@ -19,12 +19,10 @@ from typing import Any
 import numpy as np
 
 from splitllm.api.openai import create_app
+from splitllm.api.tools import takes_tools
 from splitllm.client.session import SplitClient
 from splitllm.decoding.grammar import JSON_STYLE, Grammar, grammar_tokenizer
-from splitllm.lab.launch import ServerProcess, on_cores, serve_http, sides
-from splitllm.lab.netem import LinkProfile, ProxyThread
-from splitllm.model.precision import fastest
-from splitllm.threads import ComputeThread, set_compute_threads
+from splitllm.lab.launch import client_over_link, serve_http
 
 PERSON = {
     "type": "object",
@@ -202,25 +200,18 @@ def _tool_calls(api: Any) -> dict:
 def measure_model(model: str, rtt_ms: float, max_tokens: int, core_layout: str, progress: Callable[[str], None]) -> dict:
     import openai
 
-    cores = sides(core_layout)
-    set_compute_threads(cores.threads)
-    precision = fastest()
-    compute = ComputeThread()
-    client = compute.run(lambda: SplitClient(model, wire_dtype="float16", precision=precision))
-    row: dict[str, Any] = {"model": model, "precision": precision.name, "masks": mask_costs(client)}
-    progress(f"{model}: mask cost " + ", ".join(f"{m['library']} {m.get('mean_ms', float('nan')):.3f} ms" for m in row["masks"]))
-    chat = bool(client.tokenizer.chat_template)
-    serve = ("--model", model, "--threads", str(cores.threads), *precision.serve_args())
-    with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
-        with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
-            client.server = f"ws://127.0.0.1:{proxy.port}"
-            with serve_http(create_app(client, "m", compute=compute)) as url:
-                api = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
-                _schema_runs(api, chat, 16)  # warms both sides up
-                row["schema"] = _schema_runs(api, chat, max_tokens)
-                row["endpoint"] = "chat" if chat else "completions"
-                if chat and "tools" in (client.tokenizer.chat_template or ""):
-                    row["tools"] = _tool_calls(api)
+    with client_over_link(model, rtt_ms, core_layout) as linked:
+        client = linked.client
+        row: dict[str, Any] = {"model": model, "precision": linked.precision.name, "masks": mask_costs(client)}
+        progress(f"{model}: mask cost " + ", ".join(f"{m['library']} {m.get('mean_ms', float('nan')):.3f} ms" for m in row["masks"]))
+        chat = bool(client.tokenizer.chat_template)
+        with serve_http(create_app(client, "m", compute=linked.compute)) as url:
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+            _schema_runs(api, chat, 16)  # warms both sides up
+            row["schema"] = _schema_runs(api, chat, max_tokens)
+            row["endpoint"] = "chat" if chat else "completions"
+            if chat and takes_tools(client.tokenizer):
+                row["tools"] = _tool_calls(api)
     seq, auto = row["schema"]["sequential"], row["schema"]["auto"]
     row["identical"] = sum(a["text"] == s["text"] for a, s in zip(auto, seq))
     row["speedup"] = _rate(auto) / _rate(seq) if _rate(seq) else 0.0
