@@ -27,13 +27,13 @@ from transformers import (
 )
 
 from splitllm.attestation.simulation import sim_init
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.draft.model import Drafter, drafter_config
-from splitllm.lab.launch import ServerThread
+from splitllm.drafting.drafter import Drafter, drafter_config
+from splitllm.testing.launch import ServerThread
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
 

@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.client.connection import ConnectionOptions
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import Middle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 
 
 class RawClient:

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 
 from splitllm.client.connection import ConnectionOptions, is_transient
 from splitllm.client.remote import RemoteMiddle
-from splitllm.lab.launch import ServerProcess, ServerThread
+from splitllm.testing.launch import ServerProcess, ServerThread
 from splitllm.server.app import MiddleServer
 from splitllm.server.auth import TokenTable
 from splitllm.server.settings import ServerSettings

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
-from splitllm.lab.launch import serve_http
+from splitllm.testing.launch import serve_http
 from transformers import TextIteratorStreamer, TextStreamer
 
 from splitllm.api.hf import SplitModelForCausalLM
 from splitllm.api.openai import create_app
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.commands.client import served_client
 from splitllm.model.precision import EXACT
 

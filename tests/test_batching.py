@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from splitllm.model.stage import Stage, StepInput
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 from tests.protocol_client import RawClient
 
 HEAD, TAIL = 1, 1

@@ -9,7 +9,7 @@ import pytest
 
 from splitllm.lab.bench.speculation import markdown, run_speculation, summarize
 from splitllm.lab.data.workload import CATEGORIES, workload
-from splitllm.lab.launch import sides
+from splitllm.testing.launch import sides
 
 
 def _step(accepted: int, ms: float, proposer: str = "") -> dict:

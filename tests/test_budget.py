@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from splitllm.client.session import SplitClient
-from splitllm.decoding.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
-from splitllm.decoding.budget import NodeCost, SpecBudget
+from splitllm.client.client import SplitClient
+from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
+from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.modes import DECODERS
-from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy, split_rows
+from splitllm.decoding.sizing.policies import AdaptivePolicy, ValuePolicy, split_rows
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link, StepShape
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.decoding.sizing.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link, StepShape
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from splitllm.chat import run_chat
-from splitllm.client.session import SplitClient
+from splitllm.api.terminal_chat import run_chat
+from splitllm.client.client import SplitClient
 
 pytestmark = pytest.mark.slow
 TURNS = ["My name is Ada.", "What is my name?", "Say it backwards."]

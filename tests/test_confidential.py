@@ -25,7 +25,7 @@ from websockets.sync.client import connect
 from websockets.sync.server import ServerConnection, serve
 
 from protocol_client import greedy
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.attestation.handshake import ClientHandshake, _raw
 from splitllm.attestation.policy import AttestationPolicy
 from splitllm.attestation.sealing import SealError
@@ -35,7 +35,7 @@ from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
 from splitllm.lab.privacy.attacks.whitebox import LanguageModelPrior, invert
 from splitllm.lab.privacy.states import PublicModel
-from splitllm.wire import ProtocolError
+from splitllm.protocol.wire import ProtocolError
 
 pytestmark = pytest.mark.slow
 HEAD, TAIL = 2, 2

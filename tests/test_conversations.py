@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitllm.client.conversations import ConversationCache, ReuseLimits
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 
 pytestmark = pytest.mark.slow
 

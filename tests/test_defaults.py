@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from splitllm.model import cpu_kernels, precision
+from splitllm.kernels import cpu_kernels, precision
 from splitllm.model.precision import EXACT, Precision, fastest
 
 
@@ -42,12 +42,12 @@ def test_the_exact_mode_never_compiles_the_kernels(tiny_models, tmp_path) -> Non
     the kernels are neither built nor imported."""
     code = f"""
 import sys
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.model.precision import EXACT
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 files = ModelFiles({str(tiny_models["mistral"])!r})
 local = LocalModel(files, 1, 1, EXACT)
 middle = Stage.load(files, 1, files.config.num_layers - 1, EXACT)
@@ -67,7 +67,7 @@ def test_the_exact_mode_drafts_without_compiling_the_kernels(tmp_path) -> None: 
     client's float32 instead of building bfloat16 stages that need the kernels."""
     code = """
 import sys
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
 client = SplitClient(None, precision=EXACT)
 gen = client.generate("Name three colors.", 8, "auto")
@@ -84,7 +84,7 @@ print(client.local.drafter.dtype, len(gen.ids) > 0, "splitllm_cpu_kernels" in sy
 def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy) -> None:  # type: ignore[no-untyped-def]
     """The commands as a user runs them: `splitllm serve --exact` in its own process, `splitllm generate
     --exact --json` in another; the answer is transformers' greedy continuation, token for token."""
-    from splitllm.lab.launch import ServerProcess
+    from splitllm.testing.launch import ServerProcess
 
     prompt = "Name three prime numbers."
     with ServerProcess("--exact", "--threads", "1") as server:
@@ -98,7 +98,7 @@ def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     from transformers import AutoTokenizer
 
-    from splitllm.model.weights import ModelFiles
+    from splitllm.weights.sources import ModelFiles
 
     tokenizer = AutoTokenizer.from_pretrained(ModelFiles(None).path)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)

@@ -16,23 +16,23 @@ import pytest
 import torch
 from conftest import random_head
 
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.decoding.budget import NodeCost, SpecBudget
-from splitllm.decoding.gate import DraftGate, GateConfig
+from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
+from splitllm.decoding.sizing.gate import DraftGate, GateConfig
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
-from splitllm.decoding.policy import StaticPolicy
+from splitllm.decoding.sizing.policies import StaticPolicy
 from splitllm.decoding.proposers import draft_model as draft_model_proposer
-from splitllm.decoding.proposers.draft_model import DraftModelProposer
-from splitllm.decoding.proposers.drafter import DrafterProposer
+from splitllm.drafting.draft_model_proposer import DraftModelProposer
+from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.draft.draft_model import DraftModel
+from splitllm.drafting.draft_model import DraftModel
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 VOCAB = 16
 CONTEXT = 64

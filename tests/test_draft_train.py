@@ -11,14 +11,14 @@ import pytest
 import torch
 import typer
 
-from splitllm.client.local import LocalModel
-from splitllm.draft import store
+from splitllm.client.client_model import LocalModel
+from splitllm.drafting import store
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 
 def _features(files: ModelFiles, seqs: list[list[int]]) -> data.Features:
@@ -182,7 +182,7 @@ def test_a_fused_head_continues_a_plain_one_and_drafts_as_it_trained(tiny, tmp_p
     assert loaded is not None and loaded.taps == (1, n - 1)
     broken = store.save_drafter(fused, tmp_path / "elsewhere" / "broken", meta)  # not where the package's heads are
     (broken / store.METADATA).write_text(json.dumps({**json.loads((broken / store.METADATA).read_text()), "taps": [n - 1, 1]}))
-    with pytest.raises(ValueError, match="head.json: taps must be increasing"):
+    with pytest.raises(ValueError, match="drafter.json: taps must be increasing"):
         store.load_drafter(files, broken)
     s = seqs[0]
     with torch.no_grad():
@@ -210,7 +210,7 @@ def test_foreign_or_broken_heads_are_refused(tiny, tiny_models, tmp_path) -> Non
     stamped = store.save_drafter(head, tmp_path / "shape", {store.FINGERPRINT_KEY: other.fingerprint})
     with pytest.raises(ValueError, match="does not fit"):
         store.load_drafter(other, stamped)
-    with pytest.raises(ValueError, match="no head.json"):
+    with pytest.raises(ValueError, match="no drafter.json"):
         store.load_drafter(files, tmp_path)
     assert store.load_drafter(files) is None  # nothing shipped for a random model
 
@@ -344,7 +344,7 @@ def test_bad_settings_are_refused_before_any_work() -> None:
         train.TrainSettings(feature_weight=-1)
     with pytest.raises(ValueError, match="--generate-batch must be at least 1"):
         DataSettings(generate_batch=0)
-    from splitllm.lab.training.commands import layer_counts
+    from splitllm.lab.training.training_commands import layer_counts
 
     assert layer_counts("2, 26") == (2, 26) and layer_counts("") == ()
     with pytest.raises(typer.BadParameter, match="--taps takes layer counts"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
 
 NEW_TOKENS = 64

@@ -16,13 +16,13 @@ from protocol_client import RawClient, greedy
 
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
-from splitllm.client.session import SplitClient
-from splitllm.lab.launch import ServerProcess, ServerThread
-from splitllm.model.weights import ModelFiles
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.client.client import SplitClient
+from splitllm.testing.launch import ServerProcess, ServerThread
+from splitllm.weights.sources import ModelFiles
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 HEAD, TAIL = 1, 1
 NEW = 40

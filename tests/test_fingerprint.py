@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splitllm.model.weights import ModelFiles, _file_digest, packaged_gguf_path
+from splitllm.weights.sources import ModelFiles, _file_digest, packaged_gguf_path
 
 
 def _copy(folder: Path, dest: Path) -> Path:

@@ -34,13 +34,13 @@ from hypothesis import strategies as st
 from protocol_client import RawClient, greedy, seeded_greedy
 from websockets.exceptions import ConnectionClosed
 
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.client.pipeline import SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 HEAD, TAIL = 1, 1
 NEW = 24

@@ -12,10 +12,10 @@ import torch
 from transformers import AutoTokenizer
 
 from splitllm.lab.bench.exactness import first_difference
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitllm.model import cpu_kernels
+from splitllm.kernels import cpu_kernels
 from splitllm.model.attention import KernelAttention, torch_attention
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, on_huge_pages
 from splitllm.model.stage import Stage, StepInput
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 KERNELS = cpu_kernels.load()
 

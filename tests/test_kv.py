@@ -8,8 +8,8 @@ import torch
 
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.kv import KVCache
-from splitllm.visibility import Visibility
+from splitllm.model.kv import KVCache
+from splitllm.model.visibility import Visibility
 
 ATOL = 1e-4
 MODELS = ["llama", "mistral", "default"]  # mistral: positions far past its 8-token window

@@ -9,8 +9,8 @@ import pytest
 
 from splitllm.lab.bench.sweep import ADAPTIVE, POINTS, Config, Run, fixed_configs
 from splitllm.lab.bench.sweep_report import load_runs, write
-from splitllm.client.session import SplitClient
-from splitllm.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second
+from splitllm.client.client import SplitClient
+from splitllm.decoding.sizing.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second
 from splitllm.stats import StepStats
 
 # Coefficients of a made-up machine pair: ms = a + b*nodes + c*context + d*nodes*context (+ ...).

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME = ["splitllm.cli", "splitllm.server.app", "splitllm.client.session", "splitllm.api.openai"]
+RUNTIME = ["splitllm.cli", "splitllm.server.app", "splitllm.client.client", "splitllm.api.openai"]
 
 
 def _lint(config: Path) -> subprocess.CompletedProcess[str]:

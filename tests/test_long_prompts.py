@@ -11,10 +11,10 @@ from protocol_client import greedy
 
 from splitllm.client.pipeline import LocalMiddle
 from splitllm.client.remote import RemoteMiddle
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.model.precision import fastest
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 HEAD, TAIL = 1, 1
 

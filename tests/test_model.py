@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.model.config import ModelConfig
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 ATOL = 1e-4
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.testing.netem import LinkProfile, ProxyThread
 
 TIMEOUT_S = 5.0
 
@@ -215,7 +215,7 @@ def test_unreachable_target_fails_only_that_connection() -> None:
 def test_run_netem_prints_banner_and_stops_on_sigterm(echo: _EchoServer) -> None:
     host, port = echo.server_address
     code = (
-        "from splitllm.lab.netem import LinkProfile, run_netem; "
+        "from splitllm.testing.netem import LinkProfile, run_netem; "
         f"run_netem('127.0.0.1', 0, '{host}:{port}', LinkProfile(rtt_ms=20, bandwidth_mbit=100))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

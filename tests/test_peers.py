@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitllm.lab import peers
-from splitllm.model.weights import packaged_gguf_path
+from splitllm.weights.sources import packaged_gguf_path
 
 
 def test_without_a_build_the_benchmarks_name_the_make_target(tmp_path, monkeypatch) -> None:

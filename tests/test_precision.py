@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from conftest import random_head
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.model import cpu_kernels
+from splitllm.kernels import cpu_kernels
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear
 from splitllm.model.stage import Stage
-from splitllm.model.store import StoredWeights
-from splitllm.model.weights import ModelFiles, cache_root
-from splitllm.visibility import Visibility
+from splitllm.weights.conversions import StoredWeights
+from splitllm.weights.sources import ModelFiles, cache_root
+from splitllm.model.visibility import Visibility
 
 CPU = torch.device("cpu")
 LOSSY = [Precision(torch.bfloat16), Precision(torch.float16), Precision(torch.bfloat16, "int8"),
@@ -180,7 +180,7 @@ def _forward(ms: float, floor: float) -> dict:
 
 def test_runtime_report_checks_every_target() -> None:
     """The report's arithmetic on a made-up run: targets met, missed and not measured."""
-    from splitllm.lab.bench.runtime_report import TARGETS, markdown, met
+    from splitllm.lab.bench.speed_report import TARGETS, markdown, met
 
     step = {"total_ms": 20.0, "head_ms": 2.0, "server_ms": 10.0, "network_ms": 0.5, "tail_ms": 3.0}
     run = {"rtt_ms": 0.0, "tok_s": 50.0, "tokens_per_step": 1.0, "mean_step_ms": step, "others_cores": 0.0}
@@ -206,7 +206,7 @@ def test_idle_cost_waits_before_every_other_block_of_steps() -> None:
     """The server-step check times the same call back to back and after a wait, alternating blocks."""
     import time
 
-    from splitllm.lab.bench.runtime_compute import idle_cost
+    from splitllm.lab.bench.speed_compute import idle_cost
 
     calls: list[float] = []
     result = idle_cost(lambda: calls.append(time.perf_counter()), idle_s=0.01, rounds=2, per_round=3)
@@ -216,7 +216,7 @@ def test_idle_cost_waits_before_every_other_block_of_steps() -> None:
 
 
 def test_model_runtime_report_shows_the_server_step_each_way() -> None:
-    from splitllm.lab.bench.runtime_model import markdown
+    from splitllm.lab.bench.speed_model import markdown
 
     wan = {"tok_s": 6.5}
     step = {"in_process_ms": 40.0, "own_process_ms": 42.0, "ratio": 1.05, "floor_ms": 30.0, "floor_ratio": 1.33,

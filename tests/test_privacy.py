@@ -23,8 +23,8 @@ from splitllm.lab.privacy.checks import quick_checks
 from splitllm.lab.rates import clopper_pearson
 from splitllm.lab.privacy.published import DOCS, PUBLISHED, load, render_docs
 from splitllm.lab.privacy.states import WIRE_DTYPE, PublicModel
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 
 def _unfilled(value: object, path: str = "") -> list[str]:
@@ -154,7 +154,7 @@ def test_corpus_test_windows_share_no_ngram_or_person_with_training(default_file
 def test_certified_search_falls_back_to_the_whole_vocabulary(tiny_models) -> None:  # type: ignore[no-untyped-def]
     """Proposals that rank the true token last, a tiny cap: the certified search still finds every
     token, certifies each match, and the whole-vocabulary check finds no collision."""
-    from splitllm.model.weights import ModelFiles
+    from splitllm.weights.sources import ModelFiles
 
     files = ModelFiles(tiny_models["llama"])
     model = PublicModel(files, [1])

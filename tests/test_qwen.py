@@ -22,11 +22,11 @@ from typer.testing import CliRunner
 from splitllm.lab.bench.exactness import first_difference
 from splitllm.lab.data.instructions import KINDS
 from splitllm.cli import app
-from splitllm.client.local import NO_DRAFT_MODEL, LocalModel
-from splitllm.client.session import SplitClient
-from splitllm.lab.launch import ServerThread
+from splitllm.client.client_model import NO_DRAFT_MODEL, LocalModel
+from splitllm.client.client import SplitClient
+from splitllm.testing.launch import ServerThread
 from splitllm.model.precision import fastest
-from splitllm.model.weights import ModelFiles, default_draft_model, packaged_gguf_path
+from splitllm.weights.sources import ModelFiles, default_draft_model, packaged_gguf_path
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
 
@@ -144,7 +144,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused() -> None:
 
 
 def test_the_shipped_drafter_fits_the_package_and_says_how_it_was_made(model: str) -> None:
-    from splitllm.draft.store import find_shipped, read_metadata
+    from splitllm.drafting.store import find_shipped, read_metadata
 
     folder = find_shipped(ModelFiles(model).fingerprint)
     if model != SPECULATION_MODEL:

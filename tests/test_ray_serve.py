@@ -16,7 +16,7 @@ from protocol_client import greedy
 from splitllm.attestation.policy import AttestationPolicy
 from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
-from splitllm.lab.launch import free_port
+from splitllm.testing.launch import free_port
 from splitllm.server.settings import ServerSettings
 
 ray = pytest.importorskip("ray")

@@ -20,18 +20,18 @@ from conftest import random_head
 from scipy.stats import chisquare
 from transformers import AutoTokenizer
 
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
-from splitllm.client.session import DECODERS, SplitClient
+from splitllm.client.client import DECODERS, SplitClient
 from splitllm.client.stopping import IncrementalText, StopRule
 from splitllm.decoding.grammar import Grammar
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.tree import ROOT, DraftTree
 from splitllm.decoding.verifier import verify
-from splitllm.draft.draft_model import DraftModel
+from splitllm.drafting.draft_model import DraftModel
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 VOCAB = 16
 PROMPT = [3, 7, 1, 3, 7, 1, 3, 7]  # repeats, so context lookup proposes from the first step on

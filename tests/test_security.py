@@ -34,7 +34,7 @@ from protocol_client import RawClient, greedy
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.client.connection import (
     TOKEN_ENV,
     AuthenticationError,
@@ -43,8 +43,8 @@ from splitllm.client.connection import (
     read_token,
 )
 from splitllm.client.remote import RemoteMiddle
-from splitllm.lab.launch import ServerThread
-from splitllm.model.weights import ModelFiles
+from splitllm.testing.launch import ServerThread
+from splitllm.weights.sources import ModelFiles
 from splitllm.server.app import MiddleServer
 from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.logs import configure, event, formatter

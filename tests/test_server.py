@@ -11,17 +11,17 @@ import torch
 from protocol_client import RawClient
 from safetensors import safe_open
 
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.client.pipeline import SplitPipeline
-from splitllm.client.session import SplitClient
-from splitllm.lab.launch import ServerThread
+from splitllm.client.client import SplitClient
+from splitllm.testing.launch import ServerThread
 from splitllm.model.precision import EXACT
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 HEAD, TAIL = 2, 2
 CONTEXT = 64

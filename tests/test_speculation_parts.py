@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splitllm.decoding.budget import SpecBudget
-from splitllm.decoding.calibration import DraftRates
+from splitllm.decoding.sizing.budget import SpecBudget
+from splitllm.decoding.sizing.calibration import DraftRates
 from splitllm.decoding.proposers import Draft
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup

@@ -18,20 +18,20 @@ from conftest import random_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
-from splitllm.decoding.policy import StaticPolicy
+from splitllm.decoding.sizing.policies import StaticPolicy
 from splitllm.decoding.proposers import Draft, Proposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 VOCAB = 512
 CONTEXT = 96

@@ -11,11 +11,11 @@ import torch
 
 from splitllm.lab.bench.exactness import check_exactness
 from splitllm.lab.data.workload import workload
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
-from splitllm.decoding.budget import AUTO_BUDGET
+from splitllm.decoding.sizing.budget import AUTO_BUDGET
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
-from splitllm.decoding.policy import StaticPolicy
+from splitllm.decoding.sizing.policies import StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 
 

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from splitllm.api.openai import create_app
-from splitllm.client.session import SplitClient
-from splitllm.lab.launch import serve_http
+from splitllm.client.client import SplitClient
+from splitllm.testing.launch import serve_http
 
 pytestmark = pytest.mark.slow
 WEATHER = {

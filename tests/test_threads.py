@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from splitllm.lab.launch import ServerProcess
+from splitllm.testing.launch import ServerProcess
 
 CORES = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="pinning needs a thread per core of at least two cores")

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitllm import wire
-from splitllm.visibility import Visibility
+from splitllm.protocol import wire
+from splitllm.model.visibility import Visibility
 
 ATOL, RTOL = 1e-4, 1e-5  # float32 logits of the default model reach ~20: its rounding scales with them
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from splitllm.lab.launch import serve_http
+from splitllm.testing.launch import serve_http
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from splitllm.api.openai import create_app
-from splitllm.client.session import SplitClient
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.client.client import SplitClient
+from splitllm.testing.netem import LinkProfile, ProxyThread
 
 pytestmark = pytest.mark.slow
 QUESTION = "Name three colors."

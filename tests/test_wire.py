@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitllm import wire
-from splitllm.wire import ProtocolError
+from splitllm.protocol import wire
+from splitllm.protocol.wire import ProtocolError
 
 
 def _raw(header: object, payload: bytes = b"") -> bytes:

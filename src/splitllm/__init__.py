@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "SplitClient": "splitllm.client.session",
+    "SplitClient": "splitllm.client.client",
     "SamplingParams": "splitllm.decoding.sampling",
     "SplitModelForCausalLM": "splitllm.api.hf",
 }

@@ -11,7 +11,7 @@ import typer
 
 from splitllm import commands
 from splitllm.commands.options import ENV_PREFIX
-from splitllm.lab import commands as lab_commands
+from splitllm.lab import lab_commands
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Split LLM inference over a WAN.",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
 

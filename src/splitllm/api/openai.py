@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from splitllm.client.connection import CLIENT_ERRORS
 from splitllm.client.conversations import ConversationCache, ReuseLimits
 from splitllm.api.tools import ToolCall, ToolCallReader, call_grammar, takes_tools
-from splitllm.client.session import Generation, SplitClient
+from splitllm.client.client import Generation, SplitClient
 from splitllm.decoding.grammar import Grammar, grammar_tokenizer
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, check_mode
 from splitllm.decoding.sampling import SamplingParams

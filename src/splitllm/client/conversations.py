@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from splitllm.client.session import Conversation, Generation, SplitClient
+from splitllm.client.client import Conversation, Generation, SplitClient
 from splitllm.decoding.modes import Decoder
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.step import StepOutput

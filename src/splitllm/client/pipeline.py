@@ -12,11 +12,11 @@ from typing import Protocol
 
 import torch
 
-from splitllm.client.local import LocalModel
-from splitllm.kv import KVCache
+from splitllm.client.client_model import LocalModel
+from splitllm.model.kv import KVCache
 from splitllm.model.stage import Stage
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 class Middle(Protocol):

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from websockets.sync.client import ClientConnection
 
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.attestation.handshake import ClientHandshake, Evidence
 from splitllm.attestation.sealing import SealedChannel
 from splitllm.attestation.verify import AttestationError
 from splitllm.client.connection import ConnectionOptions, ServerError, ServerUnreachable, describe, is_transient
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 __all__ = ["RemoteMiddle", "ServerError"]
 

@@ -45,7 +45,7 @@ def client(
 ) -> Any:
     """The SplitClient that the model and connection options of every client command describe."""
     from splitllm.client.connection import ConnectionOptions, read_token
-    from splitllm.client.session import SplitClient
+    from splitllm.client.client import SplitClient
 
     set_threads(threads)
     options = ConnectionOptions(
@@ -126,7 +126,7 @@ def chat(
     """Chat in the terminal; every turn reuses the KV cache of the conversation so far."""
     import contextlib
 
-    from splitllm.chat import run_chat
+    from splitllm.api.terminal_chat import run_chat
     from splitllm.threads import compute_threads_pinned
 
     with contextlib.suppress(ImportError):

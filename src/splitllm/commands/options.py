@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal, NoReturn, Optional
 import typer
 
 from splitllm.decoding.modes import DECODERS
-from splitllm.model.packaged import PACKAGED_MODELS
+from splitllm.weights.packaged import PACKAGED_MODELS
 from splitllm.model.precision import EXACT, Precision, fastest
-from splitllm.wire import WIRE_DTYPES
+from splitllm.protocol.wire import WIRE_DTYPES
 
 ENV_PREFIX = "SPLITLLM"
 # What each setting costs against float32 (perplexity, `splitllm bench quality`) is in docs/precision.md;

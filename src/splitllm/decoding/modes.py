@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES, Mode, SpeculationConfig
-from splitllm.decoding.policy import AdaptivePolicy, ValuePolicy
+from splitllm.decoding.sizing.policies import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.step import StepOutput

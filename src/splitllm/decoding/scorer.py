@@ -11,9 +11,9 @@ from typing import Protocol
 
 import torch
 
-from splitllm.decoding.proposers.drafter import DraftingClient
+from splitllm.drafting.drafter_proposer import DraftingClient
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 class Scorer(Protocol):

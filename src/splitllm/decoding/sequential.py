@@ -9,7 +9,7 @@ import torch
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 def decode_sequential(

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
-from splitllm.decoding.budget import AUTO_BUDGET, DRAFTER_BUDGET, LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
-from splitllm.decoding.calibration import CalibrationConfig
-from splitllm.decoding.gate import GateConfig
-from splitllm.decoding.policy import BudgetPolicy
+from splitllm.decoding.sizing.budget import AUTO_BUDGET, DRAFTER_BUDGET, LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
+from splitllm.decoding.sizing.calibration import CalibrationConfig
+from splitllm.decoding.sizing.gate import GateConfig
+from splitllm.decoding.sizing.policies import BudgetPolicy
 from splitllm.decoding.proposers import Proposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup

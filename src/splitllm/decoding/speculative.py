@@ -24,23 +24,23 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from splitllm.decoding.budget import SpecBudget
-from splitllm.decoding.calibration import DraftRates
+from splitllm.decoding.sizing.budget import SpecBudget
+from splitllm.decoding.sizing.calibration import DraftRates
 from splitllm.decoding.speculation_config import SpeculationConfig
-from splitllm.decoding.gate import DraftGate
-from splitllm.decoding.policy import BudgetPolicy, StaticPolicy
+from splitllm.decoding.sizing.gate import DraftGate
+from splitllm.decoding.sizing.policies import BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Draft, Proposer
-from splitllm.decoding.proposers.draft_model import DraftModelProposer
-from splitllm.decoding.proposers.drafter import DrafterProposer
+from splitllm.drafting.draft_model_proposer import DraftModelProposer
+from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
-from splitllm.decoding.proposers.scored_tree import ScoredTreeProposer
+from splitllm.drafting.scored_tree import ScoredTreeProposer
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, DraftTree
 from splitllm.decoding.verifier import Verdict, verify
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from splitllm.decoding.budget import NodeCost
+from splitllm.decoding.sizing.budget import NodeCost
 from splitllm.decoding.proposers import Draft
 
 ROOT = -1

@@ -8,12 +8,12 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from splitllm.client.session import Generation, SplitClient
+from splitllm.client.client import Generation, SplitClient
 from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.lab.data.workload import DEMO_PROMPT
-from splitllm.lab.launch import ServerProcess
+from splitllm.testing.launch import ServerProcess
 from splitllm.model.precision import Precision, fastest
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.threads import set_compute_threads
 
 BASELINE = "sequential"  # one token per round trip: what every other mode must reproduce, faster

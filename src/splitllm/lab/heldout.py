@@ -7,10 +7,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import Middle, SplitPipeline
 from splitllm.lab import rates
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 @torch.inference_mode()

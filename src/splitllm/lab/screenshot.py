@@ -11,9 +11,9 @@ import sys
 import time
 
 from splitllm.api.openai import create_app
-from splitllm.client.session import SplitClient
-from splitllm.lab.launch import ServerProcess, on_cores, serve_http, sides
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.client.client import SplitClient
+from splitllm.testing.launch import ServerProcess, on_cores, serve_http, sides
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.threads import ComputeThread, set_compute_threads
 
 QUESTIONS = ("Write a Python function that checks whether a string is a palindrome.", "Now make it ignore spaces and case.")

@@ -12,8 +12,8 @@ from splitllm.model.blocks import rms_norm
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Linear, PackedLinear, on_huge_pages
 from splitllm.model.stage import read_norm
-from splitllm.model.store import StoredWeights
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.conversions import StoredWeights
+from splitllm.weights.sources import ModelFiles
 
 ROW_BY_ROW = 8  # up to this many rows, the LM head runs row by row (see ModelEnds.logits)
 

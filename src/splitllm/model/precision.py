@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitllm.model import cpu_kernels
+from splitllm.kernels import cpu_kernels
 from splitllm.model.attention import Attention, KernelAttention, torch_attention
 from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitllm.model import cpu_kernels
+from splitllm.kernels import cpu_kernels
 
 # The packed kernels take bfloat16 activations on CPU (float32 / float16 inputs run many times slower there).
 KERNEL_DTYPE = torch.bfloat16

@@ -9,16 +9,16 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from splitllm.kv import KVCache
-from splitllm.model import cpu_kernels
+from splitllm.model.kv import KVCache
+from splitllm.kernels import cpu_kernels
 from splitllm.model.blocks import DecoderLayer, Rotary, Segment
 from splitllm.model.config import ModelConfig
-from splitllm.model.fused import FusedStep
+from splitllm.model.kernel_stage import FusedStep
 from splitllm.model.precision import Precision
 from splitllm.model.quant import on_huge_pages
-from splitllm.model.store import StoredWeights
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.conversions import StoredWeights
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 # Each linear attribute and the checkpoint modules it is made of (fused along the outputs).
 _LINEARS = {

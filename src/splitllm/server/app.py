@@ -28,12 +28,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.attestation.evidence import load_attester
 from splitllm.attestation.handshake import answer
 from splitllm.attestation.sealing import SealedChannel, SealError
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 from splitllm.server.auth import ANONYMOUS, TokenTable
 from splitllm.server.batching import StepBatcher
 from splitllm.server.http_guard import TLS_IDENTITY
@@ -43,7 +43,7 @@ from splitllm.server.sessions import RETRYABLE_CODES, SessionStore
 from splitllm.server.settings import ServerSettings
 from splitllm.server.steps import PreparedStep, StepRunner
 from splitllm.threads import ComputeThread
-from splitllm.wire import ProtocolError
+from splitllm.protocol.wire import ProtocolError
 
 
 class MiddleServer:

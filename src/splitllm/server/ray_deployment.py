@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 from splitllm.server.app import MiddleServer, create_app
 from splitllm.server.auth import TokenTable
 from splitllm.server.logs import configure

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitllm.kv import KVCache
+from splitllm.model.kv import KVCache
 from splitllm.server.logs import event, session_tag
-from splitllm.wire import ProtocolError
+from splitllm.protocol.wire import ProtocolError
 
 # Codes a client should retry after a pause: capacity, not a fault in its request.
 RETRYABLE_CODES = frozenset({"server_full", "principal_full"})

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from splitllm import wire
+from splitllm.protocol import wire
 from splitllm.model.stage import Stage, StepInput
 from splitllm.server.logs import event, log, session_tag
 from splitllm.server.metrics import ServerMetrics
 from splitllm.server.sessions import Session
 from splitllm.server.settings import ServerSettings
-from splitllm.visibility import Visibility
-from splitllm.wire import ProtocolError
+from splitllm.model.visibility import Visibility
+from splitllm.protocol.wire import ProtocolError
 
 
 @dataclass

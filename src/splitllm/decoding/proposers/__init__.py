@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.sizing.budget import SpecBudget
 
 
 @dataclass(frozen=True)

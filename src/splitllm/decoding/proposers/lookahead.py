@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.proposers import Draft
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.proposers import Draft
 
 

@@ -23,10 +23,10 @@ from splitllm.attestation.sealing import SealedChannel
 from splitllm.attestation.simulation import sim_init
 from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
-from splitllm.client.session import Generation, SplitClient
+from splitllm.client.client import Generation, SplitClient
 from splitllm.lab.data.workload import workload
-from splitllm.lab.launch import ServerProcess, on_cores, sides
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.testing.launch import ServerProcess, on_cores, sides
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.model.precision import fastest
 from splitllm.threads import compute_threads_pinned, set_compute_threads
 

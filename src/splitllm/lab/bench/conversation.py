@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 from splitllm.api.openai import create_app
 from splitllm.client.conversations import ReuseLimits
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.lab.data.workload import workload
-from splitllm.lab.launch import client_over_link, serve_http
+from splitllm.testing.launch import client_over_link, serve_http
 
 
 def _document(client: SplitClient, tokens: int) -> str:

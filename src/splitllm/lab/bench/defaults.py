@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitllm.lab.data.workload import workload
-from splitllm.lab.launch import ServerProcess, pinned, split_cores
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.testing.launch import ServerProcess, pinned, split_cores
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.model.precision import fastest
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 from splitllm.lab.data.workload import workload
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES as MODES
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.threads import set_compute_threads
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 NEAR_TIE = 0.05  # logit gap under which float32 rounding of a batched step may flip the argmax
 

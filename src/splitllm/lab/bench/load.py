@@ -41,11 +41,11 @@ from typing import Any
 
 
 from splitllm.client.connection import ConnectionOptions
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.lab.bench.load_clients import ClientRun, Solo, decode, replay, solo_runs
 from splitllm.lab.bench.load_report import markdown, plot, prefill_markdown, scaling, summary
 from splitllm.lab.data.workload import workload
-from splitllm.lab.launch import ServerProcess, free_port
+from splitllm.testing.launch import ServerProcess, free_port
 from splitllm.threads import set_compute_threads
 
 Progress = Callable[[str], None]

@@ -15,10 +15,10 @@ import torch
 
 from splitllm.client.pipeline import SplitPipeline
 from splitllm.client.remote import RemoteMiddle
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from splitllm.lab.bench.exactness import first_difference
 from splitllm.lab.data.workload import workload
 from splitllm.client.pipeline import LocalMiddle
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
 from splitllm.lab.data.corpus import build_corpus

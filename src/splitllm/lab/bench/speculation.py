@@ -15,20 +15,20 @@ from pathlib import Path
 
 from splitllm.lab.bench.exactness import first_difference, top2_gap
 from splitllm.lab.data.workload import CATEGORIES, workload
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.decoding.sampling import SamplingParams
-from splitllm.decoding.budget import SpecBudget
+from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.draft.draft_model import DraftModel
-from splitllm.draft.model import Drafter
+from splitllm.drafting.draft_model import DraftModel
+from splitllm.drafting.drafter import Drafter
 from splitllm.lab import peers
-from splitllm.lab.launch import ServerProcess, on_cores, sides
-from splitllm.model import cpu_kernels
+from splitllm.testing.launch import ServerProcess, on_cores, sides
+from splitllm.kernels import cpu_kernels
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.threads import compute_threads_pinned, set_compute_threads
 
 MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")

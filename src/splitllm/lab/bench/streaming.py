@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.threads import set_compute_threads
 
 PROMPT = "Write a long story about a lighthouse keeper, chapter by chapter."

@@ -20,9 +20,9 @@ import numpy as np
 
 from splitllm.api.openai import create_app
 from splitllm.api.tools import takes_tools
-from splitllm.client.session import SplitClient
+from splitllm.client.client import SplitClient
 from splitllm.decoding.grammar import JSON_STYLE, Grammar, grammar_tokenizer
-from splitllm.lab.launch import client_over_link, serve_http
+from splitllm.testing.launch import client_over_link, serve_http
 
 PERSON = {
     "type": "object",

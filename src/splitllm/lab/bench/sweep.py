@@ -26,17 +26,17 @@ from websockets.sync.client import connect
 
 from splitllm.lab.bench.quiet import OtherLoad, wait_quiet
 from splitllm.lab.data.workload import CATEGORIES, Prompt, workload
-from splitllm.client.session import SplitClient
-from splitllm.decoding.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
-from splitllm.decoding.budget import LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
+from splitllm.client.client import SplitClient
+from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
+from splitllm.decoding.sizing.budget import LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
-from splitllm.decoding.policy import AdaptivePolicy, StaticPolicy
+from splitllm.decoding.sizing.policies import AdaptivePolicy, StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second, tokens_per_second
-from splitllm.lab.launch import ServerProcess
+from splitllm.decoding.sizing.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second, tokens_per_second
+from splitllm.testing.launch import ServerProcess
 from splitllm.model.precision import Precision, fastest
-from splitllm.lab.netem import LinkProfile, ProxyThread
+from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepStats
 from splitllm.threads import set_compute_threads
 

@@ -21,9 +21,9 @@ from splitllm.lab.bench.sweep import (
     run_sweep,
     shapes,
 )
-from splitllm.decoding.auto_profile import AutoProfile
-from splitllm.decoding.budget import SpecBudget
-from splitllm.latency import LatencyProfile, Link, StepShape
+from splitllm.decoding.sizing.auto_profile import AutoProfile
+from splitllm.decoding.sizing.budget import SpecBudget
+from splitllm.decoding.sizing.latency import LatencyProfile, Link, StepShape
 from splitllm.model.precision import Precision
 from splitllm.stats import StepStats, mean_stats
 

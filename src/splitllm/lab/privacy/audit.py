@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 from transformers import AutoTokenizer
 
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 from splitllm.lab.privacy.attacks import baselines
 from splitllm.lab.privacy.audit_config import AuditConfig
 from splitllm.lab.data.corpus import Corpus, build_corpus

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import LocalMiddle, SplitPipeline
 from splitllm.model.stage import Stage
 from splitllm.lab import heldout
@@ -36,7 +36,7 @@ from splitllm.lab.privacy.depth_sweep import (
     whitebox_attack,
     whitebox_targets,
 )
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 class Quality:

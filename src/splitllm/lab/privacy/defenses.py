@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from splitllm.client.local import LocalModel
+from splitllm.client.client_model import LocalModel
 from splitllm.client.pipeline import Middle
 from splitllm.model.quant import Linear
 from splitllm.model.stage import Stage
 from splitllm.lab.privacy.states import StageStack
 from splitllm.stats import StepStats
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:

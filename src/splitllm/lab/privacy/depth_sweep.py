@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 from splitllm.lab import rates
 from splitllm.lab.privacy import defenses
 from splitllm.lab.privacy.attacks.learned import Attacker, recovery, top_k
@@ -25,7 +25,7 @@ from splitllm.lab.privacy.attacks.whitebox import WIRE_TOLERANCE, LanguageModelP
 from splitllm.lab.privacy.audit_config import AuditConfig
 from splitllm.lab.data.corpus import KINDS, Corpus
 from splitllm.lab.privacy.states import WIRE_DTYPE, PublicModel, WindowStates
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 log = logging.getLogger("splitllm.lab.privacy")
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from splitllm.client.local import LocalModel
-from splitllm.kv import KVCache
+from splitllm.client.client_model import LocalModel
+from splitllm.model.kv import KVCache
 from splitllm.model.stage import Stage
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 WIRE_DTYPE = torch.float16  # what the client sends by default: the server sees states rounded to it
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from splitllm.model.weights import ModelFiles, cache_root
+from splitllm.weights.sources import ModelFiles, cache_root
 
 
 def tiny_model(folder: Path | None = None, layers: int = 4, width: int = 128, seed: int = 0) -> Path:

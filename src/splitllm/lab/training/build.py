@@ -24,9 +24,9 @@ from splitllm.client.stopping import stop_ids
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
-from splitllm.draft.store import FINGERPRINT_KEY, WEIGHT_FORMATS, find_shipped, load_drafter, read_metadata, save_drafter
+from splitllm.drafting.store import FINGERPRINT_KEY, WEIGHT_FORMATS, find_shipped, load_drafter, read_metadata, save_drafter
 from splitllm.model.ends import ModelEnds
-from splitllm.model.weights import ModelFiles, cache_root
+from splitllm.weights.sources import ModelFiles, cache_root
 
 
 @dataclass(frozen=True)
@@ -284,4 +284,4 @@ def build_head(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     save_drafter(head, out, meta, weights)
-    return json.loads((Path(out) / "head.json").read_text())
+    return json.loads((Path(out) / "drafter.json").read_text())

@@ -23,13 +23,13 @@ from dataclasses import replace
 
 import torch
 
-from splitllm.draft.model import check_taps
-from splitllm.kv import KVCache
+from splitllm.drafting.drafter import check_taps
+from splitllm.model.kv import KVCache
 from splitllm.model.ends import ModelEnds
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage, StepInput
-from splitllm.model.weights import ModelFiles
-from splitllm.visibility import Visibility
+from splitllm.weights.sources import ModelFiles
+from splitllm.model.visibility import Visibility
 
 PREFILL_ROWS = 8192  # prompt rows fed in one pass at most (bounds the activations of a batch)
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitllm.lab.data import corpus
-from splitllm.model.weights import ModelFiles
+from splitllm.weights.sources import ModelFiles
 
 EVAL_NGRAM = 8  # a training sequence sharing any 8-gram of tokens with an evaluation prompt is dropped
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from splitllm.draft.store import find_shipped, load_drafter, read_metadata
+from splitllm.drafting.store import find_shipped, load_drafter, read_metadata
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.build import Bar, DataSettings, answer_conversations, cached_features, feature_capture
 from splitllm.model.ends import ModelEnds
-from splitllm.model.weights import ModelFiles, cache_root
+from splitllm.weights.sources import ModelFiles, cache_root
 
 
 def compare_heads(

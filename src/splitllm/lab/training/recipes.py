@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
-from splitllm.model.packaged import DEFAULT_MODEL
+from splitllm.weights.packaged import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)

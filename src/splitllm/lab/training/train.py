@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from splitllm.lab.training.data import Features
-from splitllm.draft.model import Drafter, drafter_config
+from splitllm.drafting.drafter import Drafter, drafter_config
 from splitllm.model.blocks import Segment, rms_norm
 from splitllm.model.ends import ModelEnds
 from splitllm.model.stage import Stage

@@ -37,7 +37,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from splitllm.kv import KVCache
+from splitllm.model.kv import KVCache
 from splitllm.model.stage import Stage, StepInput
 from splitllm.lab.privacy.attacks.whitebox import fuse_rankings, geometric_chunks, roots
 from splitllm.lab.privacy.defenses import GaussianNoise

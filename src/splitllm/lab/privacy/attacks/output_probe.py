@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from splitllm.lab.privacy.states import PublicModel, StageStack
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 
 @torch.inference_mode()

@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from splitllm.lab.privacy.states import PublicModel, StageStack
-from splitllm.visibility import Visibility
+from splitllm.model.visibility import Visibility
 
 WIRE_TOLERANCE = 2e-3  # relative L2 distance a float16 wire leaves between equal states
 

@@ -1,0 +1,1 @@
+"""How big each speculative step is: budgets, policies, the drafter's gate, calibration, the latency model."""

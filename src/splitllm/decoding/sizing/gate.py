@@ -1,0 +1,63 @@
+"""Whether growing a drafter's tree pays for itself, and which drafter's pays most: drafting sits on the
+client's critical path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitllm.decoding.sizing.budget import NodeCost
+from splitllm.stats import StepStats
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """explore: steps between two drafting steps while drafting does not pay, doubled after each such
+    try up to max_explore; decay: of the running averages; prior_gain: the tokens per drafting step
+    only the drafter proposed before any step drafted (a prior worth one try)."""
+
+    explore: int = 8
+    max_explore: int = 64
+    decay: float = 0.8
+    prior_gain: float = 0.5
+
+
+class DraftGate:
+    """One drafter's gate. A step that drafts spends `draft_ms` to gain the tokens only the drafter
+    proposed; each is worth the step time per token (`NodeCost.step_ms` over the tokens a step
+    yields). Both sides are running averages of the steps it drafted. While drafting does not pay, a
+    step drafts anyway now and then, so a drafter that starts paying (a text it knows) gets its trees
+    back; each try that finds it still not paying waits twice as long for the next, since on a fast
+    link a try costs a sizeable share of a step. The drafter catches up on the committed positions
+    when it next drafts. Of several drafters that pay, the one that saves the most drafts (a big draft
+    model over a slow link, a small head over a fast one).
+    """
+
+    def __init__(self, config: GateConfig = GateConfig()) -> None:
+        self.config = config
+        self.gain = config.prior_gain  # tokens per drafting step only the drafter proposed
+        self.ms = 0.0  # drafting time per drafting step
+        self.tokens = 1.0  # tokens per step
+        self.interval = config.explore  # steps from one try to the next while drafting does not pay
+        self.next_try = 0  # the step of the next try
+
+    def offer(self, cost: NodeCost, step: int) -> float | None:
+        """What drafting at this step is expected to save, in ms (infinite on a try while it does not
+        pay, so the try happens); None when it does not pay and no try is due."""
+        saved = self.gain * cost.step_ms / self.tokens - self.ms
+        if saved >= 0:
+            self.interval = self.config.explore
+            return saved
+        if step < self.next_try:
+            return None
+        self.next_try = step + self.interval
+        self.interval = min(2 * self.interval, self.config.max_explore)
+        return float("inf")
+
+    def observe(self, stats: StepStats, source: str, drafted_ms: float | None) -> None:
+        """A step's yield; `source`: the drafter's name among the step's sources; `drafted_ms`: what it
+        spent drafting the step (None: it did not draft)."""
+        d = self.config.decay
+        self.tokens = d * self.tokens + (1 - d) * stats.accepted
+        if drafted_ms is not None:
+            self.gain = d * self.gain + (1 - d) * stats.sources.get(source, 0)
+            self.ms = d * self.ms + (1 - d) * drafted_ms

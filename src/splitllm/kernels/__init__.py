@@ -1,0 +1,1 @@
+"""splitllm's C++ CPU kernels (`csrc/`) and their loader."""

@@ -1,0 +1,1 @@
+"""What crosses the wire between client and server: typed messages and their frames."""

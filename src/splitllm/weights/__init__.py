@@ -1,0 +1,1 @@
+"""Where a model's weights come from and how they are kept: packaged models, sources, conversions."""

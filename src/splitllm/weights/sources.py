@@ -1,0 +1,324 @@
+"""Where a model's files live and selective reads of its tensors.
+
+A model is a Hugging Face folder (config.json + safetensors + tokenizer). GGUF files, the packaged
+models among them (PACKAGED_MODELS: 'default', 'gemma3', the Qwen2.5-Coder pair), are converted once
+into such a folder under the cache directory, so later starts read safetensors and each side maps only
+the tensors it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from splitllm.model.config import ModelConfig
+from splitllm.weights.packaged import DEFAULT_MODEL, PACKAGED_MODELS
+from splitllm.progress import tracked
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
+
+SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPLITLLM_CACHE", Path.home() / ".cache" / "splitllm"))
+
+
+def _package_file(package: str, relative: str, install: str) -> Path:
+    """A data file of an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"this model needs the package {package}: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed package {package}: {install}")
+    return path
+
+
+def packaged_gguf_path(alias: str) -> Path:
+    """The GGUF of a packaged model; chunked ones are joined once under the cache and checked by sha256."""
+    model = PACKAGED_MODELS[alias]
+    parts = [_package_file(package, relative, model.install) for package, relative in model.parts]
+    if len(parts) == 1:
+        return parts[0]
+    dest = cache_root() / "gguf" / model.name
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".join-", delete=False) as out:
+        tmp = Path(out.name)
+        digest = hashlib.sha256()
+        for part in tracked(parts, f"joining {model.name} (once)", len(parts)):
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+                    out.write(block)
+    if model.sha256 is not None and digest.hexdigest() != model.sha256:
+        tmp.unlink()
+        raise ValueError(f"the chunks of {model.name} join to the wrong sha256; reinstall them: {model.install}")
+    tmp.rename(dest)
+    return dest
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file, remembered per (path, size, mtime) so big weights are hashed once."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_root() / "digests" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantize a GGUF file into an HF folder (float32 safetensors), one tensor at a time.
+
+    transformers supplies the config, the tokenizer, the GGUF -> HF tensor names and each
+    architecture's tensor fix-ups; the weights stream from the GGUF into one shard per layer, so
+    converting never holds more than a layer's float32 tensors (a 7B model converts in a few GiB).
+    """
+    from transformers import AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.float32  # what the shards hold
+        shards = _write_gguf_shards(gguf, config, tmp)
+        weight_map = {name: file for file, names in shards.items() for name in names}
+        index = {"metadata": {"format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _dequantized(tensor: ReaderTensor, file: BinaryIO) -> np.ndarray:
+    """A GGUF tensor in float32, dequantized about 16 MiB at a time into its one output array.
+
+    gguf's own dequantize keeps every row group's result until it concatenates them, so it holds
+    twice the tensor: 1.9 GB for a 151936 x 1536 embedding, more than the rest of a conversion. The
+    rows are read from `file`, not the reader's memory map, whose pages would stay resident (the
+    whole GGUF by the last tensor).
+    """
+    from gguf import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    out = np.empty(shape, dtype=np.float32)
+    flat = out.reshape(-1, shape[-1])
+    width, dtype = tensor.data.shape[-1], tensor.data.dtype  # a row of elements, or of bytes when quantized
+    row_bytes = width * dtype.itemsize
+    step = max(1, (1 << 22) // shape[-1])
+    for start in range(0, len(flat), step):
+        file.seek(tensor.data_offset + start * row_bytes)
+        rows = np.frombuffer(file.read(min(step, len(flat) - start) * row_bytes), dtype).reshape(-1, width)
+        flat[start : start + len(rows)] = dequantize(rows, tensor.tensor_type)
+    return out
+
+
+def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> dict[str, list[str]]:
+    """Each GGUF tensor dequantized, renamed and fixed up as transformers does, grouped into one
+    safetensors file per layer and one per other tensor (an embedding or an LM head is the size of
+    several layers); returns file -> tensor names."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    processor_config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    reader = GGUFReader(str(gguf))
+    architecture = read_field(reader, "general.architecture")[0]
+    tensors = reader.tensors
+    del reader  # its fields hold the tokenizer (much memory for a 152k vocabulary); the tensors need none
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=processor_config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)  # names only: no memory for weights
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    wanted = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    del skeleton
+
+    groups: dict[str, list[ReaderTensor]] = {}
+    for tensor in tensors:
+        group = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else tensor.name
+        groups.setdefault(group, []).append(tensor)
+    # where processors that split tensors (mixtures of experts) leave them
+    parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
+
+    def write_shard(group: list[ReaderTensor], source: BinaryIO, path: Path) -> list[str]:
+        """Dequantize, rename and save one group; a function, so its tensors are freed before the next."""
+        out: dict[str, torch.Tensor] = {}
+        for tensor in group:
+            result = processor.process(
+                weights=_dequantized(tensor, source), name=tensor.name,
+                tensor_key_mapping=names, parsed_parameters=parsed,
+            )
+            if names.get(result.name) in wanted:
+                out[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
+        out.update({k: v.float().contiguous() for k, v in parsed["tensors"].items() if k in wanted})
+        parsed["tensors"].clear()
+        if out:
+            save_file(out, path, metadata={"format": "pt"})
+        return list(out)
+
+    shards: dict[str, list[str]] = {}
+    with open(gguf, "rb") as source:
+        for i, group in enumerate(tracked(groups.values(), f"converting {gguf.name} (once)", len(groups))):
+            file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            if saved := write_shard(group, source, folder / file):
+                shards[file] = saved
+    return shards
+
+
+def resolve_model(spec: str | os.PathLike | None) -> Path:
+    """Turn a model argument (a PACKAGED_MODELS alias, an HF folder, a .gguf file) into an HF folder path."""
+    if spec is None:
+        spec = DEFAULT_MODEL
+    if str(spec) in PACKAGED_MODELS:
+        spec = packaged_gguf_path(str(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        dest = cache_root() / "models" / f"{path.stem}-{_file_digest(path)[:16]}"
+        if not (dest / "config.json").is_file():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(path, dest)
+        if not (dest / SOURCE_FILE).is_file():
+            _write_atomic(dest / SOURCE_FILE, json.dumps({"file": path.name, "sha256": _file_digest(path)}))
+        return dest
+    raise FileNotFoundError(f"model {spec!s} is neither an HF folder nor a .gguf file")
+
+
+def default_draft_model(files: ModelFiles) -> str | None:
+    """The packaged model that drafts for these weights by default (`PackagedGGUF.draft_model`), when
+    they are a packaged model's and the draft model's packages are installed."""
+    if not (files.path / SOURCE_FILE).is_file():
+        return None  # not converted from a GGUF, so no packaged model (and no hashing of its weights)
+    for packaged in PACKAGED_MODELS.values():
+        if packaged.draft_model and packaged.sha256 and files.sources == [(packaged.name, packaged.sha256)]:
+            parts = PACKAGED_MODELS[packaged.draft_model].parts
+            return packaged.draft_model if all(importlib.util.find_spec(p) for p, _ in parts) else None
+    return None
+
+
+class ModelFiles:
+    """An HF model folder: config, fingerprint, and per-tensor reads that touch only what is asked."""
+
+    def __init__(self, spec: str | os.PathLike | None) -> None:
+        self.path = resolve_model(spec)
+
+    @cached_property
+    def hf_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(self.path)
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_hf(self.hf_config)
+
+    @cached_property
+    def _tensor_files(self) -> dict[str, Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.path / f for name, f in weight_map.items()}
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no safetensors weights in {self.path}")
+        names: dict[str, Path] = {}
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                names.update({k: f for k in st.keys()})
+        return names
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identity of the exact weights and the math over them, the same on any library release.
+
+        It hashes the source weight files (the .gguf a folder was converted from, or an HF folder's
+        safetensors, whose headers hold every tensor's name, shape and dtype) and our own ModelConfig
+        (the fields that define the decoder math), never the converted tensors nor transformers'
+        config dict (which carries its version and defaults that vary between releases).
+        """
+        math = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
+        h = hashlib.sha256(b"splitllm-fingerprint-2\n" + math.encode())
+        for name, digest in self.sources:
+            h.update(f"{name}\0{digest}\n".encode())
+        return h.hexdigest()
+
+    @cached_property
+    def sources(self) -> list[tuple[str, str]]:
+        """(file name, sha256) of each source weight file."""
+        marker = self.path / SOURCE_FILE
+        if marker.is_file():
+            source = json.loads(marker.read_text())
+            return [(source["file"], source["sha256"])]
+        return [(f.name, _file_digest(f)) for f in sorted(set(self._tensor_files.values()))]
+
+    def has(self, name: str) -> bool:
+        return name in self._tensor_files
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensor_files)
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return sorted(set(self._tensor_files.values()))
+
+    def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Read only the named tensors, converted to dtype."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self._tensor_files:
+                raise KeyError(f"tensor {name} not found in {self.path}")
+            by_file.setdefault(self._tensor_files[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for f, wanted in by_file.items():
+            with safe_open(f, framework="pt") as st:
+                for name in wanted:
+                    out[name] = st.get_tensor(name).to(dtype)
+        return out
