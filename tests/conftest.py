@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model, tiny random models saved as HF folders, servers on loopback.
+"""Shared fixtures: the default model, tiny random models saved as HF folders, the splits server tests
+use, servers on loopback.
 
 Tiny models are built from transformers configs with a fixed seed and a wide initializer so greedy
 margins stay far above float32 rounding; their norms and biases are randomized too (HF initializes
@@ -27,8 +28,8 @@ from transformers import (
 )
 
 from splitllm.attestation.simulation import sim_init
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.drafting.drafter import Drafter, drafter_config
 from splitllm.testing.launch import ServerThread
@@ -44,6 +45,13 @@ def pytest_configure() -> None:
     default model ran 5x slower with two threads than with one on a busy two-core machine)."""
     torch.set_num_threads(1)
 
+
+TINY_SPLIT = (1, 1)
+"""(first, last): the split the server tests of tiny models use, one client layer on each side of the middle."""
+DEFAULT_SPLIT = (2, 2)
+"""(first, last): the split the server tests of the packaged models use, two client layers on each side."""
+DEFAULT_MODEL_CASE = pytest.param("default", marks=pytest.mark.slow)
+"""The packaged default model as one case of a test parametrized by model name: slow, as every test that needs it."""
 
 TINY_VOCAB = 512
 _TINY_COMMON = dict(
@@ -70,7 +78,7 @@ TINY_CONFIGS = {
     "gemma3": Gemma3TextConfig(
         **_TINY_COMMON,
         num_hidden_layers=6,
-        head_dim=64,  # the CPU kernels' smallest head, so 16-bit runs take the fused step
+        head_dim=64,  # the CPU kernels' smallest head, so 16-bit runs take the kernel stage
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 3,
         rope_parameters={
@@ -96,16 +104,16 @@ def _build_tiny(name: str, folder: Path) -> Path:
     return folder
 
 
-def random_head(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0, taps: tuple[int, ...] = ()) -> Drafter:
+def random_drafter(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0, taps: tuple[int, ...] = ()) -> Drafter:
     """An untrained drafter over the whole vocabulary (fusing the outputs of layers `taps`): drafts are
     noise, which exactness must survive."""
-    head = Drafter(drafter_config(files.config), range(files.config.vocab_size), dtype, taps)
+    drafter = Drafter(drafter_config(files.config), range(files.config.vocab_size), dtype, taps)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for name, p in drafter.named_parameters():
             noise = torch.rand(p.shape, generator=g, dtype=p.dtype)
             p.copy_(noise + 0.5 if "norm" in name else (noise - 0.5) * 0.4)
-    return head
+    return drafter
 
 
 def _folder(model: str | Path | None) -> Path:
@@ -115,10 +123,16 @@ def _folder(model: str | Path | None) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """name -> HF folder of a tiny random model: llama (untied head), qwen2 (qkv bias), mistral (window 8),
+    """name -> HF folder of a tiny random model: llama (untied LM head), qwen2 (qkv bias), mistral (window 8),
     gemma3 (alternating sliding and full layers, and Gemma's norms, scales and activation)."""
     root = tmp_path_factory.mktemp("tiny-models")
     return {name: _build_tiny(name, root / name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_models: dict[str, Path]) -> str:
+    """The tiny Llama's folder as a string, as `MiddleServer` and `splitllm serve --model` take it."""
+    return str(tiny_models["llama"])
 
 
 def _vocab16(folder: Path, seed: int, layers: int) -> Path:
@@ -170,14 +184,14 @@ def hf_model() -> Callable[[str | Path | None], PreTrainedModel]:
 
 
 @pytest.fixture(scope="session")
-def local_model() -> Callable[..., LocalModel]:
-    """LocalModel(files, head, tail), built once per (model, split)."""
+def load_client_model() -> Callable[..., ClientModel]:
+    """ClientModel(files, first, last), built once per (model, split)."""
 
     @cache
-    def load(path: Path, head: int, tail: int) -> LocalModel:
-        return LocalModel(ModelFiles(path), head, tail)
+    def load(path: Path, first: int, last: int) -> ClientModel:
+        return ClientModel(ModelFiles(path), first, last)
 
-    return lambda model, head, tail: load(_folder(model), head, tail)
+    return lambda model, first, last: load(_folder(model), first, last)
 
 
 @pytest.fixture(scope="session")
@@ -185,34 +199,34 @@ def middle_stage() -> Callable[..., Stage]:
     """The middle Stage of a (model, split) for in-process runs, built once."""
 
     @cache
-    def load(path: Path, head: int, tail: int) -> Stage:
+    def load(path: Path, first: int, last: int) -> Stage:
         files = ModelFiles(path)
-        return Stage.load(files, head, files.config.num_layers - tail, torch.float32)
+        return Stage.load(files, first, files.config.num_layers - last, torch.float32)
 
-    return lambda model, head, tail: load(_folder(model), head, tail)
+    return lambda model, first, last: load(_folder(model), first, last)
 
 
 @pytest.fixture(scope="session")
-def pipeline(local_model, middle_stage) -> Callable[..., SplitPipeline]:
-    """A fresh in-process SplitPipeline (LocalMiddle) over a (model, split): new caches every call."""
+def pipeline(load_client_model, middle_stage) -> Callable[..., SplitPipeline]:
+    """A fresh in-process SplitPipeline (InProcessMiddle) over a (model, split): new caches every call."""
 
-    def make(model: str | Path | None, head: int = 2, tail: int = 1, max_context: int = 256) -> SplitPipeline:
-        local = local_model(model, head, tail)
-        return SplitPipeline(local, LocalMiddle(middle_stage(model, head, tail), max_context), max_context)
+    def make(model: str | Path | None, first: int = 2, last: int = 1, max_context: int = 256) -> SplitPipeline:
+        client_model = load_client_model(model, first, last)
+        return SplitPipeline(client_model, InProcessMiddle(middle_stage(model, first, last), max_context), max_context)
 
     return make
 
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Callable[..., ServerThread]]:
-    """server(model, head, tail, **settings): a ServerThread on loopback, started once per arguments."""
+    """server(model, first, last, **settings): a ServerThread on loopback, started once per arguments."""
     started: dict[tuple, ServerThread] = {}
     with ExitStack() as stack:
 
-        def start(model: str | Path | None, head: int, tail: int, **settings: object) -> ServerThread:
-            key = (_folder(model), head, tail, tuple(sorted(settings.items())))
+        def start(model: str | Path | None, first: int, last: int, **settings: object) -> ServerThread:
+            key = (_folder(model), first, last, tuple(sorted(settings.items())))
             if key not in started:
-                middle = MiddleServer(str(key[0]), ServerSettings(head=head, tail=tail, **settings))
+                middle = MiddleServer(str(key[0]), ServerSettings(first=first, last=last, **settings))
                 started[key] = stack.enter_context(ServerThread(middle))
             return started[key]
 
@@ -221,12 +235,12 @@ def server() -> Iterator[Callable[..., ServerThread]]:
 
 @pytest.fixture(scope="session")
 def split_greedy() -> Callable[..., list[int]]:
-    """split_greedy(local, url, prompt, n, wire_dtype="float32"): greedy ids of the split model over a
+    """split_greedy(client_model, url, prompt, n, wire_dtype="float32"): greedy ids of the split model over a
     new session on the server at `url`, driven by token ids so no tokenizer is needed."""
 
-    def run(local: LocalModel, url: str, prompt: list[int], new_tokens: int, wire_dtype: str = "float32") -> list[int]:
-        middle = RemoteMiddle(url, local.files.fingerprint, local.middle_range, wire_dtype, len(prompt) + new_tokens)
-        return greedy(local, middle, prompt, new_tokens)
+    def run(client_model: ClientModel, url: str, prompt: list[int], new_tokens: int, wire_dtype: str = "float32") -> list[int]:
+        middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, wire_dtype, len(prompt) + new_tokens)
+        return greedy(client_model, middle, prompt, new_tokens)
 
     return run
 

@@ -1,5 +1,6 @@
-"""Clients for tests: a bare protocol client that sends any frame (well-formed or hostile), and greedy
-decoding through any middle with a hook between steps."""
+"""Clients for tests: a bare protocol client that sends any frame (typed messages, hostile header maps
+or bytes) and reads every reply as a typed message, and greedy decoding through any middle with a hook
+between steps."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from typing import Any
 
 import torch
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages, wire
+from splitllm.protocol.messages import CloseMessage, OpenMessage, Reply, Request, StepMessage
 from splitllm.client.connection import ConnectionOptions
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.client.pipeline import Middle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.sequential import decode_sequential
+from splitllm.model.visibility import Visibility
 from splitllm.weights.sources import ModelFiles
 
 
@@ -24,30 +27,30 @@ class RawClient:
     def __init__(self, url: str, options: ConnectionOptions | None = None) -> None:
         self.ws = (options or ConnectionOptions()).connect(url.rstrip("/") + "/ws")
 
-    def send_raw(self, message: bytes | str, timeout: float = 30) -> wire.Frame:
+    def send_raw(self, message: bytes | str, timeout: float = 30) -> Reply:
+        """Any bytes (or text); the server's reply, decoded and checked like a client's."""
         self.ws.send(message)
-        return wire.decode(self.ws.recv(timeout=timeout))
+        return messages.decode(self.ws.recv(timeout=timeout), messages.REPLIES)
 
-    def request(self, header: dict[str, Any], tensor: torch.Tensor | None = None, dtype: str = "float32") -> wire.Frame:
+    def request(self, header: dict[str, Any], tensor: torch.Tensor | None = None, dtype: str = "float32") -> Reply:
+        """A header map as it is, malformed or not, framed with `tensor`."""
         return self.send_raw(wire.encode(header, tensor, dtype))
 
-    def open(self, files: ModelFiles, layers: tuple[int, int], max_context: int = 64, dtype: str = "float32") -> wire.Frame:
-        return self.request(
-            {
-                "op": "open",
-                "version": wire.PROTOCOL_VERSION,
-                "fingerprint": files.fingerprint,
-                "layers": list(layers),
-                "dtype": dtype,
-                "max_context": max_context,
-            }
-        )
+    def send(self, message: Request) -> Reply:
+        return self.send_raw(messages.encode(message))
+
+    def open(self, files: ModelFiles, layers: tuple[int, int], max_context: int = 64, dtype: str = "float32") -> Reply:
+        return self.send(OpenMessage(files.fingerprint, layers, dtype, max_context))
 
     def step(
-        self, session: str, hidden: torch.Tensor, positions: list[int], keep: list[int], **fields: Any
-    ) -> wire.Frame:
-        header = {"op": "step", "session": session, "positions": positions, "keep": keep, **fields}
-        return self.request(header, hidden)
+        self, session: str, hidden: torch.Tensor, positions: list[int], keep: list[int], vis: Visibility | None = None
+    ) -> Reply:
+        """A float32 step; `vis` None: a chain (no visibility fields)."""
+        parents, bits = (None, None) if vis is None else vis.to_wire()
+        return self.send(StepMessage(session, hidden, "float32", tuple(positions), tuple(keep), parents, bits))
+
+    def close_session(self, session: str) -> Reply:
+        return self.send(CloseMessage(session))
 
     def close(self) -> None:
         self.ws.close()
@@ -65,7 +68,7 @@ def seeded_greedy() -> Sampler:
 
 
 def greedy(
-    local: LocalModel,
+    client_model: ClientModel,
     middle: Middle,
     prompt: list[int],
     max_new_tokens: int,
@@ -73,7 +76,7 @@ def greedy(
 ) -> list[int]:
     """Greedy ids of the split model through `middle` (closed at the end); `after_token(count)` runs
     between steps, where tests break links or restart servers."""
-    pipeline = SplitPipeline(local, middle, len(prompt) + max_new_tokens)
+    pipeline = SplitPipeline(client_model, middle, len(prompt) + max_new_tokens)
     ids: list[int] = []
     try:
         for out in decode_sequential(pipeline, prompt, max_new_tokens, frozenset(), seeded_greedy()):

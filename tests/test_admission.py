@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import TINY_SPLIT
 from protocol_client import greedy
 from websockets.exceptions import ConnectionClosed
 
@@ -28,7 +29,7 @@ from splitllm.server.app import MiddleServer
 from splitllm.server.auth import TokenTable
 from splitllm.server.settings import ServerSettings
 
-HEAD, TAIL = 1, 1
+FIRST, LAST = TINY_SPLIT
 TOKENS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob", "ops")}
 
 
@@ -40,24 +41,19 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def expected(tiny, local_model, pipeline, random_ids):  # type: ignore[no-untyped-def]
+def expected(tiny, load_client_model, pipeline, random_ids):  # type: ignore[no-untyped-def]
     """prompt -> greedy ids of the unsplit-in-process pipeline, for exactness checks."""
-    local = local_model(tiny, HEAD, TAIL)
-    return lambda seed: (random_ids(6, seed), greedy(local, pipeline(tiny, HEAD, TAIL, 64).middle, random_ids(6, seed), 10))
+    client_model = load_client_model(tiny, FIRST, LAST)
+    return lambda seed: (random_ids(6, seed), greedy(client_model, pipeline(tiny, FIRST, LAST, 64).middle, random_ids(6, seed), 10))
 
 
 def _remote(url: str, files, principal: str | None, **options) -> RemoteMiddle:  # type: ignore[no-untyped-def]
     opts = ConnectionOptions(token=TOKENS[principal] if principal else None, **{"deadline_s": 10.0, **options})
-    return RemoteMiddle(url, files.fingerprint, (HEAD, files.config.num_layers - TAIL), "float32", 64, opts)
+    return RemoteMiddle(url, files.fingerprint, (FIRST, files.config.num_layers - LAST), "float32", 64, opts)
 
 
-def _generate(url: str, local, principal: str | None, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    return greedy(local, _remote(url, local.files, principal), prompt, 10)
+def _generate(url: str, client_model, principal: str | None, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    return greedy(client_model, _remote(url, client_model.files, principal), prompt, 10)
 
 
 def _health(port: int, principal: str | None = None) -> dict:
@@ -97,17 +93,18 @@ def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, local_model, expected) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow  # a server process and seconds of timeouts
+def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, load_client_model, expected) -> None:  # type: ignore[no-untyped-def]
     """100 MB of never-ending request heads from 10 unauthenticated connections (reconnecting when
     cut off), plus 10 slowloris connections: RSS grows < 20 MiB, every one is closed within the
     handshake timeout, and an authenticated client keeps its exact output meanwhile."""
-    local = local_model(tiny, HEAD, TAIL)
+    client_model = load_client_model(tiny, FIRST, LAST)
     prompt, want = expected(1)
     timeout = 2.0
-    args = ["--model", tiny, "--head", str(HEAD), "--tail", str(TAIL), "--exact", "--threads", "1", "--auth-token-file", str(token_file),
+    args = ["--model", tiny, "--first", str(FIRST), "--last", str(LAST), "--exact", "--threads", "1", "--auth-token-file", str(token_file),
             "--handshake-timeout-s", str(timeout)]
     with ServerProcess(*args, timeout=120) as server:
-        assert _generate(server.url, local, "alice", prompt) == want  # warm: first-step allocations done
+        assert _generate(server.url, client_model, "alice", prompt) == want  # warm: first-step allocations done
         before = _rss(server.proc.pid)  # type: ignore[union-attr]
         deadline = time.monotonic() + 120
         slow_lives: list[float] = []
@@ -128,7 +125,7 @@ def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, lo
         with ThreadPoolExecutor(20) as pool:
             slow = [pool.submit(slowloris) for _ in range(10)]
             floods = [pool.submit(_flood, server.port, 10 << 20, i % 2 == 0, deadline) for i in range(10)]
-            during = _generate(server.url, local, "alice", prompt)
+            during = _generate(server.url, client_model, "alice", prompt)
             results = [f.result() for f in floods]
             for f in slow:
                 f.result()
@@ -141,7 +138,7 @@ def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, lo
         assert len(slow_lives) == 10 and max(slow_lives) < timeout + 1.0
         assert grown < 20 << 20, f"RSS grew {grown / 2**20:.1f} MiB"
         assert during == want
-        assert _generate(server.url, local, "alice", prompt) == want
+        assert _generate(server.url, client_model, "alice", prompt) == want
 
 
 def _exchange(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
@@ -156,7 +153,7 @@ def _exchange(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
 
 
 def test_request_heads_are_bounded_in_bytes_lines_and_time(tiny) -> None:  # type: ignore[no-untyped-def]
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, handshake_timeout_s=1.0, max_header_lines=8))
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, handshake_timeout_s=1.0, max_header_lines=8))
     with ServerThread(server) as thread:
         ok = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(7)) + b"\r\n"
         assert _exchange(thread.port, ok, 3.0).startswith(b"HTTP/1.1 200")  # 8 headers: within the cap
@@ -173,10 +170,10 @@ def test_request_heads_are_bounded_in_bytes_lines_and_time(tiny) -> None:  # typ
         assert replies.count(b"HTTP/1.1 200") == 2 and time.monotonic() - started < 10.0
 
 
-def test_thousand_idle_sockets_leave_health_and_clients_alone(tiny, token_file, local_model, expected) -> None:  # type: ignore[no-untyped-def]
-    local = local_model(tiny, HEAD, TAIL)
+def test_thousand_idle_sockets_leave_health_and_clients_alone(tiny, token_file, load_client_model, expected) -> None:  # type: ignore[no-untyped-def]
+    client_model = load_client_model(tiny, FIRST, LAST)
     prompt, want = expected(2)
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, handshake_timeout_s=60.0), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, handshake_timeout_s=60.0), TokenTable.load(token_file))
     sockets: list[socket.socket] = []
     with ServerThread(server) as thread:
         try:
@@ -185,7 +182,7 @@ def test_thousand_idle_sockets_leave_health_and_clients_alone(tiny, token_file, 
                 sock.sendall(b"GET /ws HTTP/1.1\r\nHost: x\r\n")  # half a request head, never finished
                 sockets.append(sock)
             assert _health(thread.port)["status"] == "ok"
-            assert _generate(thread.url, local, "bob", prompt) == want
+            assert _generate(thread.url, client_model, "bob", prompt) == want
         finally:
             for sock in sockets:
                 sock.close()
@@ -210,7 +207,7 @@ def _refusal(url: str, principal: str) -> str:
 
 
 def test_connection_caps_count_websockets_and_spare_health(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
-    settings = ServerSettings(head=HEAD, tail=TAIL, max_connections=4, max_connections_per_principal=3, operators=("ops",))
+    settings = ServerSettings(first=FIRST, last=LAST, max_connections=4, max_connections_per_principal=3, operators=("ops",))
     server = MiddleServer(tiny, settings, TokenTable.load(token_file))
     with ServerThread(server) as thread:
         alice = [_remote(thread.url, server.files, "alice") for _ in range(3)]
@@ -230,7 +227,7 @@ def test_connection_caps_count_websockets_and_spare_health(tiny, token_file) -> 
 
 
 def test_sessions_per_principal_have_a_default_cap_with_tokens(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, max_sessions=8), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, max_sessions=8), TokenTable.load(token_file))
     with ServerThread(server) as thread:
         held = [_remote(thread.url, server.files, "alice") for _ in range(2)]
         with pytest.raises(Exception, match="principal_full|no splitllm server answered"):
@@ -243,11 +240,11 @@ def test_sessions_per_principal_have_a_default_cap_with_tokens(tiny, token_file)
 # --- shared forwards ------------------------------------------------------------------------------------
 
 
-def test_failed_shared_forward_retries_bystanders_alone(tiny, local_model, expected, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_failed_shared_forward_retries_bystanders_alone(tiny, load_client_model, expected, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every shared forward fails, and one session's steps always fail: the others finish exactly, and
     the failing one, told to retry, finishes in a new session."""
-    local = local_model(tiny, HEAD, TAIL)
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, batch_window_ms=30.0))
+    client_model = load_client_model(tiny, FIRST, LAST)
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, batch_window_ms=30.0))
     original, shared = server.stage.forward_many, []
     poisoned: set[int] = set()
 
@@ -255,7 +252,7 @@ def test_failed_shared_forward_retries_bystanders_alone(tiny, local_model, expec
         if len(steps) > 1:
             shared.append(len(steps))
             raise RuntimeError("fault injected into a shared forward")
-        if id(steps[0].cache) in poisoned:
+        if id(steps[0][0]) in poisoned:  # its (cache, step)
             raise RuntimeError("fault injected into one session's step")
         return original(steps)
 
@@ -267,12 +264,12 @@ def test_failed_shared_forward_retries_bystanders_alone(tiny, local_model, expec
 
         def bystander(seed: int) -> list[int]:
             barrier.wait()
-            return _generate(thread.url, local, None, expected(seed)[0])
+            return _generate(thread.url, client_model, None, expected(seed)[0])
 
         def doomed() -> tuple[list[int], int]:
             """Its step fails alone too, retryably: it reconnects into a new session (a fresh cache)."""
             barrier.wait()
-            ids = greedy(local, culprit, expected(9)[0], 10)
+            ids = greedy(client_model, culprit, expected(9)[0], 10)
             return ids, culprit.reconnects
 
         with ThreadPoolExecutor(5) as pool:

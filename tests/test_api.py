@@ -15,8 +15,10 @@ from transformers import TextIteratorStreamer, TextStreamer
 from splitllm.api.hf import SplitModelForCausalLM
 from splitllm.api.openai import create_app
 from splitllm.client.client import SplitClient
-from splitllm.commands.client import served_client
+from splitllm.commands.client_commands import ClientSettings, served_client
+from splitllm.commands.wiring import AskedPrecision
 from splitllm.model.precision import EXACT
+from splitllm.options import Split
 
 pytestmark = pytest.mark.slow
 QUESTION = "Name three colors."
@@ -25,7 +27,7 @@ QUESTION = "Name three colors."
 @pytest.fixture(scope="module")
 def split_client(server) -> SplitClient:  # type: ignore[no-untyped-def]
     """The default model's client side, talking to a real server thread over loopback."""
-    return SplitClient(None, server(None, 2, 2).url, head=2, tail=2)
+    return SplitClient(None, server(None, 2, 2).url, first=2, last=2)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +194,8 @@ def test_hf_batch_is_right_padded(hf_split: SplitModelForCausalLM) -> None:
 def test_client_api_loads_and_generates_on_one_compute_thread(stage_threads) -> None:
     """`client-api` builds its client where the endpoint then runs every generation: one thread pool
     for PyTorch, as on a server (threads.ComputeThread)."""
-    split_client, compute = served_client(threads=1)  # the default model, its middle in-process
+    # the default model, its middle in-process
+    split_client, compute = served_client(Split(), ClientSettings(threads=1), AskedPrecision())
     with serve_http(create_app(split_client, "splitllm-test", compute=compute)) as url:
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         reply = api.completions.create(model="splitllm-test", prompt=QUESTION, max_tokens=4)
@@ -225,15 +228,15 @@ def test_api_keys_admit_their_holders_and_keep_their_conversations_apart(split_c
 def test_max_context_defaults_to_the_models_limit_and_caches_take_what_the_server_grants(
     split_client: SplitClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from splitllm.client import session
+    from splitllm.client import client
 
     limit = split_client.files.config.max_position
     assert split_client.max_context == limit > 4096  # the server below grants its default, 4096
     with split_client.conversation() as conv:
         list(conv.stream(split_client.encode_prompt(QUESTION), 2, "sequential"))
-        assert conv._pipeline is not None and conv._pipeline.caches.head.max_context == 4096
+        assert conv._pipeline is not None and conv._pipeline.caches.first.max_context == 4096
     with pytest.raises(ValueError, match="model's limit"):
         SplitClient(None, split_client.server, max_context=limit + 1)
-    monkeypatch.setattr(session, "_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(client, "_available_bytes", lambda: 1 << 20)
     with pytest.raises(ValueError, match="GiB available"):
         SplitClient(None, max_context=limit)

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
+from conftest import TINY_SPLIT
+from report_tables import table, values
 
-from splitllm.model.stage import Stage, StepInput
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
-from tests.protocol_client import RawClient
+from protocol_client import RawClient
 
-HEAD, TAIL = 1, 1
+FIRST, LAST = TINY_SPLIT
 
 
 def _session_steps(hidden_size: int, seed: int) -> list[tuple[torch.Tensor, list[int], Visibility, list[int]]]:
@@ -36,14 +39,14 @@ def _depths(vis: Visibility) -> list[int]:
 
 def test_forward_many_matches_one_by_one(tiny_models) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny_models["mistral"])  # sliding window: per-layer masks per segment
-    stage = Stage.load(files, HEAD, files.config.num_layers - TAIL, torch.float32)
+    stage = Stage.load(files, FIRST, files.config.num_layers - LAST, torch.float32)
     sessions = [_session_steps(files.config.hidden_size, seed) for seed in range(8)]
     solo = [stage.new_cache(32) for _ in sessions]
     batched = [stage.new_cache(32) for _ in sessions]
     for k in range(3):
-        inputs = [(h, torch.tensor(pos), vis, keep) for h, pos, vis, keep in (steps[k] for steps in sessions)]
-        want = [stage(c, *step) for c, step in zip(solo, inputs)]
-        got = stage.forward_many([StepInput(c, *step) for c, step in zip(batched, inputs)])
+        inputs = [Step(h, torch.tensor(pos), vis, keep) for h, pos, vis, keep in (steps[k] for steps in sessions)]
+        want = [stage(c, step) for c, step in zip(solo, inputs)]
+        got = stage.forward_many(list(zip(batched, inputs)))
         for a, b in zip(want, got):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     for a, b in zip(solo, batched):
@@ -53,17 +56,17 @@ def test_forward_many_matches_one_by_one(tiny_models) -> None:  # type: ignore[n
 
 def test_eight_concurrent_sessions_are_batched_and_match_solo_runs(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny_models["qwen2"])
-    layers = (HEAD, files.config.num_layers - TAIL)
+    layers = (FIRST, files.config.num_layers - LAST)
     sessions = [_session_steps(files.config.hidden_size, seed) for seed in range(8)]
 
     def run(url: str, steps: list) -> list[torch.Tensor]:  # type: ignore[type-arg]
         with RawClient(url) as client:
-            sid = client.open(files, layers).header["session"]
-            return [client.step(sid, h, pos, keep, **vis.to_wire()).tensor for h, pos, vis, keep in steps]
+            sid = client.open(files, layers).session  # type: ignore[union-attr]
+            return [client.step(sid, h, pos, keep, vis).hidden for h, pos, vis, keep in steps]  # type: ignore[union-attr]
 
-    solo_url = server(tiny_models["qwen2"], HEAD, TAIL, batch_window_ms=0).url
+    solo_url = server(tiny_models["qwen2"], FIRST, LAST, batch_window_ms=0).url
     want = [run(solo_url, steps) for steps in sessions]
-    batching = server(tiny_models["qwen2"], HEAD, TAIL, batch_window_ms=200)
+    batching = server(tiny_models["qwen2"], FIRST, LAST, batch_window_ms=200)
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda steps: run(batching.url, steps), sessions))
     for a_steps, b_steps in zip(want, got):
@@ -75,13 +78,14 @@ def test_eight_concurrent_sessions_are_batched_and_match_solo_runs(tiny_models, 
     assert count < total, "concurrent steps should have shared forward passes"
 
 
-def test_batched_greedy_decoding_equals_solo_on_the_default_model(default_files, local_model, server, split_greedy) -> None:  # type: ignore[no-untyped-def]
-    local = local_model(None, 2, 2)
+@pytest.mark.slow
+def test_batched_greedy_decoding_equals_solo_on_the_default_model(default_files, load_client_model, server, split_greedy) -> None:  # type: ignore[no-untyped-def]
+    client_model = load_client_model(None, 2, 2)
     prompts = [[1, 504, 3458, 282, 4649, 314] + [28 + i] * (i + 1) for i in range(8)]
     url = server(None, 2, 2, batch_window_ms=20).url
-    solo = [split_greedy(local, url, p, 16) for p in prompts]
+    solo = [split_greedy(client_model, url, p, 16) for p in prompts]
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda p: split_greedy(local, url, p, 16), prompts))
+        together = list(pool.map(lambda p: split_greedy(client_model, url, p, 16), prompts))
     assert together == solo
 
 
@@ -99,9 +103,13 @@ def test_load_report_scales_each_server_against_its_own_single_client(tmp_path) 
         {"server": "no batching", "clients": 16, "throughput_x": 4.0, "p50_step_x": 5.0},
         {"server": "batching 2 ms", "clients": 16, "throughput_x": 5.0, "p50_step_x": 1.5},
     ]
-    table = markdown({"command": "splitllm bench load", "settings": {"clients_compute": "device"}, "rows": rows,
-                      "scaling": factors})
-    assert "| batching 2 ms | 16 | 16/16 | 35.0 | 5.0x | 180.0 / 360.0 | 1.5x | 30.0 |" in table
+    text = markdown({"command": "splitllm bench load", "settings": {"clients_compute": "device"}, "rows": rows,
+                     "scaling": factors})
+    shown = [values(r) for r in table(text, "server")]
+    assert [(r["server"], r["clients"]) for r in shown] == [(r["server"], [r["clients"]]) for r in rows]
+    assert shown[-1] == {"server": "batching 2 ms", "clients": [16], "match solo": [16, 16], "tok/s": [35.0], "vs 1 client": [5.0],
+                         "step p50 / p99 ms": [180.0, 360.0], "p50 vs 1 client": [1.5], "server compute p50 ms": [30.0]}
+    assert [r["vs 1 client"] + r["p50 vs 1 client"] for r in shown[::2]] == [[1.0, 1.0]] * 2  # each single client is its own 1x
     plot(rows, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 0
 

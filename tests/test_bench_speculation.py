@@ -6,8 +6,9 @@ import json
 import os
 
 import pytest
+from report_tables import table, values
 
-from splitllm.lab.bench.speculation import markdown, run_speculation, summarize
+from splitllm.lab.bench.speculation import SpeculationBench, markdown, run_speculation, summarize
 from splitllm.lab.data.workload import CATEGORIES, workload
 from splitllm.testing.launch import sides
 
@@ -36,11 +37,17 @@ def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() ->
     assert overall["tokens"] == 4 and overall["steps"] == 2 and overall["identical"] == 1
     assert overall["server_ms_per_step"] == pytest.approx((120 + 110) / 4 / 2)
     assert overall["first_step_ms"] == 500.0  # the prefill steps: the first token's wait, apart from the rest
-    settings = {"rtt_ms": 80, "head": 2, "tail": 2, "max_new_tokens": 4, "prompts_per_category": 1, "sampling": "greedy",
+    settings = {"rtt_ms": 80, "first": 2, "last": 2, "max_new_tokens": 4, "prompts_per_category": 1, "sampling": "greedy",
                 "cores": {"layout": "alternate", "threads": 2}}
     text = markdown(summary, settings)
-    assert "| overall | lookup | 2.00 |" in text and "| lookup | lookup | 1 | 2 |" in text
-    assert "2 threads a side, both sides on every core" in text and text.count("| 28.8 | 500 |") == 1
+    assert "2 threads a side, both sides on every core" in text
+    by_mode = table(text, "tokens/step")
+    assert [(row["category"], row["mode"]) for row in by_mode] == [(group, mode) for group in summary for mode in summary[group]]
+    shown = values(by_mode[-1])  # overall, lookup
+    assert (shown["tokens/step"], shown["identical"], shown["server ms/step"], shown["first token ms"]) == ([2.0], [1, 2], [28.8], [500])
+    assert [values(row) for row in table(text, "proposer")] == [
+        {"mode": "lookup", "proposer": "lookup", "steps won": [1], "draft tokens accepted": [2], "share of tokens": [50.0]}
+    ]
 
 
 def test_core_layouts_give_each_side_its_own_half_or_both_every_core() -> None:
@@ -61,11 +68,11 @@ def test_workload_has_every_category() -> None:
 
 @pytest.mark.slow
 def test_a_short_run_through_server_and_proxy(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    result = run_speculation(1, 6, rtt_ms=10, modes=("lookup", "draft-wide", "auto-wide"), out=tmp_path)
+    result = run_speculation(SpeculationBench(1, 6, rtt_ms=10, modes=("lookup", "drafter-wide", "auto-wide"), out=tmp_path))
     overall = result["summary"]["overall"]
-    assert set(overall) == {"sequential", "lookup", "draft-wide", "auto-wide"}
+    assert set(overall) == {"sequential", "lookup", "drafter-wide", "auto-wide"}
     assert overall["auto-wide"]["identical"] == 4
     assert overall["sequential"]["tokens_per_step"] == 1.0 and overall["lookup"]["prompts"] == 4
-    assert overall["draft-wide"]["identical"] == 4 and overall["draft-wide"]["nodes_per_step"] > 24  # wider than draft's 24
+    assert overall["drafter-wide"]["identical"] == 4 and overall["drafter-wide"]["nodes_per_step"] > 24  # wider than drafter's 24
     data = json.loads((tmp_path / "speculation.json").read_text())
     assert len(data["runs"]) == 16 and (tmp_path / "speculation.md").read_text().startswith("Speculative decoding")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitllm.client.client import SplitClient
-from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
+from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, BudgetYield
 from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.modes import DECODERS
@@ -13,7 +13,7 @@ from splitllm.decoding.sizing.policies import AdaptivePolicy, ValuePolicy, split
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.sizing.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link, StepShape
 from splitllm.testing.netem import LinkProfile, ProxyThread
-from splitllm.stats import StepStats
+from splitllm.stats import StepSpeculation, StepStats, StepTiming
 
 
 def _linear(features: tuple[str, ...], coef: dict[str, float]) -> LinearFit:
@@ -31,10 +31,10 @@ PROFILE = LatencyProfile(
     decode={"auto": _linear(STEP_SIZE, {"1": 0.5, "nodes": 0.05})},
 )
 YIELDS = [(1.0, 1.0), (3.0, 1.3), (12.0, 1.6), (24.0, 1.85), (40.0, 2.05)]  # (nodes, tokens) per step
-AUTO = AutoProfile(PROFILE, [Candidate(b, n, a, 0.0, float(n == 1)) for b, (n, a) in zip(CANDIDATE_BUDGETS, YIELDS)])
+AUTO = AutoProfile(PROFILE, [BudgetYield(b, n, a, 0.0, float(n == 1)) for b, (n, a) in zip(CANDIDATE_BUDGETS, YIELDS)])
 
 
-def _step(profile: AutoProfile, c: Candidate, link: Link, history: list[StepStats], gain: float = 1.0,
+def _step(profile: AutoProfile, c: BudgetYield, link: Link, history: list[StepStats], gain: float = 1.0,
           server_scale: float = 1.0, row_scale: float = 1.0) -> StepStats:
     """The next step as a world obeying the profile measures it; the first one carries a 40-token prompt.
 
@@ -42,31 +42,31 @@ def _step(profile: AutoProfile, c: Candidate, link: Link, history: list[StepStat
     has crossed, so a candidate yielding 1.3 a step really does over a generation.
     """
     n = c.nodes if history else 40.0
-    context = history[-1].context + history[-1].accepted if history else 0
-    shape = Candidate(c.budget, n, 1 + gain * (c.accepted - 1), c.windowed, float(n == 1)).shape(context)
-    credit = sum(getattr(s, "_credit", 0.0) for s in history[-1:]) + shape.accepted
+    context = history[-1].timing.context + history[-1].speculation.accepted if history else 0
+    shape = BudgetYield(c.budget, n, 1 + gain * (c.accepted - 1), c.windowed, float(n == 1)).shape(context)
+    credit = sum(getattr(s.timing, "_credit", 0.0) for s in history[-1:]) + shape.accepted
     p = profile.latency.predict(shape, link, "auto")
     fixed, rows = split_rows(profile.latency.server, shape.features())
     server = (fixed + rows * row_scale) * server_scale  # row_scale: a model whose rows cost more than profiled
     up, down = profile.latency.bytes(shape)
-    s = StepStats(
-        nodes=round(n), accepted=int(credit), head_ms=p.local / 2, tail_ms=p.local / 2,
+    t = StepTiming(
+        nodes=round(n), first_ms=p.local / 2, last_ms=p.local / 2,
         serialize_ms=p.overhead, server_ms=server, decode_ms=p.decode,
         round_trip_ms=server + p.rtt + p.transfer + p.framing,
         bytes_up=round(up), bytes_down=round(down), context=context,
     )
-    s._credit = credit - int(credit)  # type: ignore[attr-defined]
-    s.total_ms = s.client_ms + s.round_trip_ms
-    return s
+    t._credit = credit - int(credit)  # type: ignore[attr-defined]
+    t.total_ms = t.client_ms + t.round_trip_ms
+    return StepStats(t, StepSpeculation(accepted=int(credit)))
 
 
-def _candidate(profile: AutoProfile, budget: SpecBudget) -> Candidate:
+def _candidate(profile: AutoProfile, budget: SpecBudget) -> BudgetYield:
     """The candidate of a budget; the offline budget (the first step's) may be none of them."""
     nodes = 1 + budget.max_nodes + budget.window_nodes
-    return next((c for c in profile.candidates if c.budget == budget), Candidate(budget, nodes, 1.0))
+    return next((c for c in profile.candidates if c.budget == budget), BudgetYield(budget, nodes, 1.0))
 
 
-def _generate(policy: AdaptivePolicy, link: Link, steps: int = 40, **world: float) -> list[Candidate]:
+def _generate(policy: AdaptivePolicy, link: Link, steps: int = 40, **world: float) -> list[BudgetYield]:
     """Drive the policy through one generation in the simulated world; the candidates it chose."""
     history: list[StepStats] = []
     chosen = []
@@ -77,7 +77,7 @@ def _generate(policy: AdaptivePolicy, link: Link, steps: int = 40, **world: floa
     return chosen
 
 
-def _best(profile: AutoProfile, link: Link, context: float = 60, gain: float = 1.0) -> Candidate:
+def _best(profile: AutoProfile, link: Link, context: float = 60, gain: float = 1.0) -> BudgetYield:
     return max(
         profile.candidates,
         key=lambda c: profile.latency.predict(c.shape(context, gain), link, "auto").tokens_per_second,
@@ -144,7 +144,7 @@ def test_interleaved_conversations_keep_their_own_estimates() -> None:
             budget = policies[id(history)].choose(history)
             c = _candidate(AUTO, budget)
             history.append(_step(AUTO, c, link, history))
-    assert near[-1].nodes <= 3 and far[-1].nodes >= 12
+    assert near[-1].timing.nodes <= 3 and far[-1].timing.nodes >= 12
 
 
 def test_profile_json_round_trip_and_the_shipped_default(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -160,7 +160,7 @@ def test_profile_json_round_trip_and_the_shipped_default(tmp_path) -> None:  # t
 def test_auto_over_a_wan_link_matches_plain_decoding_and_reads_the_rtt(server) -> None:  # type: ignore[no-untyped-def]
     """Real model, real sockets: adaptive budgets change speed, never the text; the RTT is read from steps."""
     target = server(None, 2, 2)
-    client = SplitClient(None, server=target.url, head=2, tail=2)
+    client = SplitClient(None, server=target.url, first=2, last=2)
     prompt = "Write a Python function that returns the squares of a list of numbers."
     reference = client.generate(prompt, 24).ids
     policy = AdaptivePolicy()
@@ -170,7 +170,7 @@ def test_auto_over_a_wan_link_matches_plain_decoding_and_reads_the_rtt(server) -
     assert gen.ids == reference
     assert policy.link.rtt_ms >= 55  # the proxy's delay is a floor; the ceiling is the machine's business
     largest = max(1 + b.max_nodes + b.window_nodes for b in CANDIDATE_BUDGETS)
-    assert all(s.nodes <= largest for s in gen.steps[1:])  # which budget wins is the machine's business too
+    assert all(s.timing.nodes <= largest for s in gen.steps[1:])  # which budget wins is the machine's business too
 
 
 def test_an_in_process_generation_after_a_networked_one_keeps_the_offline_budget() -> None:
@@ -181,7 +181,8 @@ def test_an_in_process_generation_after_a_networked_one_keeps_the_offline_budget
     history: list[StepStats] = []
     for _ in range(5):
         assert policy.choose(history) == policy.offline
-        history.append(StepStats(nodes=9, accepted=2, server_ms=40.0, round_trip_ms=40.0, total_ms=60.0, context=50))
+        timing = StepTiming(nodes=9, server_ms=40.0, round_trip_ms=40.0, total_ms=60.0, context=50)
+        history.append(StepStats(timing, StepSpeculation(accepted=2)))
 
 
 def test_node_cost_keeps_nodes_while_they_raise_tokens_per_second() -> None:

@@ -23,9 +23,9 @@ class PositionLog:
     def __init__(self, stage: Any) -> None:
         self.stage, self.steps = stage, []
 
-    def forward_many(self, steps: list[Any]) -> list[torch.Tensor]:
-        self.steps.extend(s.positions.tolist() for s in steps)
-        return self.stage.forward_many(steps)
+    def forward_many(self, batch: list[Any]) -> list[torch.Tensor]:
+        self.steps.extend(step.positions.tolist() for _, step in batch)  # (cache, step) pairs
+        return self.stage.forward_many(batch)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stage, name)
@@ -35,7 +35,7 @@ def test_turns_send_the_server_only_new_positions(server, monkeypatch: pytest.Mo
     thread = server(None, 2, 2)
     log = PositionLog(thread.server.stage)
     monkeypatch.setattr(thread.server.steps, "stage", log)  # where the server runs its forwards
-    client = SplitClient(None, thread.url, head=2, tail=2)
+    client = SplitClient(None, thread.url, first=2, last=2)
     with client.conversation() as conv:
         for question in TURNS:
             before, first_step = len(conv.ids), len(log.steps)
@@ -55,7 +55,7 @@ def test_turns_send_the_server_only_new_positions(server, monkeypatch: pytest.Mo
 @pytest.fixture(scope="module")
 def client() -> SplitClient:
     """The default model with its middle layers in-process."""
-    return SplitClient(None, head=2, tail=2)
+    return SplitClient(None, first=2, last=2)
 
 
 @pytest.mark.parametrize("decode", ["sequential", "auto"])

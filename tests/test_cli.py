@@ -1,19 +1,29 @@
-"""The command line's vocabulary: decoding modes offered and checked up front, the precision each side
-runs chosen and said at start, every option's environment variable, and clear errors."""
+"""The command line's vocabulary: every option declared once in the option table (the commands' options,
+their environment variables and docs/cli.md generated from it), decoding modes offered and checked up
+front, the precision each side runs chosen and said at start, clear errors, and small command functions."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
+from splitllm import options as table
 from splitllm.cli import app
-from splitllm.commands.options import need_extra, resolve_precision
+from splitllm.commands.wiring import need_extra, resolve_precision
+from splitllm.lab import results
 from splitllm.model.precision import EXACT, fastest
 from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "splitllm"
+COMMAND_FILES = [*sorted((SRC / "commands").glob("*.py")), SRC / "cli.py", *sorted((SRC / "lab").rglob("*_commands.py"))]
 
 
 def _help(command: list[str]) -> str:
@@ -54,8 +64,8 @@ def test_a_port_outside_1_to_65535_is_refused_before_anything_loads(command: str
     assert result.exit_code == 2 and "Invalid value for '--port'" in result.output
 
 
-def test_a_continued_head_with_another_width_is_refused_before_anything_loads() -> None:
-    args = ["draft", "train", "--init", "shipped", "--intermediate", "4608", "--out", "/nonexistent/head"]
+def test_a_continued_drafter_with_another_width_is_refused_before_anything_loads() -> None:
+    args = ["drafter", "train", "--init", "shipped", "--intermediate", "4608", "--out", "/nonexistent/drafter"]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
     assert result.exit_code == 2 and "keeps its width" in result.output
 
@@ -122,3 +132,53 @@ def test_a_missing_extra_names_what_is_missing_and_the_install_line(
         need_extra("privacy")
     err = capsys.readouterr().err
     assert "scipy missing" in err and "pip install 'splitllm[privacy]'" in err
+
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """Every command under a (typer's own click) group, by the words that run it."""
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from _commands(cmd, (*path, name))
+        else:
+            yield " ".join((*path, name)), cmd
+
+
+def test_every_option_of_every_command_comes_from_the_table_with_its_environment_variable() -> None:
+    """No option is declared outside splitllm.options, and every table entry is some command's option."""
+    taken = set()
+    for path, cmd in _commands(typer.main.get_command(app)):
+        cli = {p.name: p for p in cmd.params if p.param_type_name == "option" and p.name != "help"}
+        assert sorted(cli) == sorted(o.name for o in table.options_of(path)), path
+        for name, param in cli.items():
+            option = table.option(path, name)
+            assert param.envvar == option.env(path) and param.opts[0] == option.flag.split("/")[0], (path, name)
+            taken.add((path, name))
+    assert taken == {(c, o.name) for c in table.COMMANDS for o in table.options_of(c)}
+    assert {c for c, _ in taken} == set(table.COMMANDS)
+
+
+def test_no_command_takes_two_options_of_one_name_and_units_are_in_the_names() -> None:
+    for command in table.COMMANDS:
+        names = [o.name for o in table.options_of(command)]
+        assert len(names) == len(set(names)), command
+    suffixes = {"ms": "_ms", "s": "_s", "GiB": "_gib", "MiB": "_mib", "KiB": "_kib", "Mbit/s": "_mbit"}
+    for option in table.OPTIONS:
+        assert option.name.endswith(suffixes.get(option.unit, "")), option.name
+
+
+def test_the_committed_option_lists_in_docs_cli_md_are_the_tables() -> None:
+    doc = results.CHECKOUT / "docs" / "cli.md"
+    assert results.block(doc.read_text(), "options") == table.markdown(), (
+        "regenerate: results.update_doc(docs/cli.md, 'options', splitllm.options.markdown())"
+    )
+
+
+@pytest.mark.parametrize("path", COMMAND_FILES, ids=lambda p: str(p.relative_to(SRC)))
+def test_command_functions_are_small(path: Path) -> None:
+    """A command takes a few records, not a long list of options: at most 12 parameters and 60 lines."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            count = len(args.posonlyargs + args.args + args.kwonlyargs) + bool(args.vararg) + bool(args.kwarg)
+            lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            assert count <= 12 and lines <= 60, f"{node.name}: {count} parameters, {lines} lines"

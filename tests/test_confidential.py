@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 from websockets.sync.server import ServerConnection, serve
 
+from conftest import DEFAULT_SPLIT
 from protocol_client import greedy
 from splitllm.protocol import wire
 from splitllm.attestation.handshake import ClientHandshake, _raw
@@ -35,10 +36,11 @@ from splitllm.client.connection import ConnectionOptions
 from splitllm.client.remote import RemoteMiddle
 from splitllm.lab.privacy.attacks.whitebox import LanguageModelPrior, invert
 from splitllm.lab.privacy.states import PublicModel
+from splitllm.protocol.messages import PROTOCOL_VERSION
 from splitllm.protocol.wire import ProtocolError
 
 pytestmark = pytest.mark.slow
-HEAD, TAIL = 2, 2
+FIRST, LAST = DEFAULT_SPLIT
 PROMPT = "My name is Alice Smith and my bank PIN is 4921."
 NEW_TOKENS = 8
 
@@ -99,7 +101,7 @@ def prompt(default_files) -> list[int]:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def attacker(default_files) -> Callable[[list[bytes], list[int]], int]:  # type: ignore[no-untyped-def]
     """How many prompt tokens the white-box inversion reads off the step frames of a recording."""
-    model = PublicModel(default_files, [HEAD])
+    model = PublicModel(default_files, [FIRST])
 
     def recovered(recording: list[bytes], prompt: list[int]) -> int:
         states = []
@@ -120,7 +122,7 @@ def attacker(default_files) -> Callable[[list[bytes], list[int]], int]:  # type:
         def proposals(t: int, seen: list[int]) -> list[torch.Tensor]:
             return [prior.extend(seen[-1], t - 1) if t else -torch.arange(model.cfg.vocab_size, dtype=torch.float32)]
 
-        tokens = invert(model.stack.upto(HEAD), model.embed, targets, proposals).tokens
+        tokens = invert(model.stack.upto(FIRST), model.embed, targets, proposals).tokens
         return sum(a == b for a, b in zip(tokens, prompt))
 
     return recovered
@@ -142,20 +144,20 @@ def _policy(vendor: Path, folder: Path, **changes: object) -> AttestationPolicy:
     return AttestationPolicy.load(folder / "policy.json")
 
 
-def _run(local, url: str, prompt: list[int], policy: AttestationPolicy | None) -> list[int]:  # type: ignore[no-untyped-def]
+def _run(client_model, url: str, prompt: list[int], policy: AttestationPolicy | None) -> list[int]:  # type: ignore[no-untyped-def]
     options = ConnectionOptions(attestation=policy, deadline_s=5)
-    middle = RemoteMiddle(url, local.files.fingerprint, local.middle_range, "float16", 64, options)
-    return greedy(local, middle, prompt, NEW_TOKENS)
+    middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, "float16", 64, options)
+    return greedy(client_model, middle, prompt, NEW_TOKENS)
 
 
 def test_an_attested_server_gives_the_plain_output_and_the_wire_carries_only_ciphertext(
-    server, local_model, relay, vendor, prompt, attacker, default_files
+    server, load_client_model, relay, vendor, prompt, attacker, default_files
 ) -> None:  # type: ignore[no-untyped-def]
-    local = local_model(None, HEAD, TAIL)
-    plain = relay(server(None, HEAD, TAIL).url)
-    sealed = relay(server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url)
-    expected = _run(local, plain.url, prompt, None)
-    assert _run(local, sealed.url, prompt, AttestationPolicy.load(vendor / "policy.json")) == expected
+    client_model = load_client_model(None, FIRST, LAST)
+    plain = relay(server(None, FIRST, LAST).url)
+    sealed = relay(server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(vendor)).url)
+    expected = _run(client_model, plain.url, prompt, None)
+    assert _run(client_model, sealed.url, prompt, AttestationPolicy.load(vendor / "policy.json")) == expected
     # The audit has teeth: the same attack reads the plain split's prompt off its recording.
     assert attacker(plain.received, prompt) >= 0.9 * len(prompt)
     assert [_op(m) for m in sealed.received] == ["attest"] + [None] * (len(sealed.received) - 1)
@@ -165,7 +167,7 @@ def test_an_attested_server_gives_the_plain_output_and_the_wire_carries_only_cip
 
 def _evidence_of_another_handshake(url: str, vendor: Path, files) -> bytes:  # type: ignore[no-untyped-def]
     """An honest evidence frame, recorded from an earlier handshake, for a replay."""
-    hs = ClientHandshake(AttestationPolicy.load(vendor / "policy.json"), files.fingerprint, (HEAD, 30 - TAIL), wire.PROTOCOL_VERSION)
+    hs = ClientHandshake(AttestationPolicy.load(vendor / "policy.json"), files.fingerprint, (FIRST, 30 - LAST), PROTOCOL_VERSION)
     with connect(url + "/ws", compression=None) as ws:
         ws.send(wire.encode(hs.request(1)))
         return ws.recv(timeout=30)  # type: ignore[return-value]
@@ -177,41 +179,41 @@ def _with_intruders_key(index: int, reply: bytes) -> bytes:
 
 
 def test_every_failed_check_sends_no_state(
-    server, local_model, relay, vendor, prompt, attacker, default_files, tiny_models, tmp_path
+    server, load_client_model, relay, vendor, prompt, attacker, default_files, tiny_models, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
-    local = local_model(None, HEAD, TAIL)
-    honest = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url
+    client_model = load_client_model(None, FIRST, LAST)
+    honest = server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(vendor)).url
     debug_vendor = tmp_path / "debug"
     sim_init(debug_vendor, debug=True)
     replayed = _evidence_of_another_handshake(honest, vendor, default_files)
     trusted = AttestationPolicy.load(vendor / "policy.json")
     measurement = json.loads((vendor / "policy.json").read_text())["measurements"]
     cases = [
-        ("evidence", server(None, HEAD, TAIL).url, trusted, None),
+        ("evidence", server(None, FIRST, LAST).url, trusted, None),
         ("measurement", honest, _policy(vendor, tmp_path, measurements=["00" * 48]), None),
-        ("debug", server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(debug_vendor)).url,
+        ("debug", server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(debug_vendor)).url,
          AttestationPolicy.load(debug_vendor / "policy.json"), None),
         ("tcb", honest, _policy(vendor, tmp_path, min_tcb={"microcode": 200}), None),
         ("chain", honest, _policy(vendor, tmp_path, trust_anchors=["amd-milan"], simulated=False, measurements=measurement), None),
         ("binding", honest, trusted, lambda i, reply: replayed if i == 0 else reply),
         ("binding", honest, trusted, _with_intruders_key),
         ("model", server(tiny_models["llama"], 1, 1, attestation="simulated", attestation_sim=str(vendor)).url, trusted, None),
-        ("split", server(None, HEAD + 1, TAIL, attestation="simulated", attestation_sim=str(vendor)).url, trusted, None),
+        ("split", server(None, FIRST + 1, LAST, attestation="simulated", attestation_sim=str(vendor)).url, trusted, None),
     ]
     for check, url, policy, rewrite in cases:
         mitm = relay(url, rewrite)
         with pytest.raises(AttestationError) as err:
-            _run(local, mitm.url, prompt, policy)
+            _run(client_model, mitm.url, prompt, policy)
         assert err.value.check == check, (check, err.value)
         assert [_op(m) for m in mitm.received] == ["attest"], check
         assert attacker(mitm.received, prompt) == 0
 
 
-def test_tampered_and_replayed_frames_are_refused(server, local_model, relay, vendor, prompt) -> None:  # type: ignore[no-untyped-def]
-    local = local_model(None, HEAD, TAIL)
-    url = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url
+def test_tampered_and_replayed_frames_are_refused(server, load_client_model, relay, vendor, prompt) -> None:  # type: ignore[no-untyped-def]
+    client_model = load_client_model(None, FIRST, LAST)
+    url = server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(vendor)).url
     policy = AttestationPolicy.load(vendor / "policy.json")
-    expected = _run(local, relay(url).url, prompt, policy)
+    expected = _run(client_model, relay(url).url, prompt, policy)
 
     def flip(message: bytes) -> bytes:
         return message[:-1] + bytes([message[-1] ^ 1])
@@ -223,13 +225,13 @@ def test_tampered_and_replayed_frames_are_refused(server, local_model, relay, ve
             first: list[bytes] = []
             mitm.rewrite = lambda i, r: (first.append(r) or r) if i == 1 else first[0] if i == 2 else r
         with pytest.raises(SealError) as err:
-            _run(local, mitm.url, prompt, policy)
+            _run(client_model, mitm.url, prompt, policy)
         assert err.value.check == check
     # A request altered on its way to the server: it drops the connection; the client attests again.
     mitm = relay(url, forward=lambda i, m: flip(m) if i == 2 else m)
     options = ConnectionOptions(attestation=policy, deadline_s=30)
-    middle = RemoteMiddle(mitm.url, local.files.fingerprint, local.middle_range, "float16", 64, options)
-    assert greedy(local, middle, prompt, NEW_TOKENS) == expected
+    middle = RemoteMiddle(mitm.url, client_model.files.fingerprint, client_model.middle_range, "float16", 64, options)
+    assert greedy(client_model, middle, prompt, NEW_TOKENS) == expected
     assert middle.reconnects == 1
     assert mitm.connections == 2 and [_op(m) for m in mitm.received].count("attest") == 2  # attested afresh
 
@@ -238,7 +240,7 @@ def test_the_commands_refuse_without_evidence(server, tmp_path, vendor) -> None:
     cli = [sys.executable, "-m", "splitllm.cli"]
     out = subprocess.run([*cli, "serve", "--attestation", "sev-snp"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: neither /sys/kernel/config/tsm")
-    plain = server(None, HEAD, TAIL).url
+    plain = server(None, FIRST, LAST).url
     out = subprocess.run(
         [*cli, "generate", "--server", plain, "--attestation-policy", str(vendor / "policy.json"), "--max-new-tokens", "4", "hi"],
         capture_output=True, text=True, timeout=300,
@@ -250,8 +252,8 @@ def test_the_commands_refuse_without_evidence(server, tmp_path, vendor) -> None:
 def test_the_python_apis_take_a_policy(server, vendor) -> None:  # type: ignore[no-untyped-def]
     from splitllm.api.hf import SplitModelForCausalLM
 
-    sealed = server(None, HEAD, TAIL, attestation="simulated", attestation_sim=str(vendor)).url
-    plain = server(None, HEAD, TAIL).url
+    sealed = server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(vendor)).url
+    plain = server(None, FIRST, LAST).url
     ids = [[1, 504, 3458, 314]]
     want = SplitModelForCausalLM.from_pretrained(None, plain).generate(ids, max_new_tokens=6)
     model = SplitModelForCausalLM.from_pretrained(None, sealed, attestation_policy=vendor / "policy.json")

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def client() -> SplitClient:
-    return SplitClient(None, head=2, tail=2)  # the middle in-process
+    return SplitClient(None, first=2, last=2)  # the middle in-process
 
 
 def _run(cache: ConversationCache, prompt: list[int], new: int = 4) -> tuple[list[int], int]:

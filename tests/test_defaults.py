@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from splitllm.kernels import cpu_kernels, precision
+from splitllm.kernels import cpu_kernels
+from splitllm.model import precision
 from splitllm.model.precision import EXACT, Precision, fastest
 
 
@@ -37,21 +38,22 @@ def test_sixteen_bit_without_the_kernels_warns_once_that_speculation_is_not_bit_
     assert len(warnings) == 1 and "bfloat16-int8" in warnings[0] and "not bit-exact" in warnings[0]
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_the_exact_mode_never_compiles_the_kernels(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A fresh process loads both sides in the exact mode and decodes, with an empty extension cache:
     the kernels are neither built nor imported."""
     code = f"""
 import sys
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.model.precision import EXACT
 from splitllm.model.stage import Stage
 from splitllm.weights.sources import ModelFiles
 files = ModelFiles({str(tiny_models["mistral"])!r})
-local = LocalModel(files, 1, 1, EXACT)
+client_model = ClientModel(files, 1, 1, EXACT)
 middle = Stage.load(files, 1, files.config.num_layers - 1, EXACT)
-steps = list(decode_sequential(SplitPipeline(local, LocalMiddle(middle, 64), 64), [1, 2, 3, 4], 4, frozenset()))
+steps = list(decode_sequential(SplitPipeline(client_model, InProcessMiddle(middle, 64), 64), [1, 2, 3, 4], 4, frozenset()))
 print(len(steps), "splitllm_cpu_kernels" in sys.modules)
 """
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
@@ -71,7 +73,7 @@ from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
 client = SplitClient(None, precision=EXACT)
 gen = client.generate("Name three colors.", 8, "auto")
-print(client.local.drafter.dtype, len(gen.ids) > 0, "splitllm_cpu_kernels" in sys.modules)
+print(client.client_model.drafter.dtype, len(gen.ids) > 0, "splitllm_cpu_kernels" in sys.modules)
 """
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

@@ -1,8 +1,8 @@
 """Drafting with the drafter: the proposer's cache bookkeeping, exactness of the modes that use it,
 and steps that shrink to the room left near the end of the context.
 
-A random head drafts noise over a 16-token vocabulary, so its top-k children are often right by
-chance: head nodes get accepted and rejected at every depth, which is what exactness must survive.
+A random drafter drafts noise over a 16-token vocabulary, so its top-k children are often right by
+chance: its nodes get accepted and rejected at every depth, which is what exactness must survive.
 A second random 16-token model drafts the same way as a whole draft model.
 """
 
@@ -14,23 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_head
+from conftest import random_drafter
 
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
 from splitllm.decoding.sizing.gate import DraftGate, GateConfig
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
 from splitllm.decoding.sizing.policies import StaticPolicy
-from splitllm.decoding.proposers import draft_model as draft_model_proposer
+from splitllm.drafting import draft_model_proposer
 from splitllm.drafting.draft_model_proposer import DraftModelProposer
 from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.drafting.draft_model import DraftModel
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -40,17 +40,17 @@ BIG = SpecBudget(max_nodes=40, window=4, levels=3, guesses=3, depth=8)
 
 
 @pytest.fixture(scope="module")
-def model(vocab16_model: Path) -> tuple[LocalModel, Stage]:
+def model(vocab16_model: Path) -> tuple[ClientModel, Stage]:
     """The 16-token Llama in float64 split 1 + 1 + 1, with a random drafter."""
     files = ModelFiles(str(vocab16_model))
-    local = LocalModel(files, 1, 1, torch.float64)
-    local.drafter = random_head(files, torch.float64)
-    return local, Stage.load(files, 1, 2, torch.float64)
+    client_model = ClientModel(files, 1, 1, torch.float64)
+    client_model.drafter = random_drafter(files, torch.float64)
+    return client_model, Stage.load(files, 1, 2, torch.float64)
 
 
-def _pipeline(model: tuple[LocalModel, Stage], context: int = CONTEXT) -> SplitPipeline:
-    local, stage = model
-    return SplitPipeline(local, LocalMiddle(stage, context), context)
+def _pipeline(model: tuple[ClientModel, Stage], context: int = CONTEXT) -> SplitPipeline:
+    client_model, stage = model
+    return SplitPipeline(client_model, InProcessMiddle(stage, context), context)
 
 
 def _ids(decoder, pipeline: SplitPipeline, prompt: list[int], n: int) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
@@ -59,78 +59,83 @@ def _ids(decoder, pipeline: SplitPipeline, prompt: list[int], n: int) -> tuple[l
 
 
 @pytest.fixture(scope="module")
-def fused_model(vocab16_model: Path) -> tuple[LocalModel, Stage]:
-    """The same split with a random fused drafter: it reads the head's and the middle's outputs too."""
+def tapped_model(vocab16_model: Path) -> tuple[ClientModel, Stage]:
+    """The same split with a random tapped drafter: it reads the first stage's and the middle's outputs too."""
     files = ModelFiles(str(vocab16_model))
-    local = LocalModel(files, 1, 1, torch.float64)
-    local.drafter = random_head(files, torch.float64, taps=(1, 2))
-    return local, Stage.load(files, 1, 2, torch.float64)
+    client_model = ClientModel(files, 1, 1, torch.float64)
+    client_model.drafter = random_drafter(files, torch.float64, taps=(1, 2))
+    return client_model, Stage.load(files, 1, 2, torch.float64)
 
 
 @pytest.fixture(scope="module")
-def draft_model_split(vocab16_model: Path, vocab16_draft_model: Path) -> tuple[LocalModel, Stage]:
+def draft_model_split(vocab16_model: Path, vocab16_draft_model: Path) -> tuple[ClientModel, Stage]:
     """The same split drafting with a whole (random, two-layer) draft model of the same vocabulary."""
     files = ModelFiles(str(vocab16_model))
-    local = LocalModel(files, 1, 1, torch.float64)
-    local.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
-    return local, Stage.load(files, 1, 2, torch.float64)
+    client_model = ClientModel(files, 1, 1, torch.float64)
+    client_model.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
+    return client_model, Stage.load(files, 1, 2, torch.float64)
 
 
 @pytest.fixture(scope="module")
-def two_drafters_split(vocab16_model: Path, vocab16_draft_model: Path) -> tuple[LocalModel, Stage]:
-    """The same split with a random head and a draft model: the gates pick one a step when a cost prices them."""
+def two_drafters_split(vocab16_model: Path, vocab16_draft_model: Path) -> tuple[ClientModel, Stage]:
+    """The same split with a random drafter and a draft model: the gates pick one a step when a cost prices them."""
     files = ModelFiles(str(vocab16_model))
-    local = LocalModel(files, 1, 1, torch.float64)
-    local.drafter = random_head(files, torch.float64)
-    local.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
-    return local, Stage.load(files, 1, 2, torch.float64)
+    client_model = ClientModel(files, 1, 1, torch.float64)
+    client_model.drafter = random_drafter(files, torch.float64)
+    client_model.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
+    return client_model, Stage.load(files, 1, 2, torch.float64)
 
 
-@pytest.mark.parametrize("mode", ["draft", "auto"])
-@pytest.mark.parametrize("drafter", ["head", "fused head", "draft model", "both, priced"])
+@pytest.mark.parametrize("mode", ["drafter", "auto"])
+@pytest.mark.parametrize("drafter", [  # seconds a prompt each: the fast tier keeps the one that drafts with both
+    pytest.param("drafter", marks=pytest.mark.slow),
+    pytest.param("tapped drafter", marks=pytest.mark.slow),
+    pytest.param("draft model", marks=pytest.mark.slow),
+    "both, priced",
+])
 def test_draft_modes_match_sequential(  # type: ignore[no-untyped-def]
-    model, fused_model, draft_model_split, two_drafters_split, mode: str, drafter: str
+    model, tapped_model, draft_model_split, two_drafters_split, mode: str, drafter: str
 ) -> None:
-    model = {"head": model, "fused head": fused_model, "draft model": draft_model_split, "both, priced": two_drafters_split}[drafter]
+    model = {"drafter": model, "tapped drafter": tapped_model, "draft model": draft_model_split, "both, priced": two_drafters_split}[drafter]
     budget = replace(BIG, cost=NodeCost(step_ms=100.0, node_ms=0.5)) if "priced" in drafter else BIG
-    accepted_from_head = 0
+    accepted_from_drafter = 0
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected, _ = _ids(decode_sequential, _pipeline(model), prompt, 40)
         ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, drafter_policy=StaticPolicy(budget))), _pipeline(model), prompt, 40)
         assert ids == expected, seed
-        accepted_from_head += sum(n for o in outs for src, n in o.stats.sources.items() if "draft" in src)
-        assert all(o.stats.draft_ms > 0 for o in outs[1:])
-    assert accepted_from_head > 10  # the head's nodes were accepted (and so its cache kept in step)
+        accepted_from_drafter += sum(n for o in outs for src, n in o.stats.speculation.sources.items() if "draft" in src)
+        assert all(o.stats.timing.draft_ms > 0 for o in outs[1:])
+    assert accepted_from_drafter > 10  # the drafter's nodes were accepted (and so its cache kept in step)
 
 
-@pytest.mark.parametrize("drafter", ["head", "draft model"])
+@pytest.mark.parametrize("drafter", ["drafter", "draft model"])
 def test_a_wider_tree_drafts_more_nodes_and_stays_exact(model, draft_model_split, drafter: str) -> None:  # type: ignore[no-untyped-def]
     """`SpeculationConfig.tree` reaches the drafters: two levels of 4 x 6 hold at most 6 + 24 nodes (with
     context lookup's 3 guesses of 2 tokens, 36), of 8 x 8 up to 72 (64 kept)."""
-    split = {"head": model, "draft model": draft_model_split}[drafter]
+    split = {"drafter": model, "draft model": draft_model_split}[drafter]
     wide = SpecBudget(max_nodes=64, guesses=3, depth=2)
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(1)).tolist()
     expected, _ = _ids(decode_sequential, _pipeline(split), prompt, 30)
     nodes = {}
     for shape in (TreeShape(), TreeShape(top_k=8, beam=8)):
-        config = SpeculationConfig(Mode.DRAFT, drafter_policy=StaticPolicy(wide), tree=shape)
+        config = SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(wide), tree=shape)
         ids, outs = _ids(SpeculativeDecoder(config), _pipeline(split), prompt, 30)
         assert ids == expected, shape
-        nodes[shape.beam] = max(o.stats.drafted for o in outs[1:])
+        nodes[shape.beam] = max(o.stats.speculation.drafted for o in outs[1:])
     assert nodes[4] <= 36 < nodes[8]
     with pytest.raises(ValueError, match="top_k and beam of at least 1"):
         TreeShape(beam=0)
 
 
 def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The gate weighs the tokens a step yielded (and the head's share of them): it must see them filled in."""
+    """The gate weighs the tokens a step yielded (and the drafter's share of them): it must see them filled in."""
     seen: list[int] = []
     observe = DraftGate.observe
 
-    def spy(gate: DraftGate, stats, source: str, drafted_ms: float | None) -> None:  # type: ignore[no-untyped-def]
-        seen.append(stats.accepted)
-        observe(gate, stats, source, drafted_ms)
+    def spy(gate: DraftGate, speculation, source: str, drafted_ms: float | None) -> None:  # type: ignore[no-untyped-def]
+        seen.append(speculation.accepted)
+        observe(gate, speculation, source, drafted_ms)
 
     monkeypatch.setattr(DraftGate, "observe", spy)
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -139,13 +144,13 @@ def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None
 
 
 def test_of_two_drafters_that_pay_the_one_that_saves_more_drafts() -> None:
-    """A cheap head gaining one token a drafting step against a draft model gaining three for 30 ms:
-    over a fast link (20 ms a step) the head saves more, over a slow one (200 ms) the draft model."""
-    head, big = DraftGate(), DraftGate()
-    head.gain, head.ms, head.tokens = 1.0, 2.0, 2.0
+    """A cheap drafter gaining one token a drafting step against a draft model gaining three for 30 ms:
+    over a fast link (20 ms a step) the drafter saves more, over a slow one (200 ms) the draft model."""
+    small, big = DraftGate(), DraftGate()
+    small.gain, small.ms, small.tokens = 1.0, 2.0, 2.0
     big.gain, big.ms, big.tokens = 3.0, 30.0, 2.0
-    assert head.offer(NodeCost(20.0, 1.0), 0) == 8.0 and big.offer(NodeCost(20.0, 1.0), 0) == 0.0
-    assert head.offer(NodeCost(200.0, 1.0), 1) == 98.0 and big.offer(NodeCost(200.0, 1.0), 1) == 270.0
+    assert small.offer(NodeCost(20.0, 1.0), 0) == 8.0 and big.offer(NodeCost(20.0, 1.0), 0) == 0.0
+    assert small.offer(NodeCost(200.0, 1.0), 1) == 98.0 and big.offer(NodeCost(200.0, 1.0), 1) == 270.0
 
 
 def test_the_gate_tries_drafting_less_often_while_it_does_not_pay() -> None:
@@ -161,22 +166,22 @@ def test_the_gate_tries_drafting_less_often_while_it_does_not_pay() -> None:
     assert [step for step in range(210, 260) if gate.offer(cost, step) is not None] == [216, 224, 240]
 
 
-def test_draft_mode_needs_a_head(tiny_models, local_model) -> None:  # type: ignore[no-untyped-def]
-    local = local_model(tiny_models["llama"], 1, 1)
-    pipeline = SplitPipeline(local, LocalMiddle(Stage.load(local.files, 1, 3, torch.float32), 32), 32)
+def test_drafter_mode_needs_a_drafter(tiny_models, load_client_model) -> None:  # type: ignore[no-untyped-def]
+    client_model = load_client_model(tiny_models["llama"], 1, 1)
+    pipeline = SplitPipeline(client_model, InProcessMiddle(Stage.load(client_model.files, 1, 3, torch.float32), 32), 32)
     with pytest.raises(ValueError, match="needs a drafter"):
-        next(SpeculativeDecoder(SpeculationConfig(Mode.DRAFT))(pipeline, [1, 2, 3], 4, frozenset()))
+        next(SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER))(pipeline, [1, 2, 3], 4, frozenset()))
 
 
-def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: ignore[no-untyped-def]
+def test_drafter_cache_follows_the_committed_sequence(model) -> None:  # type: ignore[no-untyped-def]
     """Fed step by step (features of each step's committed nodes, trees grown in between, some steps
-    not drafting), the head's cache holds exactly what one sync of the whole sequence computes, and drafts the same tree given
+    not drafting), the drafter's cache holds exactly what one sync of the whole sequence computes, and drafts the same tree given
     the same calibration (what the stepped proposer learned from the tokens it saw)."""
-    local, _ = model
+    client_model, _ = model
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
-    features, _ = _pipeline(model).forward(torch.tensor(ids[:-1]), torch.arange(29), Visibility.chain(29), [])
+    features, _ = _pipeline(model).forward(Step(torch.tensor(ids[:-1]), torch.arange(29), Visibility.chain(29)))
     budget, idle = SpecBudget(max_nodes=30, depth=5), SpecBudget(max_nodes=0, depth=5)
-    stepped = DrafterProposer(local.drafter, local, CONTEXT)
+    stepped = DrafterProposer(client_model.drafter, client_model, CONTEXT)
     start = 0
     for end in (7, 8, 11, 12, 13, 18, 25, 29):
         stepped.observe(start, features[start:end])
@@ -184,7 +189,7 @@ def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: igno
         drafts = stepped.propose(ids[: end + 1], budget if drafting else idle)
         assert drafting == bool(drafts) and stepped.committed == (end if drafting else stepped.committed)
         start = end
-    whole = DrafterProposer(local.drafter, local, CONTEXT)
+    whole = DrafterProposer(client_model.drafter, client_model, CONTEXT)
     whole.observe(0, features)
     whole.calibration = stepped.calibration
     assert whole.propose(ids, budget) == drafts and len(drafts) > 20
@@ -195,34 +200,34 @@ def test_head_cache_follows_the_committed_sequence(model) -> None:  # type: igno
 
 def test_the_drafters_vocabulary_rows_are_read_once_per_drafter(vocab16_model: Path) -> None:
     """Every generation's drafting shares the LM head's rows of the draft vocabulary (reading them back
-    from a quantized head reads the whole head), in the drafter's own precision; a swapped drafter gets
+    from a quantized LM head reads all of it), in the drafter's own precision; a swapped drafter gets
     its own."""
     files = ModelFiles(str(vocab16_model))
-    local = LocalModel(files, 1, 1, torch.float64)
-    local.drafter = random_head(files, torch.float64)
-    first = DrafterProposer(local.drafter, local, CONTEXT).vocab_head
-    assert DrafterProposer(local.drafter, local, CONTEXT).vocab_head is first
-    assert first.weight.dtype == local.drafter.dtype
-    torch.testing.assert_close(first.weight, local.lm_head_rows(local.drafter.vocab).to(local.drafter.dtype))
-    local.drafter = random_head(files, torch.float64)
-    assert local.drafter_vocab_head() is not first
+    client_model = ClientModel(files, 1, 1, torch.float64)
+    client_model.drafter = random_drafter(files, torch.float64)
+    first = DrafterProposer(client_model.drafter, client_model, CONTEXT).vocab_head
+    assert DrafterProposer(client_model.drafter, client_model, CONTEXT).vocab_head is first
+    assert first.weight.dtype == client_model.drafter.dtype
+    torch.testing.assert_close(first.weight, client_model.lm_head_rows(client_model.drafter.vocab).to(client_model.drafter.dtype))
+    client_model.drafter = random_drafter(files, torch.float64)
+    assert client_model.drafter_vocab_head() is not first
 
 
 def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> None:  # type: ignore[no-untyped-def]
     """A draft model catches up on the tokens committed since it last drafted, the prompt in passes of
     bounded rows: its cache then holds what one pass over the whole sequence computes, trees dropped;
     given a history that leaves it, it keeps what the two share."""
-    local, _ = draft_model_split
+    client_model, _ = draft_model_split
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     budget, idle = SpecBudget(max_nodes=30, depth=5), SpecBudget(max_nodes=0, depth=5)
-    stepped = DraftModelProposer(local.draft_model, CONTEXT)
+    stepped = DraftModelProposer(client_model.draft_model, CONTEXT)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(draft_model_proposer, "PREFILL_ROWS", 4)
         for end in (7, 8, 11, 12, 13, 18, 25, 29):
             drafting = end in (8, 13, 29)
             drafts = stepped.propose(ids[: end + 1], budget if drafting else idle)
             assert drafting == bool(drafts)
-    whole = DraftModelProposer(local.draft_model, CONTEXT)
+    whole = DraftModelProposer(client_model.draft_model, CONTEXT)
     whole.calibration = stepped.calibration
     assert whole.propose(ids, budget) == drafts and len(drafts) > 20
     assert stepped.committed == whole.committed == 30
@@ -231,7 +236,7 @@ def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> 
     # Another history sharing the first 20 tokens (a conversation's next turn cut short): the common
     # prefix stays, the rest is fed again.
     other = ids[:20] + [(t + 1) % VOCAB for t in ids[20:26]]
-    fresh = DraftModelProposer(local.draft_model, CONTEXT)
+    fresh = DraftModelProposer(client_model.draft_model, CONTEXT)
     fresh.calibration = stepped.calibration
     assert stepped.propose(other, budget) == fresh.propose(other, budget)
     assert stepped.committed == fresh.committed == 26 and stepped.tokens == other
@@ -247,53 +252,53 @@ def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, 
     monkeypatch.setattr(draft_model_proposer, "PREFILL_ROWS", 4)  # three passes for the prompt
     waited: list[int] = []
 
-    class Watched(LocalMiddle):
-        def step(self, hidden, positions, vis, keep, stats, while_waiting=None):  # type: ignore[no-untyped-def]
-            out = super().step(hidden, positions, vis, keep, stats, while_waiting)
+    class Watched(InProcessMiddle):
+        def step(self, step, timing, while_waiting=None):  # type: ignore[no-untyped-def]
+            out = super().step(step, timing, while_waiting)
             waited.append(decoder.draft_model_proposer.committed)  # what it had read when the middle returned
             return out
 
-    local, stage = draft_model_split
-    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFT, drafter_policy=StaticPolicy(BIG)))
-    pipeline = SplitPipeline(local, Watched(stage, CONTEXT), CONTEXT)
+    client_model, stage = draft_model_split
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(BIG)))
+    pipeline = SplitPipeline(client_model, Watched(stage, CONTEXT), CONTEXT)
     prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     expected, _ = _ids(decode_sequential, _pipeline(draft_model_split), prompt, 12)
     first = decoder(pipeline, prompt, 12, frozenset())
     out = next(first)
     proposer = decoder.draft_model_proposer
     assert proposer is not None and proposer.committed == len(prompt) and proposer.tokens == prompt
-    assert out.stats.overlap_ms > 0 and not any("draft-model" in s for s in out.stats.sources)
+    assert out.stats.timing.overlap_ms > 0 and not any("draft-model" in s for s in out.stats.speculation.sources)
     assert waited == [4]  # one pass beside the middle's compute, the other two after it
     rest = list(first)
     assert [t for o in (out, *rest) for t in o.tokens] == expected
-    assert all(o.stats.overlap_ms == 0 for o in rest)
+    assert all(o.stats.timing.overlap_ms == 0 for o in rest)
     # The conversation's next turn (the last answer token, never fed yet, and the new tokens) is a
     # prefill too, read in flight; the draft model's cache kept the earlier turn.
     history = prompt + expected + [1, 2, 3, 4]
     feed = history[len(prompt) + len(expected) - 1 :]
     outs = list(decoder(pipeline, feed, 6, frozenset(), Sampler(history=list(history)), rest[-1].path))
-    assert outs[0].stats.overlap_ms > 0 and all(o.stats.overlap_ms == 0 for o in outs[1:])
+    assert outs[0].stats.timing.overlap_ms > 0 and all(o.stats.timing.overlap_ms == 0 for o in outs[1:])
     assert proposer.tokens[: len(history)] == history
 
 
-class _Distant(LocalMiddle):
+class _Distant(InProcessMiddle):
     """A simulation of a middle on another machine, FLIGHT_MS away: this in-process middle computes, then the
     client's core is free (the piece of client work runs) until the reply would be back."""
 
     overlaps = True
     FLIGHT_MS = 30.0
 
-    def step(self, hidden, positions, vis, keep, stats, while_waiting=None):  # type: ignore[no-untyped-def]
+    def step(self, step, timing, while_waiting=None):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
-        out = self.stage(self.cache, hidden, positions, vis, keep)
-        stats.server_ms += (time.perf_counter() - t0) * 1000
+        out = self.stage(self.cache, step)
+        timing.server_ms += (time.perf_counter() - t0) * 1000
         next(while_waiting or iter(()), None)
         time.sleep(max(0.0, t0 + self.FLIGHT_MS / 1000 - time.perf_counter()))
-        stats.round_trip_ms += (time.perf_counter() - t0) * 1000
+        timing.round_trip_ms += (time.perf_counter() - t0) * 1000
         return out
 
 
-@pytest.mark.parametrize("drafting", ["a random draft model", "the model itself"])
+@pytest.mark.parametrize("drafting", [pytest.param("a random draft model", marks=pytest.mark.slow), "the model itself"])
 def test_a_draft_model_prepares_the_next_tree_while_a_step_is_in_flight(  # type: ignore[no-untyped-def]
     draft_model_split, vocab16_model: Path, drafting: str
 ) -> None:
@@ -302,22 +307,22 @@ def test_a_draft_model_prepares_the_next_tree_while_a_step_is_in_flight(  # type
     sequential's whatever the guesses were (a random draft model's mostly fail, the model's own come
     true once its calibration learns so), and the draft model's cache follows the committed sequence
     through right and wrong ones."""
-    local, stage = draft_model_split
+    client_model, stage = draft_model_split
     if drafting == "the model itself":
-        local = LocalModel(local.files, 1, 1, torch.float64)
-        local.draft_model = DraftModel(ModelFiles(str(vocab16_model)), torch.float64)
-    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFT, drafter_policy=StaticPolicy(replace(BIG, depth=3))))
+        client_model = ClientModel(client_model.files, 1, 1, torch.float64)
+        client_model.draft_model = DraftModel(ModelFiles(str(vocab16_model)), torch.float64)
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(replace(BIG, depth=3))))
     prepared = adopted = 0
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        expected, _ = _ids(decode_sequential, _pipeline((local, stage)), prompt, 40)
-        ids, outs = _ids(decoder, SplitPipeline(local, _Distant(stage, CONTEXT), CONTEXT), prompt, 40)
+        expected, _ = _ids(decode_sequential, _pipeline((client_model, stage)), prompt, 40)
+        ids, outs = _ids(decoder, SplitPipeline(client_model, _Distant(stage, CONTEXT), CONTEXT), prompt, 40)
         assert ids == expected, seed
-        assert all(o.stats.overlap_ms > 0 for o in outs if o.stats.prepared)
-        prepared += sum(o.stats.prepared for o in outs)
-        adopted += sum(o.stats.adopted for o in outs)
+        assert all(o.stats.timing.overlap_ms > 0 for o in outs if o.stats.speculation.prepared)
+        prepared += sum(o.stats.speculation.prepared for o in outs)
+        adopted += sum(o.stats.speculation.adopted for o in outs)
         proposer = decoder.draft_model_proposer  # its cache may hold guesses: drafting after the real history drops them
-        fresh = DraftModelProposer(local.draft_model, CONTEXT)
+        fresh = DraftModelProposer(client_model.draft_model, CONTEXT)
         fresh.calibration = proposer.calibration
         proposer.prepared = None  # (a tree prepared for the sequence's end would be taken instead)
         budget = SpecBudget(max_nodes=30, depth=5)
@@ -325,7 +330,7 @@ def test_a_draft_model_prepares_the_next_tree_while_a_step_is_in_flight(  # type
     assert prepared > 12 and (adopted > 4 if drafting == "the model itself" else adopted < prepared)
 
 
-@pytest.mark.parametrize("mode", ["lookahead", "auto", "draft"])
+@pytest.mark.parametrize("mode", ["lookahead", "auto", "drafter"])
 def test_steps_shrink_to_the_context_left(model, mode: str) -> None:  # type: ignore[no-untyped-def]
     """A prompt that leaves room for just the new tokens: trees and windows shrink to fit, positions
     stay below the model's maximum (CONTEXT here), and the output is sequential's."""
@@ -342,14 +347,14 @@ def test_steps_shrink_to_the_context_left(model, mode: str) -> None:  # type: ig
 def test_steps_shrink_to_what_the_server_grants(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
     """The server grants a shorter context than asked: the client sizes its steps to it."""
     folder = tiny_models["llama"]
-    local = LocalModel(ModelFiles(folder), 1, 1)
+    client_model = ClientModel(ModelFiles(folder), 1, 1)
     url = server(folder, 1, 1, max_context=40).url
     prompt = [7, 8, 9, 10] * 7
 
     def run(decoder) -> list[int]:  # type: ignore[no-untyped-def]
-        middle = RemoteMiddle(url, local.files.fingerprint, local.middle_range, "float32", 96)
+        middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, "float32", 96)
         try:
-            return _ids(decoder, SplitPipeline(local, middle, 96), prompt, 12)[0]
+            return _ids(decoder, SplitPipeline(client_model, middle, 96), prompt, 12)[0]
         finally:
             middle.close()
 
@@ -359,12 +364,12 @@ def test_steps_shrink_to_what_the_server_grants(tiny_models, server) -> None:  #
 def test_a_depth_is_drafted_only_while_its_pass_can_pay(draft_model_split) -> None:  # type: ignore[no-untyped-def]
     """Priced by a link cost, a tree grows deeper only while the chances of the nodes a pass would run,
     at what a token is worth there, exceed the measured time of a pass."""
-    local, _ = draft_model_split
+    client_model, _ = draft_model_split
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     priced = SpecBudget(max_nodes=30, depth=5, cost=NodeCost(step_ms=100.0, node_ms=1.0))
     depths = {}
     for pass_ms in (1e-6, 1e6):
-        proposer = DraftModelProposer(local.draft_model, CONTEXT)
+        proposer = DraftModelProposer(client_model.draft_model, CONTEXT)
         proposer.pass_ms = pass_ms
         depths[pass_ms] = max(len(d.tokens) for d in proposer.propose(ids, priced))
     assert depths[1e6] == 1 and depths[1e-6] > 2
@@ -377,7 +382,7 @@ def test_extending_a_cache_equals_a_step_of_the_same_positions(tiny_models, name
     files = ModelFiles(str(tiny_models[name]))
     stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
     hidden = torch.randn(20, files.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    expected = stage(stage.new_cache(32), hidden, torch.arange(20), Visibility.chain(20), [])
+    expected = stage(stage.new_cache(32), Step(hidden, torch.arange(20), Visibility.chain(20)))
     cache = stage.new_cache(32)
     stage.extend(cache, hidden[:12], torch.arange(12), torch.ones(12, 12, dtype=torch.bool).tril())
     sees = torch.cat([torch.ones(8, 12, dtype=torch.bool), torch.ones(8, 8, dtype=torch.bool).tril()], 1)

@@ -1,5 +1,5 @@
 """Drafter training and storage: the unrolled training passes equal chained drafting, a tiny model's
-head trains and round-trips through its folder, foreign heads are refused, the shipped head drafts."""
+drafter trains and round-trips through its folder, foreign drafters are refused, the shipped drafter drafts."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 import typer
 
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.drafting import store
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -35,8 +35,8 @@ def _own_features(files: ModelFiles, ids: list[int]) -> torch.Tensor:
     """The split client's view: splitllm's decoder over every layer, float32."""
     stage = Stage.load(files, 0, files.config.num_layers, torch.float32)
     n = len(ids)
-    x = LocalModel(files, 1, 0).embed(torch.tensor(ids))
-    return stage(stage.new_cache(n), x, torch.arange(n), Visibility.chain(n), [])
+    x = ClientModel(files, 1, 0).embed(torch.tensor(ids))
+    return stage(stage.new_cache(n), Step(x, torch.arange(n), Visibility.chain(n)))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2"])
@@ -66,68 +66,68 @@ def test_an_answer_ends_at_its_stop_token_with_the_token_fed(tiny_models) -> Non
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
-def tiny(tiny_models, request):
+def trainee(tiny_models, request):
     """A tiny model with its training sequences; Gemma 3 adds scaled embeddings, sandwich norms, soft-capping."""
     files = ModelFiles(tiny_models[request.param])
-    local = LocalModel(files, 1, 0)
-    target = train.Target(local)
+    client_model = ClientModel(files, 1, 0)
+    target = train.Target(client_model)
     seqs = train.prepare(_sequences(files, 6, 24, 0), target)
-    return files, local, target, seqs
+    return files, client_model, target, seqs
 
 
-def test_unrolled_passes_equal_chained_drafting(tiny) -> None:
-    """Pass k's row b+k is what the head computes drafting k+1 deep from committed position b."""
-    files, local, target, seqs = tiny
+def test_unrolled_passes_equal_chained_drafting(trainee) -> None:
+    """Pass k's row b+k is what the drafter computes drafting k+1 deep from committed position b."""
+    files, client_model, target, seqs = trainee
     torch.manual_seed(0)
-    head = train.new_head(local, list(range(files.config.vocab_size)))
+    drafter = train.new_drafter(client_model, list(range(files.config.vocab_size)))
     s = seqs[0]
     passes = 3
     with torch.no_grad():
-        outs = train.unrolled(head, target, [s], passes, greedy=True)
+        outs = train.unrolled(drafter, target, [s], passes, greedy=True)
     b = 9
-    cache = head.new_cache(64)
+    cache = drafter.new_cache(64)
     emb = target.embed
-    got = head(cache, s.feats[: b + 1], emb[s.ids[1 : b + 2]], torch.arange(b + 1), Visibility.chain(b + 1), [])[-1]
+    got = drafter(cache, s.feats[: b + 1], emb[s.ids[1 : b + 2]], torch.arange(b + 1), Visibility.chain(b + 1), [])[-1]
     torch.testing.assert_close(got, outs[0][b], rtol=1e-4, atol=1e-4)
     keep = list(range(b + 1))
     for k in range(1, passes):
         pos = b + k
-        got = head(cache, got[None], emb[s.greedy[pos : pos + 1]], torch.tensor([pos]), Visibility.chain(1), keep)[0]
+        got = drafter(cache, got[None], emb[s.greedy[pos : pos + 1]], torch.tensor([pos]), Visibility.chain(1), keep)[0]
         torch.testing.assert_close(got, outs[k][pos], rtol=1e-4, atol=1e-4)
         keep = [0]
 
 
-def test_tiny_head_trains_and_round_trips(tiny, tmp_path) -> None:
-    files, local, target, seqs = tiny
+def test_tiny_drafter_trains_and_round_trips(trainee, tmp_path) -> None:
+    files, client_model, target, seqs = trainee
     vocab = train.draft_vocabulary(seqs[1:], 128, files.config.vocab_size)
     assert len(vocab) == 128 and len(set(vocab)) == 128
-    head = train.new_head(local, vocab)
+    drafter = train.new_drafter(client_model, vocab)
     settings = train.TrainSettings(vocab=128, epochs=3, passes=2, batch_tokens=64, lr=3e-3)
-    history = train.train(head, target, seqs[1:], settings)
+    history = train.train(drafter, target, seqs[1:], settings)
     assert history["steps"] >= 3 and history["last_loss"] < history["first_loss"]
-    val = train.validate(head, target, seqs[:1], depth=3)
+    val = train.validate(drafter, target, seqs[:1], depth=3)
     assert len(val.acceptance) == 3 and val.positions > 0
     shares = [val.in_top[k] for k in train.RANKS]
     assert shares == sorted(shares) and 0 <= val.outside_vocab <= 1 - shares[-1]
-    folder = store.save_drafter(head, tmp_path / "head", {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
+    folder = store.save_drafter(drafter, tmp_path / "drafter", {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
     meta = json.loads((folder / store.METADATA).read_text())
     assert meta["draft_vocab"] == 128 and meta["size_bytes"] > 0
     loaded = store.load_drafter(files, folder)
     assert loaded is not None and loaded.vocab.tolist() == vocab
     x = seqs[0]
-    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
-    torch.testing.assert_close(loaded(loaded.new_cache(8), *args), head(head.new_cache(8), *args), rtol=2e-2, atol=2e-2)
+    args = (x.feats[:5], client_model.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
+    torch.testing.assert_close(loaded(loaded.new_cache(8), *args), drafter(drafter.new_cache(8), *args), rtol=2e-2, atol=2e-2)
 
 
-def test_a_zero_feature_weight_scores_tokens_alone(tiny) -> None:
+def test_a_zero_feature_weight_scores_tokens_alone(trainee) -> None:
     """With feature_weight 0 (EAGLE-3's loss) the loss no longer depends on how close the guessed
     features are, only on the draft distribution they give; with 1 it does."""
-    files, local, target, seqs = tiny
-    head = train.new_head(local, train.draft_vocabulary(seqs, 64, files.config.vocab_size))
-    batch, rows = seqs[:2], target.lm_head[head.vocab]
+    files, client_model, target, seqs = trainee
+    drafter = train.new_drafter(client_model, train.draft_vocabulary(seqs, 64, files.config.vocab_size))
+    batch, rows = seqs[:2], target.lm_head[drafter.vocab]
     feats, probs = train._labels(batch, target, rows)
     with torch.no_grad():
-        outs = train.unrolled(head, target, batch, 2)
+        outs = train.unrolled(drafter, target, batch, 2)
     moved = feats + 0.5 * feats.std()  # other feature labels, the same token labels
     for weight, same in ((0.0, True), (1.0, False)):
         settings = train.TrainSettings(vocab=64, passes=2, feature_weight=weight)
@@ -146,8 +146,8 @@ def test_taps_come_beside_the_top_feature(tiny_models) -> None:
     below = Stage.load(files, 0, 1, torch.float32)
     for ids, p, t in zip(seqs, plain, tapped):
         assert t.shape == (len(ids), 3 * d) and torch.equal(t[:, -d:], p)
-        x = LocalModel(files, 1, 0).embed(torch.tensor(ids))
-        want = below(below.new_cache(len(ids)), x, torch.arange(len(ids)), Visibility.chain(len(ids)), [])
+        x = ClientModel(files, 1, 0).embed(torch.tensor(ids))
+        want = below(below.new_cache(len(ids)), Step(x, torch.arange(len(ids)), Visibility.chain(len(ids))))
         torch.testing.assert_close(t[:, :d].float(), want, rtol=2e-3, atol=2e-3)  # float32 rounds by batch
     (ids, feats), = FeatureCapture(files, torch.float32, taps=(1, 3)).answer([[5, 9, 13]], max_new_tokens=4)
     (same, top), = FeatureCapture(files, torch.float32).answer([[5, 9, 13]], max_new_tokens=4)
@@ -156,31 +156,31 @@ def test_taps_come_beside_the_top_feature(tiny_models) -> None:
         FeatureCapture(files, torch.float32, taps=(3, 1))
 
 
-def test_a_fused_head_continues_a_plain_one_and_drafts_as_it_trained(tiny, tmp_path, monkeypatch, caplog) -> None:
-    """Continued from a plain head, a fused head first computes what that head did (its `fuse` passes
+def test_a_tapped_drafter_continues_a_plain_one_and_drafts_as_it_trained(trainee, tmp_path, monkeypatch, caplog) -> None:
+    """Continued from a plain drafter, a tapped drafter first computes what that drafter did (its `fuse` passes
     the top feature); trained on tapped data it learns, round-trips with its taps, drafts through its
     cache what training computed, and a split that does not hold its taps refuses it."""
-    files, local, target, _ = tiny
+    files, client_model, target, _ = trainee
     n = files.config.num_layers
     feats = _sequences(files, 6, 24, 0)
     tapped = FeatureCapture(files, torch.float32, taps=(1, n - 1)).features([x.tolist() for x in feats.ids])
     seqs = train.prepare(data.Features(feats.ids, tapped, (1, n - 1)), target)
     settings = train.TrainSettings(vocab=64, epochs=2, passes=2, batch_tokens=64, lr=3e-3)
-    plain = train.new_head(local, train.draft_vocabulary(seqs, 64, files.config.vocab_size))
+    plain = train.new_drafter(client_model, train.draft_vocabulary(seqs, 64, files.config.vocab_size))
     train.train(plain, target, seqs[1:], settings)
     meta = {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"}
-    start = store.load_drafter(files, store.save_drafter(plain, tmp_path / "plain", meta), packed=False)
-    fused = train.new_head(local, [], taps=(1, n - 1), init=start)
+    start = store.load_drafter(files, store.save_drafter(plain, tmp_path / "untapped", meta), packed=False)
+    with_taps = train.new_drafter(client_model, [], taps=(1, n - 1), init=start)
     with torch.no_grad():
-        for a, b in zip(train.unrolled(fused, target, seqs[:2], 2), train.unrolled(start, target, seqs[:2], 2)):
+        for a, b in zip(train.unrolled(with_taps, target, seqs[:2], 2), train.unrolled(start, target, seqs[:2], 2)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    history = train.train(fused, target, seqs[1:], settings)
+    history = train.train(with_taps, target, seqs[1:], settings)
     assert history["last_loss"] < history["first_loss"]
-    folder = store.save_drafter(fused, tmp_path / "fused", meta)
+    folder = store.save_drafter(with_taps, tmp_path / "tapped", meta)
     assert json.loads((folder / store.METADATA).read_text())["taps"] == [1, n - 1]
     loaded = store.load_drafter(files, folder)
     assert loaded is not None and loaded.taps == (1, n - 1)
-    broken = store.save_drafter(fused, tmp_path / "elsewhere" / "broken", meta)  # not where the package's heads are
+    broken = store.save_drafter(with_taps, tmp_path / "elsewhere" / "broken", meta)  # not where the package's drafters are
     (broken / store.METADATA).write_text(json.dumps({**json.loads((broken / store.METADATA).read_text()), "taps": [n - 1, 1]}))
     with pytest.raises(ValueError, match="drafter.json: taps must be increasing"):
         store.load_drafter(files, broken)
@@ -191,23 +191,23 @@ def test_a_fused_head_continues_a_plain_one_and_drafts_as_it_trained(tiny, tmp_p
                  Visibility.chain(len(s.ids) - 1), [], s.taps[:-1])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="does not hold"):
-        LocalModel(files, 2, 1, drafter=folder)
-    assert LocalModel(files, 1, 1, drafter=folder).drafter.taps == (1, n - 1)
+        ClientModel(files, 2, 1, drafter=folder)
+    assert ClientModel(files, 1, 1, drafter=folder).drafter.taps == (1, n - 1)
     monkeypatch.setattr(store, "shipped_drafters_root", lambda: tmp_path)  # as if the package shipped it
-    assert LocalModel(files, 1, 1).drafter.taps == (1, n - 1)
+    assert ClientModel(files, 1, 1).drafter.taps == (1, n - 1)
     with caplog.at_level(logging.WARNING):
-        assert LocalModel(files, 2, 1).drafter is None
+        assert ClientModel(files, 2, 1).drafter is None
     assert "does not hold" in caplog.text
 
 
-def test_foreign_or_broken_heads_are_refused(tiny, tiny_models, tmp_path) -> None:
-    files, local, _, _ = tiny
-    head = train.new_head(local, list(range(16)))
-    folder = store.save_drafter(head, tmp_path / "foreign", {store.FINGERPRINT_KEY: "0" * 64, "model": "other"})
+def test_foreign_or_broken_drafters_are_refused(trainee, tiny_models, tmp_path) -> None:
+    files, client_model, _, _ = trainee
+    drafter = train.new_drafter(client_model, list(range(16)))
+    folder = store.save_drafter(drafter, tmp_path / "foreign", {store.FINGERPRINT_KEY: "0" * 64, "model": "other"})
     with pytest.raises(ValueError, match="trained for another model"):
         store.load_drafter(files, folder)
     other = ModelFiles(tiny_models["qwen2"])
-    stamped = store.save_drafter(head, tmp_path / "shape", {store.FINGERPRINT_KEY: other.fingerprint})
+    stamped = store.save_drafter(drafter, tmp_path / "shape", {store.FINGERPRINT_KEY: other.fingerprint})
     with pytest.raises(ValueError, match="does not fit"):
         store.load_drafter(other, stamped)
     with pytest.raises(ValueError, match="no drafter.json"):
@@ -270,25 +270,25 @@ def test_conversations_cycle_through_kinds_and_follow_ups() -> None:
 
 
 @pytest.mark.slow
-def test_shipped_head_drafts_well_above_chance(default_files) -> None:
-    """On held-out Language Reference prose (documents no head ever trains on), depth 1 hits often."""
-    head = store.load_drafter(default_files)
-    assert head is not None, "the default model ships a drafter"
+def test_shipped_drafter_drafts_well_above_chance(default_files) -> None:
+    """On held-out Language Reference prose (documents no drafter ever trains on), depth 1 hits often."""
+    drafter = store.load_drafter(default_files)
+    assert drafter is not None, "the default model ships a drafter"
     tok = data.load_tokenizer(default_files)
     docs = [d for d in data.corpus.reference_documents() if d.test and d.kind == "prose"][:3]
     seqs = [data.chat_ids(tok, [data.turn("user", "Tell me about Python."), data.turn("assistant", d.text[:600])]) for d in docs]
-    target = train.Target(LocalModel(default_files, 1, 0))
-    val = train.validate(head, target, train.prepare(_features(default_files, seqs), target), depth=2)
+    target = train.Target(ClientModel(default_files, 1, 0))
+    val = train.validate(drafter, target, train.prepare(_features(default_files, seqs), target), depth=2)
     assert val.positions > 200
     assert val.acceptance[0] > 0.2  # chance is about 1 / len(vocab)
     assert val.in_top[1] == pytest.approx(val.acceptance[0], abs=0.05)  # every position, not only chains' bases
     assert val.in_top[10] > val.in_top[1] and val.outside_vocab < 0.2
 
 
-def test_a_narrower_head_keeps_its_strongest_channels_and_stores_int8(tiny, tmp_path) -> None:
-    files, local, target, seqs = tiny
-    full = train.new_head(local, list(range(64)))
-    narrow = train.new_head(local, list(range(64)), intermediate=files.config.intermediate_size // 2)
+def test_a_narrower_drafter_keeps_its_strongest_channels_and_stores_int8(trainee, tmp_path) -> None:
+    files, client_model, target, seqs = trainee
+    full = train.new_drafter(client_model, list(range(64)))
+    narrow = train.new_drafter(client_model, list(range(64)), intermediate=files.config.intermediate_size // 2)
     assert narrow.cfg.intermediate_size == files.config.intermediate_size // 2
     down_full, down = full.stage.layers[0].down.weight, narrow.stage.layers[0].down.weight
     kept = [int((down_full.T == col).all(-1).nonzero()) for col in down.T]  # every kept column is one of the layer's
@@ -299,7 +299,7 @@ def test_a_narrower_head_keeps_its_strongest_channels_and_stores_int8(tiny, tmp_
     assert (small / store.WEIGHTS).stat().st_size < 0.7 * (half / store.WEIGHTS).stat().st_size
     loaded = store.load_drafter(files, small)
     x = seqs[0]
-    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
+    args = (x.feats[:5], client_model.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
     got, want = loaded(loaded.new_cache(8), *args), narrow(narrow.new_cache(8), *args)
     assert float((got - want).norm() / want.norm()) < 0.02  # int8 per-row rounding, relative to the output
     drafting = store.load_drafter(files, small, torch.bfloat16)  # drafts with int8 weights, as stored
@@ -309,16 +309,16 @@ def test_a_narrower_head_keeps_its_strongest_channels_and_stores_int8(tiny, tmp_
         store.save_drafter(narrow, tmp_path / "bad", meta, weights="int3")
 
 
-def test_a_wider_head_starts_as_the_last_layer_and_round_trips(tiny, tmp_path) -> None:
-    files, local, target, seqs = tiny
+def test_a_wider_drafter_starts_as_the_last_layer_and_round_trips(trainee, tmp_path) -> None:
+    files, client_model, target, seqs = trainee
     torch.manual_seed(0)  # fc's embedding half starts random
-    full = train.new_head(local, list(range(64)))
+    full = train.new_drafter(client_model, list(range(64)))
     width = files.config.intermediate_size * 3
     torch.manual_seed(0)
-    wide = train.new_head(local, list(range(64)), intermediate=width)
+    wide = train.new_drafter(client_model, list(range(64)), intermediate=width)
     assert wide.cfg.intermediate_size == width
     x = seqs[0]
-    args = (x.feats[:5], local.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
+    args = (x.feats[:5], client_model.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
     want = full(full.new_cache(8), *args)
     torch.testing.assert_close(wide(wide.new_cache(8), *args), want)  # the added channels add nothing yet
     train.train(wide, target, seqs, train.TrainSettings(epochs=1, passes=2, batch_tokens=256, bfloat16=False))
@@ -351,6 +351,7 @@ def test_bad_settings_are_refused_before_any_work() -> None:
         layer_counts("2;26")
 
 
+@pytest.mark.slow
 def test_follow_ups_are_answered_in_context_and_answers_cached(tmp_path) -> None:
     """A second user turn is answered after the model's own first answer; a rerun answers nothing again."""
     from splitllm.lab.privacy.tiny import tiny_model
@@ -386,13 +387,13 @@ def test_follow_ups_are_answered_in_context_and_answers_cached(tmp_path) -> None
     assert again == sequences and cached_seconds == pytest.approx(seconds) and not calls
 
 
-def test_training_resumes_after_its_last_saved_epoch(tiny, tmp_path) -> None:
+def test_training_resumes_after_its_last_saved_epoch(trainee, tmp_path) -> None:
     """A run stopped in its second epoch and started again ends with the weights of one uninterrupted run."""
-    files, local, target, seqs = tiny
+    files, client_model, target, seqs = trainee
     settings = train.TrainSettings(vocab=64, epochs=2, passes=2, batch_tokens=64)
     vocab = list(range(64))
     torch.manual_seed(0)
-    whole = train.new_head(local, vocab)
+    whole = train.new_drafter(client_model, vocab)
     train.train(whole, target, seqs, settings)
     checkpoint = tmp_path / "training.pt"
 
@@ -402,9 +403,9 @@ def test_training_resumes_after_its_last_saved_epoch(tiny, tmp_path) -> None:
 
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
-        train.train(train.new_head(local, vocab), target, seqs, settings, stop_once_saved, checkpoint)
+        train.train(train.new_drafter(client_model, vocab), target, seqs, settings, stop_once_saved, checkpoint)
     torch.manual_seed(1)  # the resumed run takes its weights from the checkpoint, not from its start
-    resumed = train.new_head(local, vocab)
+    resumed = train.new_drafter(client_model, vocab)
     history = train.train(resumed, target, seqs, settings, checkpoint=checkpoint)
     assert history["steps"] > 2
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
@@ -412,7 +413,7 @@ def test_training_resumes_after_its_last_saved_epoch(tiny, tmp_path) -> None:
 
 
 def test_each_model_trains_by_its_recipe_unless_told_otherwise() -> None:
-    """The larger model answers fewer conversations with a narrower head, so both fit about an hour;
+    """The larger model answers fewer conversations with a narrower drafter, so both fit about an hour;
     what a user gives wins, and the metadata's command names the recipe's choices."""
     from splitllm.lab.training.recipes import GENERIC, recipe_for
 
@@ -424,9 +425,10 @@ def test_each_model_trains_by_its_recipe_unless_told_otherwise() -> None:
     assert (mine.prompts, mine.weights, mine.epochs, mine.intermediate) == (10, "float16", qwen.epochs, 2048)
     assert mine.as_options(["epochs", "intermediate"]) == ["--epochs", str(qwen.epochs), "--intermediate", "2048"]
     assert default.as_options(["intermediate"]) == []  # the target's width: nothing to ask for
-    assert qwen.continuing().as_options(["intermediate"]) == []  # a continued head's width, which --init refuses to change
+    assert qwen.continuing().as_options(["intermediate"]) == []  # a continued drafter's width, which --init refuses to change
 
 
+@pytest.mark.slow
 def test_draft_train_records_the_recipe_it_ran(tmp_path) -> None:
     """Through the command line: what the options left out comes from the recipe, and the metadata's
     command asks for it explicitly."""
@@ -437,10 +439,10 @@ def test_draft_train_records_the_recipe_it_ran(tmp_path) -> None:
     from splitllm.lab.training.recipes import GENERIC
 
     model = tiny_model(tmp_path / "model")
-    args = ["draft", "train", "--model", str(model), "--out", str(tmp_path / "head"), "--prompts", "2", "--texts", "0",
+    args = ["drafter", "train", "--model", str(model), "--out", str(tmp_path / "drafter"), "--prompts", "2", "--texts", "0",
             "--max-new-tokens", "3", "--vocab", "16", "--passes", "1", "--epochs", "1", "--work", str(tmp_path / "work")]
     subprocess.run([sys.executable, "-m", "splitllm.cli", *args], check=True, capture_output=True, timeout=300)
-    meta = json.loads((tmp_path / "head" / store.METADATA).read_text())
+    meta = json.loads((tmp_path / "drafter" / store.METADATA).read_text())
     assert meta["reproduce"] == " ".join(["splitllm", *args, "--generate-batch", str(GENERIC.generate_batch),
                                           "--weights", GENERIC.weights])
     assert meta["weights_dtype"] == GENERIC.weights and meta["training_data"]["prompts"] == 2

@@ -21,7 +21,7 @@ DEFAULT_PROMPTS = [
     "Describe the water cycle for a ten-year-old, in several paragraphs.",
     "Compare cats and dogs as pets: temperament, cost, care and lifespan.",
 ]
-TINY_SPLITS = {
+TINY_SPLITS = {  # the first split of each family runs in the fast tier, the others are slow
     "llama": [(1, 2)],
     "qwen2": [(1, 1), (2, 0)],
     "mistral": [(1, 1), (2, 3), (4, 0)],
@@ -43,27 +43,30 @@ def default_reference(default_prompts, hf_greedy) -> list[list[int]]:
     return refs
 
 
-@pytest.mark.parametrize(("head", "tail"), DEFAULT_SPLITS)
-def test_default_model_split_greedy_equals_transformers(head, tail, server, default_prompts, default_reference):
-    url = server(None, head, tail).url
-    client = SplitClient(None, url, head, tail, wire_dtype="float32", max_context=256, precision=EXACT)
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "last"), DEFAULT_SPLITS)
+def test_default_model_split_greedy_equals_transformers(first, last, server, default_prompts, default_reference):
+    url = server(None, first, last).url
+    client = SplitClient(None, url, first, last, wire_dtype="float32", max_context=256, precision=EXACT)
     for i, (ids, ref) in enumerate(zip(default_prompts, default_reference)):
         gen = client.generate(ids, NEW_TOKENS, decode="sequential")
-        assert gen.ids == ref, f"prompt {i}: split {head}+{tail} diverges at token {_first_difference(gen.ids, ref)}"
+        assert gen.ids == ref, f"prompt {i}: split {first}+{last} diverges at token {_first_difference(gen.ids, ref)}"
 
 
-@pytest.mark.parametrize(("name", "head", "tail"), [(n, h, t) for n, splits in TINY_SPLITS.items() for h, t in splits])
+@pytest.mark.parametrize(("name", "first", "last"), [
+    pytest.param(n, h, t, marks=[pytest.mark.slow] if i else []) for n, splits in TINY_SPLITS.items() for i, (h, t) in enumerate(splits)
+])
 def test_tiny_model_split_greedy_equals_transformers(
-    name, head, tail, tiny_models, server, local_model, split_greedy, hf_greedy, random_ids
+    name, first, last, tiny_models, server, load_client_model, split_greedy, hf_greedy, random_ids
 ):
     folder = tiny_models[name]
-    url = server(folder, head, tail).url
-    local = local_model(folder, head, tail)
+    url = server(folder, first, last).url
+    client_model = load_client_model(folder, first, last)
     for seed, length in enumerate([1, 3, 5, 8, 9, 13, 21, 30]):  # around and past the 8-token windows
         prompt = random_ids(length, seed=100 + seed)
         ref = hf_greedy(folder, prompt, NEW_TOKENS)
         assert len(ref) == NEW_TOKENS
-        got = split_greedy(local, url, prompt, NEW_TOKENS)
+        got = split_greedy(client_model, url, prompt, NEW_TOKENS)
         assert got == ref, f"prompt {seed} diverges at token {_first_difference(got, ref)}"
 
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import TINY_SPLIT
 from protocol_client import RawClient, greedy
 
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
@@ -22,27 +23,24 @@ from splitllm.weights.sources import ModelFiles
 from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
+from splitllm.protocol.messages import ErrorMessage, ResultMessage
 
-HEAD, TAIL = 1, 1
+FIRST, LAST = TINY_SPLIT
 NEW = 40
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def solo(tiny, server, local_model, random_ids):  # type: ignore[no-untyped-def]
+def solo(tiny, server, load_client_model, random_ids):  # type: ignore[no-untyped-def]
     """(prompt, its greedy ids through an undisturbed server)."""
     prompt = random_ids(12, 7)
-    return prompt, greedy(local_model(tiny, HEAD, TAIL), _middle(server(tiny, HEAD, TAIL).url, tiny), prompt, NEW)
+    return prompt, greedy(load_client_model(tiny, FIRST, LAST), _middle(server(tiny, FIRST, LAST).url, tiny), prompt, NEW)
 
 
 def _middle(url: str, model: str, **options: object) -> RemoteMiddle:
     files = ModelFiles(model)
-    layers = (HEAD, files.config.num_layers - TAIL)
+    layers = (FIRST, files.config.num_layers - LAST)
     return RemoteMiddle(url, files.fingerprint, layers, "float16", 64, ConnectionOptions(**options))  # type: ignore[arg-type]
 
 
@@ -69,9 +67,9 @@ class _Chaos:
         self._thread.join()
 
 
-def test_connections_cut_at_random_moments_lose_nothing(tiny, server, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_connections_cut_at_random_moments_lose_nothing(tiny, server, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    target = server(tiny, HEAD, TAIL)
+    target = server(tiny, FIRST, LAST)
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=20)) as proxy:
         middle = _middle(f"ws://127.0.0.1:{proxy.port}", tiny)
         rng = random.Random(3)
@@ -82,51 +80,52 @@ def test_connections_cut_at_random_moments_lose_nothing(tiny, server, local_mode
                 proxy.drop_connections()
 
         with _Chaos(proxy, seed=5, gap_s=(0.05, 0.25)) as chaos:
-            got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, between_steps)
+            got = greedy(load_client_model(tiny, FIRST, LAST), middle, prompt, NEW, between_steps)
     assert got == expected
     assert middle.reconnects >= len(cut_at) and chaos.drops > 0
 
 
-def test_every_connection_cut_after_a_byte_budget(tiny, server, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_every_connection_cut_after_a_byte_budget(tiny, server, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    target = server(tiny, HEAD, TAIL)
-    local = local_model(tiny, HEAD, TAIL)
+    target = server(tiny, FIRST, LAST)
+    client_model = load_client_model(tiny, FIRST, LAST)
     # The whole run sends ~11 kB; each connection dies after 8 kB, and the replay of the longest
     # context (~7 kB) plus one step still fits.
     with ProxyThread("127.0.0.1", target.port, LinkProfile(fault_after_bytes=8_000)) as proxy:
         middle = _middle(f"ws://127.0.0.1:{proxy.port}", tiny)
-        assert greedy(local, middle, prompt, NEW) == expected
+        assert greedy(client_model, middle, prompt, NEW) == expected
         assert middle.reconnects == 2
     # With 5 kB, the replay alone soon exceeds the budget: no step gets through, and the deadline ends it.
     with ProxyThread("127.0.0.1", target.port, LinkProfile(fault_after_bytes=5_000)) as proxy:
         with pytest.raises(ServerUnreachable, match="within 1 s"):
-            greedy(local, _middle(f"ws://127.0.0.1:{proxy.port}", tiny, deadline_s=1.0), prompt, NEW)
+            greedy(client_model, _middle(f"ws://127.0.0.1:{proxy.port}", tiny, deadline_s=1.0), prompt, NEW)
 
 
-def test_server_thread_restarted_on_the_same_port(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_server_thread_restarted_on_the_same_port(tiny, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    first = ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))).__enter__()
+    first = ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))).__enter__()
     restarted: list[ServerThread] = []
 
     def restart(count: int) -> None:
         if count == 15:
             first.__exit__(None, None, None)  # sessions gone; the port is closed for a while
             timer = threading.Timer(0.5, lambda: restarted.append(
-                ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), port=first.port).__enter__()))
+                ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST)), port=first.port).__enter__()))
             timer.start()
 
     middle = _middle(first.url, tiny)
     try:
-        got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, restart)
+        got = greedy(load_client_model(tiny, FIRST, LAST), middle, prompt, NEW, restart)
     finally:
         for thread in restarted:
             thread.__exit__(None, None, None)
     assert got == expected and middle.reconnects == 1
 
 
-def test_server_process_killed_and_restarted(tiny, local_model, solo, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow  # a server process started twice
+def test_server_process_killed_and_restarted(tiny, load_client_model, solo, tmp_path) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    args = ("--model", tiny, "--head", str(HEAD), "--tail", str(TAIL), "--exact", "--threads", "1")
+    args = ("--model", tiny, "--first", str(FIRST), "--last", str(LAST), "--exact", "--threads", "1")
     processes = [ServerProcess(*args, log_path=str(tmp_path / "server.log")).__enter__()]
 
     def kill_and_restart(count: int) -> None:
@@ -139,46 +138,46 @@ def test_server_process_killed_and_restarted(tiny, local_model, solo, tmp_path) 
 
     try:
         middle = _middle(processes[0].url, tiny, deadline_s=120.0)
-        got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, kill_and_restart)
+        got = greedy(load_client_model(tiny, FIRST, LAST), middle, prompt, NEW, kill_and_restart)
     finally:
         for p in processes:
             p.__exit__(None, None, None)
     assert got == expected and middle.reconnects == 1
 
 
-def test_expired_session_is_rebuilt_from_the_record(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_expired_session_is_rebuilt_from_the_record(tiny, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, session_ttl_s=0.3))) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, session_ttl_s=0.3))) as thread:
 
         def linger(count: int) -> None:
             if count in (5, 25):
                 time.sleep(1.0)  # longer than the session's idle TTL
 
         middle = _middle(thread.url, tiny)
-        assert greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, linger) == expected
+        assert greedy(load_client_model(tiny, FIRST, LAST), middle, prompt, NEW, linger) == expected
     assert middle.reconnects == 2
 
 
-def test_fails_over_to_the_next_server(tiny, local_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_fails_over_to_the_next_server(tiny, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    primary = ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))).__enter__()
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))) as backup:
+    primary = ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))).__enter__()
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))) as backup:
 
         def stop_primary(count: int) -> None:
             if count == 20:
                 primary.__exit__(None, None, None)
 
         middle = _middle(primary.url, tiny, fallbacks=(backup.url,))
-        got = greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, stop_primary)
+        got = greedy(load_client_model(tiny, FIRST, LAST), middle, prompt, NEW, stop_primary)
         assert got == expected and middle.url.startswith(backup.url)
         assert backup.server.metrics.total("splitllm_sessions_opened_total") == 1
 
 
-def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, local_model, solo, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, load_client_model, solo, caplog) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
     caplog.set_level(logging.WARNING, "splitllm.client")
     ids: list[int] = []
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))) as thread:
         middle = _middle(thread.url, tiny, deadline_s=1.0)
 
         def vanish(count: int) -> None:
@@ -188,7 +187,7 @@ def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, lo
 
         t0 = time.monotonic()
         with pytest.raises(ServerUnreachable, match="within 1 s"):
-            greedy(local_model(tiny, HEAD, TAIL), middle, prompt, NEW, vanish)
+            greedy(load_client_model(tiny, FIRST, LAST), middle, prompt, NEW, vanish)
         assert time.monotonic() - t0 < 60
     assert ids == expected[:8]
     waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("no splitllm server answered")]
@@ -203,6 +202,7 @@ def default_client() -> SplitClient:
     return SplitClient(None, None, 2, 2, max_context=256)
 
 
+@pytest.mark.slow
 def test_default_model_decodes_through_cut_connections(default_client, server) -> None:  # type: ignore[no-untyped-def]
     target = server(None, 2, 2)
     client = default_client
@@ -216,6 +216,7 @@ def test_default_model_decodes_through_cut_connections(default_client, server) -
     assert got == expected and chaos.drops > 0
 
 
+@pytest.mark.slow
 def test_default_model_generation_keeps_its_tokens_when_the_server_is_gone(default_client, server) -> None:  # type: ignore[no-untyped-def]
     target = server(None, 2, 2)
     client = default_client
@@ -256,8 +257,8 @@ def _tree_steps(d: int) -> list[tuple[torch.Tensor, list[int], Visibility, list[
 
 def test_a_step_failing_mid_forward_leaves_the_cache_as_it_was(tiny, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    layers = (HEAD, files.config.num_layers - TAIL)
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))
+    layers = (FIRST, files.config.num_layers - LAST)
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))
     steps = _tree_steps(files.config.hidden_size)
     last = server.stage.layers[-1]
     original = last.forward
@@ -272,28 +273,34 @@ def test_a_step_failing_mid_forward_leaves_the_cache_as_it_was(tiny, monkeypatch
 
     monkeypatch.setattr(last, "forward", fail_after_writing)
     with ServerThread(server) as thread, RawClient(thread.url) as clean, RawClient(thread.url) as faulty:
-        sessions = [c.open(files, layers).header["session"] for c in (clean, faulty)]
+        sessions = [c.open(files, layers).session for c in (clean, faulty)]  # type: ignore[union-attr]
         for hidden, positions, vis, keep in steps:
-            want = clean.step(sessions[0], hidden, positions, keep, **vis.to_wire())
+            want = clean.step(sessions[0], hidden, positions, keep, vis)
             faults["left"] = 1
-            refused = faulty.step(sessions[1], hidden, positions, keep, **vis.to_wire())
-            assert refused.header["code"] == "internal" and refused.header["retryable"] is True  # ours, not the client's
-            got = faulty.step(sessions[1], hidden, positions, keep, **vis.to_wire())  # the same step again
-            assert torch.equal(got.tensor, want.tensor)
+            refused = faulty.step(sessions[1], hidden, positions, keep, vis)
+            assert isinstance(refused, ErrorMessage) and (refused.code, refused.retryable) == ("internal", True)  # ours
+            got = faulty.step(sessions[1], hidden, positions, keep, vis)  # the same step again
+            assert isinstance(got, ResultMessage) and isinstance(want, ResultMessage)
+            assert torch.equal(got.hidden, want.hidden)
 
 
 def test_checkpoint_restores_exactly_and_copies_only_what_can_move(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))
     stage, cache = server.stage, server.stage.new_cache(32)
     for hidden, positions, vis, keep in _tree_steps(files.config.hidden_size)[:2]:
-        stage(cache, hidden, torch.tensor(positions), vis, keep)
+        stage(cache, Step(hidden, torch.tensor(positions), vis, keep))
     assert (cache.length, cache.pending) == (6, 4)
-    before = (cache.k.clone(), cache.v.clone(), cache.positions.clone())
+    filled = cache.length + cache.pending  # slots past these were never written: their bytes mean nothing
+
+    def written() -> tuple[torch.Tensor, ...]:
+        return cache.k[..., :filled, :].clone(), cache.v[..., :filled, :].clone(), cache.positions[:filled].clone()
+
+    before = written()
     restore = cache.checkpoint([2, 3])
     hidden, positions, vis, keep = _tree_steps(files.config.hidden_size)[2]
-    stage(cache, hidden, torch.tensor(positions), vis, keep)  # moved entries 2, 3 and wrote 2 new ones
-    assert not torch.equal(cache.k, before[0])
+    stage(cache, Step(hidden, torch.tensor(positions), vis, keep))  # moved entries 2, 3 and wrote 2 new ones
+    assert not torch.equal(written()[0], before[0])
     restore()
     assert (cache.length, cache.pending) == (6, 4)
-    assert all(torch.equal(a, b) for a, b in zip((cache.k, cache.v, cache.positions), before))
+    assert all(torch.equal(a, b) for a, b in zip(written(), before))

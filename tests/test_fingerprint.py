@@ -45,6 +45,7 @@ def test_fingerprint_tracks_weights_and_math(tiny_models, tmp_path, monkeypatch)
     assert ModelFiles(copy).fingerprint != before
 
 
+@pytest.mark.slow
 def test_default_fingerprint_survives_a_rebuilt_conversion_cache(default_files, tmp_path, monkeypatch) -> None:
     """The real default model: a rewritten conversion cache (another dtype, another transformers
     release's config) keeps the fingerprint, which hashes the .gguf itself."""
@@ -68,6 +69,7 @@ def test_default_fingerprint_survives_a_rebuilt_conversion_cache(default_files, 
     assert ModelFiles(dest).fingerprint == before  # named by its converted folder: the same model
 
 
+@pytest.mark.slow
 def test_default_fingerprint_by_any_name(default_files) -> None:
     assert ModelFiles("default").fingerprint == ModelFiles(default_files.path).fingerprint == default_files.fingerprint
 

@@ -29,24 +29,25 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from conftest import TINY_SPLIT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_client import RawClient, greedy, seeded_greedy
 from websockets.exceptions import ConnectionClosed
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages, wire
+from splitllm.protocol.messages import ClosedMessage, ErrorMessage, OpenedMessage, ResultMessage, StepMessage
 from splitllm.client.pipeline import SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.weights.sources import ModelFiles
-from splitllm.stats import StepStats
-from splitllm.model.visibility import Visibility
+from splitllm.stats import StepTiming
+from splitllm.model.stage import Step
 
-HEAD, TAIL = 1, 1
+FIRST, LAST = TINY_SPLIT
 NEW = 24
 FRAMES = int(os.environ.get("SPLITLLM_FUZZ_FRAMES", "400"))
 LIMITS = {"max_nodes_per_step": 16, "max_frame_bytes": 1 << 18}
-REPLIES = {"error", "result", "opened", "closed"}
 POISONS = (
     "nan", "inf", "width", "dtype", "positions_len", "positions_type", "position_range", "keep_range",
     "keep_order", "keep_type", "parents", "bits", "too_many", "declared_shape", "truncated", "no_tensor",
@@ -170,12 +171,12 @@ class Target:
     max_context = 64  # what its sessions ask for
     overlaps = False
 
-    def __init__(self, url: str, files: ModelFiles, local, prompt: list[int], expected: list[int], bystander) -> None:  # type: ignore[no-untyped-def]
-        self.url, self.files, self.local = url, files, local
-        self.layers = (HEAD, files.config.num_layers - TAIL)
+    def __init__(self, url: str, files: ModelFiles, client_model, prompt: list[int], expected: list[int], bystander) -> None:  # type: ignore[no-untyped-def]
+        self.url, self.files, self.client_model = url, files, client_model
+        self.layers = (FIRST, files.config.num_layers - LAST)
         self.prompt, self.expected, self.bystander = prompt, expected, bystander
         self.raw = RawClient(url)
-        self._open_header = {"op": "open", "version": wire.PROTOCOL_VERSION, "fingerprint": files.fingerprint,
+        self._open_header = {"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": files.fingerprint,
                              "layers": list(self.layers), "dtype": "float32", "max_context": 64}
         self.replayed: list[str] = []
         self.scratch = self._open()
@@ -186,12 +187,14 @@ class Target:
         self._restart()
 
     def _open(self) -> str:
-        return self.raw.open(self.files, self.layers, 64).header["session"]
+        opened = self.raw.open(self.files, self.layers, 64)
+        assert isinstance(opened, OpenedMessage), opened
+        return opened.session
 
     def _restart(self) -> None:
         self.live = self._open()
         self.got: list[int] = []
-        pipeline = SplitPipeline(self.local, self, 64)
+        pipeline = SplitPipeline(self.client_model, self, 64)
         self.decoder = decode_sequential(pipeline, self.prompt, NEW, frozenset(), seeded_greedy())
 
     def session_for(self, role: str) -> Any:
@@ -211,7 +214,7 @@ class Target:
         except StopIteration:
             assert self.got == self.expected, "the decode under attack diverged"
             self.decodes += 1
-            assert self.raw.request({"op": "close", "session": self.live}).header["op"] == "closed"
+            assert isinstance(self.raw.close_session(self.live), ClosedMessage)
             self.replayed.append(self.live)
             self._restart()
             out = next(self.decoder)
@@ -220,17 +223,17 @@ class Target:
 
     # Middle protocol: called by the decoder for each real step.
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
-        while_waiting: Iterator[object] | None = None,  # the decoder runs what this leaves
+        self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None  # the decoder runs what this leaves
     ) -> torch.Tensor:
-        header = {"op": "step", "session": self.live, "positions": positions.tolist(), "keep": list(keep), **vis.to_wire()}
-        pending = keep[-1] + 1 if keep else 0
+        parents, bits = step.vis.to_wire()
+        request = StepMessage(self.live, step.inputs, "float32", tuple(step.positions.tolist()), step.keep, parents, bits, 1)
+        pending = step.keep[-1] + 1 if step.keep else 0
         for spec in self.specs:
-            self._send(spec, header, hidden, pending)
-        reply = self.raw.request({**header, "id": 1}, hidden)
-        assert reply.header["op"] == "result", reply.header
+            self._send(spec, request.header(), step.inputs, pending)
+        reply = self.raw.send(request)
+        assert isinstance(reply, ResultMessage), reply
         self.steps += 1
-        return reply.tensor.float()
+        return reply.hidden.float()
 
     def _send(self, spec: Spec, header: dict[str, Any], hidden: torch.Tensor, pending: int) -> None:
         self.counts[spec.kind] += 1
@@ -247,18 +250,17 @@ class Target:
             message = _pack(h) + spec.payload
         else:
             message = spec.payload
-        reply = self.raw.send_raw(message).header
-        assert reply["op"] in REPLIES, reply
-        self.codes[reply.get("code") or reply["op"]] += 1
-        if reply["op"] == "error":
-            assert reply["code"] != "internal", (spec, reply)
+        reply = self.raw.send_raw(message)  # a well-formed reply of a known kind, or this raises
+        self.codes[reply.code if isinstance(reply, ErrorMessage) else reply.OP] += 1
+        if isinstance(reply, ErrorMessage):
+            assert reply.code != "internal", (spec, reply)
         if spec.kind == "poison" or spec.role in ("foreign", "replayed"):
-            assert reply["op"] == "error", (spec, reply)  # refused, whatever else the frame says
-        if reply["op"] == "closed":  # only the scratch session can be closed by these frames
+            assert isinstance(reply, ErrorMessage), (spec, reply)  # refused, whatever else the frame says
+        if isinstance(reply, ClosedMessage):  # only the scratch session can be closed by these frames
             self.replayed.append(self.scratch)
             self.scratch = self._open()
-        if reply["op"] == "opened":  # a mutation that is still a valid open: let it go again
-            assert self.raw.request({"op": "close", "session": reply["session"]}).header["op"] == "closed"
+        if isinstance(reply, OpenedMessage):  # a mutation that is still a valid open: let it go again
+            assert isinstance(self.raw.close_session(reply.session), ClosedMessage)
 
     def _connection_breaker(self, spec: Spec) -> None:
         """Frames the WebSocket layer refuses by closing the connection: sent on a throwaway one."""
@@ -271,20 +273,20 @@ class Target:
 class Bystander:
     """A well-behaved client decoding on its own connection until told to stop."""
 
-    def __init__(self, url: str, files: ModelFiles, local, prompt: list[int], expected: list[int]) -> None:  # type: ignore[no-untyped-def]
-        self.url, self.files, self.local, self.prompt, self.expected = url, files, local, prompt, expected
+    def __init__(self, url: str, files: ModelFiles, client_model, prompt: list[int], expected: list[int]) -> None:  # type: ignore[no-untyped-def]
+        self.url, self.files, self.client_model, self.prompt, self.expected = url, files, client_model, prompt, expected
         self.session = ""
         self.runs, self.mismatches, self.errors = 0, 0, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        layers = (HEAD, self.files.config.num_layers - TAIL)
+        layers = (FIRST, self.files.config.num_layers - LAST)
         while not self._stop.is_set():
             try:
                 middle = RemoteMiddle(self.url, self.files.fingerprint, layers, "float16", 64)
                 self.session = middle.session
-                got = greedy(self.local, middle, self.prompt, NEW)
+                got = greedy(self.client_model, middle, self.prompt, NEW)
             except Exception as exc:  # recorded and asserted on by the test
                 self.errors.append(repr(exc))
                 return
@@ -303,18 +305,17 @@ class Bystander:
 
 
 @pytest.fixture(scope="module")
-def arena(tiny_models, server, local_model, random_ids):  # type: ignore[no-untyped-def]
-    tiny = str(tiny_models["llama"])
-    thread = server(tiny, HEAD, TAIL, **LIMITS)
-    files, local = ModelFiles(tiny), local_model(tiny, HEAD, TAIL)
-    layers = (HEAD, files.config.num_layers - TAIL)
+def arena(tiny, server, load_client_model, random_ids):  # type: ignore[no-untyped-def]
+    thread = server(tiny, FIRST, LAST, **LIMITS)
+    files, client_model = ModelFiles(tiny), load_client_model(tiny, FIRST, LAST)
+    layers = (FIRST, files.config.num_layers - LAST)
     prompts = random_ids(10, 21), random_ids(7, 22)
     solo = [
-        greedy(local, RemoteMiddle(thread.url, files.fingerprint, layers, dtype, 64), p, NEW)
+        greedy(client_model, RemoteMiddle(thread.url, files.fingerprint, layers, dtype, 64), p, NEW)
         for p, dtype in zip(prompts, ("float32", "float16"))
     ]
-    with Bystander(thread.url, files, local, prompts[1], solo[1]) as bystander:
-        target = Target(thread.url, files, local, prompts[0], solo[0], bystander)
+    with Bystander(thread.url, files, client_model, prompts[1], solo[1]) as bystander:
+        target = Target(thread.url, files, client_model, prompts[0], solo[0], bystander)
         t0 = time.monotonic()
         yield thread, target, bystander
         elapsed = time.monotonic() - t0
@@ -365,5 +366,5 @@ def test_hostile_frames_never_crash_or_corrupt(arena, specs: list[Spec]) -> None
 def test_frames_the_fuzzer_once_found(arena, header: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     thread = arena[0]
     with RawClient(thread.url) as raw:
-        reply = raw.send_raw(_pack(header)).header
-    assert reply["op"] == "error" and reply["code"] in ("bad_dtype", "bad_shape"), reply
+        reply = raw.send_raw(_pack(header))
+    assert isinstance(reply, ErrorMessage) and reply.code in ("bad_dtype", "bad_shape"), reply

@@ -15,6 +15,7 @@ from splitllm.lab.bench.exactness import first_difference
 from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
 from splitllm.weights.sources import ModelFiles
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 pytestmark = pytest.mark.slow
@@ -64,9 +65,7 @@ def test_gemma3_logits_match_transformers_past_the_sliding_window(pipeline, hf_m
     n = len(tokens)
     assert n == 700
     last = torch.arange(n - 4, n)
-    ours, _ = pipeline(MODEL, 2, 2, max_context=n).score(
-        torch.tensor(tokens), torch.arange(n), Visibility.chain(n), [], rows=last
-    )
+    ours, _ = pipeline(MODEL, 2, 2, max_context=n).score(Step(torch.tensor(tokens), torch.arange(n), Visibility.chain(n)), rows=last)
     with torch.no_grad():
         ref = hf_model(MODEL)(torch.tensor([tokens]), logits_to_keep=4).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3
@@ -80,13 +79,13 @@ def test_gemma3_split_greedy_equals_transformers_in_process(client, prompts, ref
 
 
 def test_gemma3_split_greedy_equals_transformers_over_loopback(
-    prompts, reference, server, local_model, split_greedy
+    prompts, reference, server, load_client_model, split_greedy
 ) -> None:  # type: ignore[no-untyped-def]
-    head, tail = 6, 1  # the client holds a full-attention layer (5) and the server a sliding one first
-    url = server(MODEL, head, tail).url
-    local = local_model(MODEL, head, tail)
+    first, last = 6, 1  # the client holds a full-attention layer (5) and the server a sliding one first
+    url = server(MODEL, first, last).url
+    client_model = load_client_model(MODEL, first, last)
     for i, (ids, ref) in enumerate(zip(prompts, reference)):
-        got = split_greedy(local, url, ids, NEW_TOKENS)
+        got = split_greedy(client_model, url, ids, NEW_TOKENS)
         assert got == ref, f"prompt {i} diverges at token {first_difference(got, ref)}"
 
 
@@ -96,7 +95,7 @@ def test_gemma3_lookup_speculation_commits_the_same_tokens(client, prompts, refe
     for i, (ids, ref) in enumerate(zip(prompts, reference)):
         gen = client.generate(ids, NEW_TOKENS, decode="lookup")
         assert gen.ids == ref, f"prompt {i} diverges at token {first_difference(gen.ids, ref)}"
-        drafted += sum(s.drafted for s in gen.steps)
+        drafted += sum(s.speculation.drafted for s in gen.steps)
     assert drafted > 0
 
 

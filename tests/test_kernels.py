@@ -1,5 +1,5 @@
-"""splitllm's CPU kernels (linear in bfloat16, int8 and int4, attention over a float32 cache, the fused step
-through a stage's layers): close to the reference, and batch-invariant, the property speculation's
+"""splitllm's CPU kernels (linear in bfloat16, int8 and int4, attention over a float32 cache, a kernel stage
+running a stage's layers in one call): close to the reference, and batch-invariant, the property speculation's
 exactness rests on: a row gets the same bits alone, among other rows, inside a tree whose other nodes are
 masked, or after its ancestors were committed."""
 
@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 from splitllm.kernels import cpu_kernels
 from splitllm.model.attention import KernelAttention, torch_attention
+from splitllm.model.kv import KVCache
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, on_huge_pages
-from splitllm.model.stage import Stage, StepInput
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -101,12 +102,13 @@ def test_tiles_follow_the_cpu_and_the_switch() -> None:
     assert cpu_kernels.linear_path() == ("amx-tiles" if wanted else "avx512-dot-products")  # what benchmarks record
 
 
+@pytest.mark.slow  # a pytest run of its own
 @needs_kernels
 def test_the_dot_product_path_holds_without_tiles() -> None:
     """CPUs without AMX (AMD Zen 4) take the dot-product path for every linear; it runs here with the tiles
     switched off, in a process of its own since the choice is made once per process."""
     env = {**os.environ, "SPLITLLM_TILES": "0"}
-    tests = "tiles_follow or blocked_linear or fused_step_is_batch or fused_step_matches"
+    tests = "tiles_follow or blocked_linear or kernel_stage_is_batch or kernel_stage_matches"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
@@ -214,10 +216,10 @@ def test_attention_kernel_serves_prompts_and_leaves_other_head_sizes_to_pytorch(
     assert torch.equal(torch_attention(q, k, v, None, None), expected)
 
 
-def _stage(path, precision: Precision, use_fused_step: bool) -> Stage:  # type: ignore[no-untyped-def]
+def _stage(path, precision: Precision, use_kernel_stage: bool) -> Stage:  # type: ignore[no-untyped-def]
     files = ModelFiles(path)
     stage = Stage.load(files, 1, files.config.num_layers - 1, precision)
-    stage.use_fused_step = use_fused_step
+    stage.use_kernel_stage = use_kernel_stage
     return stage
 
 
@@ -226,43 +228,43 @@ def _prompt_and_step(stage: Stage, seed: int, prompt: int = 20, n: int = 5) -> t
     gen = torch.Generator().manual_seed(seed)
     d = stage.cfg.hidden_size
     cache = stage.new_cache(prompt + n)
-    first = stage(cache, torch.randn(prompt, d, generator=gen), torch.arange(prompt), Visibility.chain(prompt), [])
+    first = stage(cache, Step(torch.randn(prompt, d, generator=gen), torch.arange(prompt), Visibility.chain(prompt)))
     parents = [-1] + [i // 2 for i in range(n - 1)]
     vis = Visibility.from_parents(parents)
     depth = [0] * n
     for i in range(1, n):
         depth[i] = depth[parents[i]] + 1
     positions = prompt + torch.tensor(depth)
-    return first, stage(cache, torch.randn(n, d, generator=gen), positions, vis, list(range(prompt)))
+    return first, stage(cache, Step(torch.randn(n, d, generator=gen), positions, vis, range(prompt)))
 
 
 @needs_kernels
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("model", ["mistral", "gemma3"])  # Gemma: q/k and sandwich norms, GELU, two kinds of layer
-def test_fused_step_matches_layer_by_layer(model, quant, tiny_models) -> None:  # type: ignore[no-untyped-def]
+def test_kernel_stage_matches_layer_by_layer(model, quant, tiny_models) -> None:  # type: ignore[no-untyped-def]
     precision = Precision(torch.bfloat16, quant)
-    fused_stage, layered = (_stage(tiny_models[model], precision, use) for use in (True, False))
+    in_kernels, layered = (_stage(tiny_models[model], precision, use) for use in (True, False))
     exact = _stage(tiny_models[model], Precision(), False)
-    assert fused_stage.runs_fused_step and not layered.runs_fused_step
-    for outs in zip(*(_prompt_and_step(s, seed=7) for s in (fused_stage, layered, exact))):
-        fused_out, layered_out, reference = (o.float() for o in outs)
-        assert fused_out.dtype == torch.float32 and fused_out.shape == reference.shape
-        # Both round to bfloat16 at slightly different places: the fused step as close to float32 as the
+    assert in_kernels.runs_kernel_stage and not layered.runs_kernel_stage
+    for outs in zip(*(_prompt_and_step(s, seed=7) for s in (in_kernels, layered, exact))):
+        kernel_out, layered_out, reference = (o.float() for o in outs)
+        assert kernel_out.dtype == torch.float32 and kernel_out.shape == reference.shape
+        # Both round to bfloat16 at slightly different places: the kernel stage as close to float32 as the
         # layers (2-9% on these tiny models, whose wide random weights amplify rounding).
-        assert _close(fused_out, layered_out, 0.05)
-        assert _close(fused_out, reference, 1.25 * float((layered_out - reference).norm() / reference.norm()))
+        assert _close(kernel_out, layered_out, 0.05)
+        assert _close(kernel_out, reference, 1.25 * float((layered_out - reference).norm() / reference.norm()))
 
 
 @needs_kernels
-def test_fused_step_is_batch_invariant(tiny_models) -> None:  # type: ignore[no-untyped-def]
+def test_kernel_stage_is_batch_invariant(tiny_models) -> None:  # type: ignore[no-untyped-def]
     """Two sessions' steps in one call give each the bits it gets alone, whatever the other's length."""
     stage = _stage(tiny_models["gemma3"], Precision(torch.bfloat16, "int8"), True)
     d = stage.cfg.hidden_size
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randn(n, d, generator=gen) for n in (9, 14)]
 
-    def steps(caches) -> list[StepInput]:  # type: ignore[no-untyped-def]
-        return [StepInput(c, h, torch.arange(len(h)), Visibility.chain(len(h)), []) for c, h in zip(caches, prompts)]
+    def steps(caches) -> list[tuple[KVCache, Step]]:  # type: ignore[no-untyped-def]
+        return [(c, Step(h, torch.arange(len(h)), Visibility.chain(len(h)))) for c, h in zip(caches, prompts)]
 
     together = stage.forward_many(steps([stage.new_cache(16), stage.new_cache(16)]))
     alone = [stage.forward_many([s])[0] for s in steps([stage.new_cache(16), stage.new_cache(16)])]
@@ -270,7 +272,7 @@ def test_fused_step_is_batch_invariant(tiny_models) -> None:  # type: ignore[no-
 
 
 @needs_kernels
-def test_fused_step_rejects_what_does_not_fit() -> None:
+def test_kernel_stage_rejects_what_does_not_fit() -> None:
     shape = KERNELS.Shape(hidden=64, heads=2, kv_heads=1, head_dim=64, intermediate=64, eps=1e-5, scale=0.125, gelu=False)
 
     def projection(outputs: int, inputs: int) -> object:

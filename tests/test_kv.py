@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEFAULT_MODEL_CASE
 
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.model.kv import KVCache
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 ATOL = 1e-4
-MODELS = ["llama", "mistral", "default"]  # mistral: positions far past its 8-token window
+MODELS = ["llama", "mistral", DEFAULT_MODEL_CASE]  # mistral: positions far past its 8-token window
 
 
 def _model(name, tiny_models):
@@ -25,12 +27,12 @@ def _tokens(name, random_ids, n: int, seed: int) -> list[int]:
 
 def _chain(pipeline, tokens: list[int], start: int, keep: list[int]) -> torch.Tensor:
     n = len(tokens)
-    logits, _ = pipeline.score(torch.tensor(tokens), torch.arange(start, start + n), Visibility.chain(n), keep)
+    logits, _ = pipeline.score(Step(torch.tensor(tokens), torch.arange(start, start + n), Visibility.chain(n), keep))
     return logits
 
 
 def _caches(pipeline) -> list[KVCache]:
-    return [c for c in (pipeline.caches.head, pipeline.middle.cache, pipeline.caches.tail) if c is not None]
+    return [c for c in (pipeline.caches.first, pipeline.middle.cache, pipeline.caches.last) if c is not None]
 
 
 # --- the cache alone -------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ def test_keep_by_index_then_continue_equals_decoding_kept_sequence(name, tiny_mo
     _chain(p, prompt, 0, [])
     n0 = len(prompt)
     positions = torch.tensor([n0 + d for d in depth])
-    p.score(torch.tensor(tree), positions, Visibility.from_parents(parents), list(range(n0)))
+    p.score(Step(torch.tensor(tree), positions, Visibility.from_parents(parents), range(n0)))
     after_keep = _chain(p, more[:1], n0 + len(path), path)
     after_chunk = _chain(p, more[1:], n0 + len(path) + 1, [0])
     fresh = _chain(pipeline(model), prompt + [tree[i] for i in path] + more, 0, [])
@@ -139,20 +141,20 @@ def test_keep_by_index_then_continue_equals_decoding_kept_sequence(name, tiny_mo
     assert all(c.length == n0 + len(path) + 1 for c in _caches(p))
 
 
-def test_keep_over_the_wire_equals_local(tiny_models, local_model, middle_stage, server, random_ids) -> None:
+def test_keep_over_the_wire_equals_local(tiny_models, load_client_model, middle_stage, server, random_ids) -> None:
     """The server applies keep exactly as the client's stages do (tiny Mistral: windows and compaction)."""
     folder = tiny_models["mistral"]
-    local = local_model(folder, 2, 1)
+    client_model = load_client_model(folder, 2, 1)
     url = server(folder, 2, 1).url
-    remote = RemoteMiddle(url, local.files.fingerprint, local.middle_range, "float32", 64)
+    remote = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
     try:
-        runs = [SplitPipeline(local, m, 64) for m in (remote, LocalMiddle(middle_stage(folder, 2, 1), 64))]
+        runs = [SplitPipeline(client_model, m, 64) for m in (remote, InProcessMiddle(middle_stage(folder, 2, 1), 64))]
         prompt, tree = random_ids(20, seed=6), random_ids(6, seed=7)
         out = []
         for p in runs:
             _chain(p, prompt, 0, [])
             positions, parents = torch.tensor([20, 21, 21, 22, 22, 23]), Visibility.from_parents([-1, 0, 0, 2, 2, 4])
-            p.score(torch.tensor(tree), positions, parents, list(range(20)))
+            p.score(Step(torch.tensor(tree), positions, parents, range(20)))
             out.append(_chain(p, tree[:3], 24, [0, 2, 4, 5]))
         assert (out[0] - out[1]).abs().max().item() < 1e-5
     finally:

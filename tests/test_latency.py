@@ -11,7 +11,7 @@ from splitllm.lab.bench.sweep import ADAPTIVE, POINTS, Config, Run, fixed_config
 from splitllm.lab.bench.sweep_report import load_runs, write
 from splitllm.client.client import SplitClient
 from splitllm.decoding.sizing.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second
-from splitllm.stats import StepStats
+from splitllm.stats import StepSpeculation, StepStats, StepTiming
 
 # Coefficients of a made-up machine pair: ms = a + b*nodes + c*context + d*nodes*context (+ ...).
 LOCAL = {"1": 5.0, "nodes": 0.45, "single": -0.7, "context": 0.004, "nodes*context": 0.0006, "accepted": 4.1,
@@ -49,13 +49,13 @@ def _synthetic(n: int, noise: float, seed: int = 0) -> list[StepRecord]:
         local = jitter(_lin(LOCAL, x))
         overhead = jitter(_lin(OVERHEAD, x))
         decode = jitter(_lin(DECODE, x))
-        s = StepStats(
-            nodes=nodes, accepted=accepted, window=window, head_ms=0.2 * local, tail_ms=0.8 * local,
-            serialize_ms=overhead / 2, deserialize_ms=overhead / 2, round_trip_ms=server + network, server_ms=server,
-            decode_ms=decode, bytes_up=up, bytes_down=down, context=context,
+        t = StepTiming(
+            nodes=nodes, first_ms=0.2 * local, last_ms=0.8 * local, serialize_ms=overhead / 2,
+            deserialize_ms=overhead / 2, round_trip_ms=server + network, server_ms=server, decode_ms=decode,
+            bytes_up=up, bytes_down=down, context=context,
         )
-        s.total_ms = s.client_ms + s.round_trip_ms
-        records.append(StepRecord(s, link, "tree"))
+        t.total_ms = t.client_ms + t.round_trip_ms
+        records.append(StepRecord(StepStats(t, StepSpeculation(accepted=accepted, window=window)), link, "tree"))
     return records
 
 
@@ -112,8 +112,9 @@ def test_shape_means_make_the_linear_model_exact() -> None:
 
 
 def test_ideal_speed_counts_only_link_and_compute() -> None:
-    s = StepStats(nodes=4, accepted=3, head_ms=2, tail_ms=8, server_ms=20, decode_ms=1, round_trip_ms=75,
-                  serialize_ms=1, deserialize_ms=1, bytes_up=5000, bytes_down=5000, total_ms=100)
+    t = StepTiming(nodes=4, first_ms=2, last_ms=8, server_ms=20, decode_ms=1, round_trip_ms=75,
+                   serialize_ms=1, deserialize_ms=1, bytes_up=5000, bytes_down=5000, total_ms=100)
+    s = StepStats(t, StepSpeculation(accepted=3))
     # 50 ms RTT + 10 kB at 8 Mbit/s (10 ms) + 31 ms of compute = 91 ms for 3 tokens.
     assert ideal_tokens_per_second([s], Link(50.0, 8.0)) == pytest.approx(3 / 0.091)
 
@@ -123,23 +124,25 @@ def test_step_decomposition_adds_up_on_a_loopback_run(server) -> None:  # type: 
     """Real server over real sockets: every part is filled, the parts sum to the steps' wall time, and
     the steps' wall times cover the whole generation (nothing is lost between steps)."""
     url = server(None, 2, 2).url
-    client = SplitClient(None, server=url, head=2, tail=2)
+    client = SplitClient(None, server=url, first=2, last=2)
     gen = client.generate("Name three primary colors.", max_new_tokens=24, decode="sequential")
-    prefill, steps = gen.steps[0], gen.steps[1:]
+    times = [s.timing for s in gen.steps]
+    prefill, steps = times[0], times[1:]
     assert prefill.nodes == len(gen.prompt_ids) and len(steps) >= 8
-    for s in gen.steps:
-        assert min(s.head_ms, s.tail_ms, s.serialize_ms, s.deserialize_ms, s.decode_ms, s.server_ms) > 0
-        assert s.round_trip_ms > s.server_ms and s.bytes_up > 0 and s.bytes_down > 0 and s.accepted == 1
-    assert [s.context for s in steps] == list(range(len(gen.prompt_ids), len(gen.prompt_ids) + len(steps)))
-    total = sum(s.total_ms for s in gen.steps)
-    parts = sum(s.head_ms + s.serialize_ms + s.round_trip_ms + s.deserialize_ms + s.tail_ms + s.decode_ms
-                for s in gen.steps)
+    assert all(s.speculation.accepted == 1 for s in gen.steps)
+    for t in times:
+        assert min(t.first_ms, t.last_ms, t.serialize_ms, t.deserialize_ms, t.decode_ms, t.server_ms) > 0
+        assert t.round_trip_ms > t.server_ms and t.bytes_up > 0 and t.bytes_down > 0
+    assert [t.context for t in steps] == list(range(len(gen.prompt_ids), len(gen.prompt_ids) + len(steps)))
+    total = sum(t.total_ms for t in times)
+    parts = sum(t.first_ms + t.serialize_ms + t.round_trip_ms + t.deserialize_ms + t.last_ms + t.decode_ms
+                for t in times)
     assert parts == pytest.approx(total, rel=0.02)
     # A preemption can land in one step's bookkeeping on a busy machine; typical steps add up alone.
-    assert statistics.median(s.other_ms / s.total_ms for s in gen.steps) < 0.02
+    assert statistics.median(t.other_ms / t.total_ms for t in times) < 0.02
     assert total == pytest.approx(gen.seconds * 1000, rel=0.02)
     mean = gen.summary()["mean_step"]
-    assert mean["total_ms"] == pytest.approx(sum(s.total_ms for s in steps) / len(steps))
+    assert mean["total_ms"] == pytest.approx(sum(t.total_ms for t in steps) / len(steps))
 
 
 def test_sweep_report_cross_validates_and_plots(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -174,11 +177,11 @@ def _exact_step(profile: LatencyProfile, nodes: float, tokens: float, context: i
     shape = StepShape.at(nodes, context, tokens)
     p = profile.predict(shape, link, "tree")
     up, down = profile.bytes(shape)
-    s = StepStats(nodes=nodes, accepted=tokens, head_ms=p.local, serialize_ms=p.overhead, server_ms=p.server,
-                  round_trip_ms=p.server + p.rtt + p.transfer + p.framing, decode_ms=p.decode,
-                  bytes_up=up, bytes_down=down, context=context)
-    s.total_ms = s.client_ms + s.round_trip_ms
-    return s
+    t = StepTiming(nodes=nodes, first_ms=p.local, serialize_ms=p.overhead, server_ms=p.server,
+                   round_trip_ms=p.server + p.rtt + p.transfer + p.framing, decode_ms=p.decode,
+                   bytes_up=up, bytes_down=down, context=context)
+    t.total_ms = t.client_ms + t.round_trip_ms
+    return StepStats(t, StepSpeculation(accepted=tokens))
 
 
 def _speed(profile: LatencyProfile, yields: tuple[float, float], link: Link) -> float:

@@ -7,16 +7,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import TINY_SPLIT
 from protocol_client import greedy
 
-from splitllm.client.pipeline import LocalMiddle
+from splitllm.client.pipeline import InProcessMiddle
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.client import SplitClient
 from splitllm.model.precision import fastest
-from splitllm.stats import StepStats
+from splitllm.stats import StepTiming
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
-HEAD, TAIL = 1, 1
+FIRST, LAST = TINY_SPLIT
 
 
 def test_cuts_split_chains_and_keep_trees_whole() -> None:
@@ -35,23 +37,23 @@ CUTS = [{"max_nodes_per_step": 8}, {"slice_rows": 3, "slice_above": 3}]
 
 
 @pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
-def test_prompt_three_times_max_nodes_decodes_exactly(tiny_models, server, local_model, pipeline, random_ids, limits) -> None:  # type: ignore[no-untyped-def]
+def test_prompt_three_times_max_nodes_decodes_exactly(tiny_models, server, load_client_model, pipeline, random_ids, limits) -> None:  # type: ignore[no-untyped-def]
     tiny = tiny_models["mistral"]  # sliding window 8: cuts must not change which positions see which
-    thread = server(tiny, HEAD, TAIL, **limits)
-    local, prompt = local_model(tiny, HEAD, TAIL), random_ids(29, 4)
-    want = greedy(local, pipeline(tiny, HEAD, TAIL, 64).middle, prompt, 12)
-    remote = RemoteMiddle(thread.url, local.files.fingerprint, local.middle_range, "float32", 64)
-    assert greedy(local, remote, prompt, 12) == want
+    thread = server(tiny, FIRST, LAST, **limits)
+    client_model, prompt = load_client_model(tiny, FIRST, LAST), random_ids(29, 4)
+    want = greedy(client_model, pipeline(tiny, FIRST, LAST, 64).middle, prompt, 12)
+    remote = RemoteMiddle(thread.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
+    assert greedy(client_model, remote, prompt, 12) == want
 
 
 @pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
-def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, local_model, middle_stage, limits) -> None:  # type: ignore[no-untyped-def]
+def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, load_client_model, middle_stage, limits) -> None:  # type: ignore[no-untyped-def]
     tiny = tiny_models["llama"]
-    thread = server(tiny, HEAD, TAIL, **limits)
-    local = local_model(tiny, HEAD, TAIL)
-    width = local.files.config.hidden_size
-    remote = RemoteMiddle(thread.url, local.files.fingerprint, local.middle_range, "float32", 64)
-    solo = LocalMiddle(middle_stage(tiny, HEAD, TAIL), 64)
+    thread = server(tiny, FIRST, LAST, **limits)
+    client_model = load_client_model(tiny, FIRST, LAST)
+    width = client_model.files.config.hidden_size
+    remote = RemoteMiddle(thread.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
+    solo = InProcessMiddle(middle_stage(tiny, FIRST, LAST), 64)
     g = torch.Generator().manual_seed(3)
     steps = [
         (torch.randn(20, width, generator=g), torch.arange(20), Visibility.chain(20), []),
@@ -59,8 +61,8 @@ def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, l
         (torch.randn(2, width, generator=g), torch.tensor([12, 13]), Visibility.chain(2), [0, 2]),
     ]
     for hidden, positions, vis, keep in steps:
-        got = remote.step(hidden, positions, vis, keep, StepStats())
-        want = solo.step(hidden, positions, vis, keep, StepStats())
+        got = remote.step(Step(hidden, positions, vis, keep), StepTiming())
+        want = solo.step(Step(hidden, positions, vis, keep), StepTiming())
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # Client cuts: the second step dropped entries the first one's parts had committed, so the client
     # rebuilt its session; server slices are reopened after the step, so nothing is ever lost.
@@ -68,35 +70,37 @@ def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, l
     remote.close()
 
 
-def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_models, server, local_model, middle_stage) -> None:  # type: ignore[no-untyped-def]
+def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_models, server, load_client_model, middle_stage) -> None:  # type: ignore[no-untyped-def]
     """A step's `while_waiting` (a draft model reading the prompt, a pass per piece) runs one piece after
     each request of a cut step is sent, while the server computes that part; the rest is the caller's."""
     tiny = tiny_models["llama"]
-    thread = server(tiny, HEAD, TAIL, max_nodes_per_step=8)
-    local = local_model(tiny, HEAD, TAIL)
-    remote = RemoteMiddle(thread.url, local.files.fingerprint, local.middle_range, "float32", 64)
+    thread = server(tiny, FIRST, LAST, max_nodes_per_step=8)
+    client_model = load_client_model(tiny, FIRST, LAST)
+    remote = RemoteMiddle(thread.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
     registry = thread.server.metrics.registry
 
     def computed() -> float:
         return sum(s.value for m in registry.collect() if m.name == "splitllm_steps" for s in m.samples if s.name.endswith("_total"))
 
-    seen: list[float] = []
+    seen: list[float] = []  # parts the server had computed when each piece ran
     stepped = False  # after the step, the pieces left are the caller's: nothing is in flight to wait for
+    base = computed()
 
     def pieces() -> Iterator[None]:
-        for _ in range(5):
-            before, deadline = computed(), time.monotonic() + 30
-            while not stepped and computed() == before and time.monotonic() < deadline:  # the part sent before this piece
+        for i in range(5):
+            deadline = time.monotonic() + 30
+            while not stepped and computed() < base + i + 1 and time.monotonic() < deadline:  # the part sent before this piece
                 time.sleep(0.005)
-            seen.append(computed() - before)
+            seen.append(computed() - base)
             yield
 
     work = pieces()
-    hidden = torch.randn(20, local.files.config.hidden_size, generator=torch.Generator().manual_seed(5))
-    got = remote.step(hidden, torch.arange(20), Visibility.chain(20), [], StepStats(), work)
+    hidden = torch.randn(20, client_model.files.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    step = Step(hidden, torch.arange(20), Visibility.chain(20))
+    got = remote.step(step, StepTiming(), work)
     stepped = True
-    want = LocalMiddle(middle_stage(tiny, HEAD, TAIL), 64).step(hidden, torch.arange(20), Visibility.chain(20), [], StepStats())
-    assert seen == [1.0, 1.0, 1.0]  # one piece per part (three), each while the server computed its part
+    want = InProcessMiddle(middle_stage(tiny, FIRST, LAST), 64).step(step, StepTiming())
+    assert seen == [1.0, 2.0, 3.0]  # one piece per part (three), each after its part was sent and before the next
     assert len(list(work)) == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     remote.close()
@@ -106,9 +110,10 @@ def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_mo
 def default_client() -> SplitClient:
     """The default (fastest) precision, its hidden states sent in their own dtype, so nothing is rounded on the wire."""
     precision = fastest()
-    return SplitClient(None, head=2, tail=2, max_context=512, precision=precision, wire_dtype=precision.dtype_name)
+    return SplitClient(None, first=2, last=2, max_context=512, precision=precision, wire_dtype=precision.dtype_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sequential", "lookup"])
 def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server, mode) -> None:  # type: ignore[no-untyped-def]
     """The prompt cut into 16-row steps gives the tokens of one in-process step, the server in the client's precision."""
@@ -126,6 +131,7 @@ def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server
     assert got.ids == want.ids
 
 
+@pytest.mark.slow
 def test_server_max_context_is_checked_before_the_first_step(default_client, server) -> None:  # type: ignore[no-untyped-def]
     thread = server(None, 2, 2, max_context=48)
     default_client.server = thread.url

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.model.config import ModelConfig
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -17,7 +17,7 @@ ATOL = 1e-4
 
 def _logits(pipeline, tokens: list[int]) -> torch.Tensor:
     n = len(tokens)
-    logits, _ = pipeline.score(torch.tensor(tokens), torch.arange(n), Visibility.chain(n), [])
+    logits, _ = pipeline.score(Step(torch.tensor(tokens), torch.arange(n), Visibility.chain(n)))
     return logits
 
 
@@ -38,6 +38,7 @@ def test_tiny_gemma3_config_is_read_with_its_layer_kinds(tiny_models) -> None:
     assert (cfg.embed_scale, cfg.attn_scale, cfg.final_logit_softcap) == (8.0, 24**-0.5, 50.0)
 
 
+@pytest.mark.slow
 def test_default_config(default_files) -> None:
     cfg = default_files.config
     assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
@@ -50,11 +51,11 @@ def test_unsupported_architecture_is_refused() -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3"])
-@pytest.mark.parametrize(("head", "tail"), [(1, 1), (2, 0), (1, 2)])
-def test_tiny_logits_match_transformers(name, head, tail, tiny_models, pipeline, hf_model, random_ids) -> None:
+@pytest.mark.parametrize(("first", "last"), [(1, 1), (2, 0), (1, 2)])
+def test_tiny_logits_match_transformers(name, first, last, tiny_models, pipeline, hf_model, random_ids) -> None:
     folder = tiny_models[name]
     tokens = random_ids(40, seed=7)  # five of the Mistral's and the Gemma's windows
-    ours = _logits(pipeline(folder, head, tail), tokens)
+    ours = _logits(pipeline(folder, first, last), tokens)
     with torch.no_grad():
         ref = hf_model(folder)(torch.tensor([tokens])).logits[0]
     assert (ours - ref).abs().max().item() < ATOL
@@ -75,22 +76,23 @@ def test_sliding_window_is_exercised(tiny_models, pipeline, hf_model, random_ids
     assert (ours - windowed).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize(("head", "tail"), [(2, 1), (1, 0)])
-def test_default_logits_match_transformers(head, tail, default_files, pipeline, hf_model) -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "last"), [(2, 1), (1, 0)])
+def test_default_logits_match_transformers(first, last, default_files, pipeline, hf_model) -> None:
     tokenizer = AutoTokenizer.from_pretrained(default_files.path)
     tokens = tokenizer("The quick brown fox jumps over the lazy dog because")["input_ids"]
-    ours = _logits(pipeline(None, head, tail), tokens)
+    ours = _logits(pipeline(None, first, last), tokens)
     with torch.no_grad():
         ref = hf_model(None)(torch.tensor([tokens])).logits[0]
     assert (ours - ref).abs().max().item() < ATOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize(("head", "tail"), [(0, 1), (1, -1), (2, 2), (3, 1), (4, 0)])
-def test_invalid_splits_name_the_layer_count(head, tail, tiny_models) -> None:
+@pytest.mark.parametrize(("first", "last"), [(0, 1), (1, -1), (2, 2), (3, 1), (4, 0)])
+def test_invalid_splits_name_the_layer_count(first, last, tiny_models) -> None:
     files = ModelFiles(tiny_models["llama"])
     with pytest.raises(ValueError, match="the model has 4 layers"):
-        LocalModel(files, head, tail)
+        ClientModel(files, first, last)
 
 
 def test_stage_range_is_checked(tiny_models) -> None:
@@ -100,10 +102,11 @@ def test_stage_range_is_checked(tiny_models) -> None:
             Stage(cfg, start, end, torch.float32)
 
 
+@pytest.mark.slow
 def test_client_reads_only_its_own_tensors(default_files, tensor_reads) -> None:
-    """The client side maps embedding, norm, its head and tail layers, and nothing of the middle."""
+    """The client side maps embedding, norm, its first and last stages, and nothing of the middle."""
     read = tensor_reads
-    LocalModel(ModelFiles(None), 2, 3)
+    ClientModel(ModelFiles(None), 2, 3)
     layers = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
     assert layers == {0, 1, 27, 28, 29}
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(read)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_head
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from conftest import random_drafter
+from report_tables import table, values
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.client import SplitClient
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
@@ -17,7 +18,7 @@ from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.kernels import cpu_kernels
 from splitllm.model.precision import Precision
 from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.conversions import StoredWeights
 from splitllm.weights.sources import ModelFiles, cache_root
 from splitllm.model.visibility import Visibility
@@ -105,7 +106,7 @@ def test_lossy_stage_is_close_to_float32(precision, tiny_models, random_ids) -> 
     outs = {}
     for p in (Precision(), precision):
         stage = Stage.load(files, 0, 3, p)
-        outs[p] = stage(stage.new_cache(32), hidden, torch.arange(len(tokens)), Visibility.chain(len(tokens)), [])
+        outs[p] = stage(stage.new_cache(32), Step(hidden, torch.arange(len(tokens)), Visibility.chain(len(tokens))))
     # The tiny models' wide weights sharpen attention, which amplifies int4's ~8% weight error.
     tolerance = {"none": 0.05, "int8": 0.08, "int4": 0.5}[precision.quant]
     assert _relative_error(outs[precision], outs[Precision()]) < tolerance
@@ -117,12 +118,12 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
     precision, model, tiny_models  # type: ignore[no-untyped-def]
 ) -> None:
     files = ModelFiles(tiny_models[model])
-    local = LocalModel(files, 1, 1, precision)
-    local.drafter = random_head(files, precision.dtype)  # the draft mode's noise must not change the output
+    client_model = ClientModel(files, 1, 1, precision)
+    client_model.drafter = random_drafter(files, precision.dtype)  # the draft mode's noise must not change the output
     middle = Stage.load(files, 1, files.config.num_layers - 1, precision)
 
     def run(decoder) -> list[int]:  # type: ignore[no-untyped-def]
-        pipeline = SplitPipeline(local, LocalMiddle(middle, 96), 96)
+        pipeline = SplitPipeline(client_model, InProcessMiddle(middle, 96), 96)
         return [t for out in decoder(pipeline, prompt, 40, frozenset()) for t in out.tokens]
 
     prompt = [7, 8, 9, 10, 11] * 4 + [7, 8]
@@ -131,17 +132,17 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
         assert run(SpeculativeDecoder(SpeculationConfig(mode))) == expected, mode
     kernels = cpu_kernels.load()
     # On AMX's tiles a tree's logits come from one LM-head call, every row the bits it gets alone.
-    assert local.shared_logit_rows == (32 if kernels is not None and kernels.tiles_available() else 1)
+    assert client_model.shared_logit_rows == (32 if kernels is not None and kernels.tiles_available() else 1)
 
 
 def test_lm_head_precision_is_its_own(tiny_models) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny_models["llama"])
-    local = LocalModel(files, 1, 1, Precision(), Precision(torch.bfloat16, "int8"))
-    assert isinstance(local.lm_head, (Int8Linear, BlockedLinear)) and local.embed_weight.dtype == torch.bfloat16
-    assert isinstance(local.head.layers[0].qkv, Linear) and local.head.layers[0].qkv.weight.dtype == torch.float32
-    reference = LocalModel(files, 1, 1)
+    client_model = ClientModel(files, 1, 1, Precision(), Precision(torch.bfloat16, "int8"))
+    assert isinstance(client_model.lm_head, (Int8Linear, BlockedLinear)) and client_model.embed_weight.dtype == torch.bfloat16
+    assert isinstance(client_model.first.layers[0].qkv, Linear) and client_model.first.layers[0].qkv.weight.dtype == torch.float32
+    reference = ClientModel(files, 1, 1)
     hidden = torch.randn(3, files.config.hidden_size)
-    logits = local.logits(hidden)
+    logits = client_model.logits(hidden)
     assert logits.dtype == torch.float32
     assert _relative_error(logits, reference.logits(hidden)) < 0.02
 
@@ -160,6 +161,7 @@ def test_stored_forms_are_converted_per_layer_once(tiny_models, tensor_reads) ->
     assert isinstance(stage.layers[0].gate_up, (Int8Linear, BlockedLinear)) and stage.layers[0].input_norm.dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-untyped-def]
     """The real model in a 16-bit or quantized precision on both sides still answers a factual question,
@@ -178,11 +180,11 @@ def _forward(ms: float, floor: float) -> dict:
     return {"layers": [2, 28], "context": 512, "weight_bytes": 88 << 20, "floor_ms": floor, "tokens": rows}
 
 
-def test_runtime_report_checks_every_target() -> None:
+def test_speed_report_checks_every_target() -> None:
     """The report's arithmetic on a made-up run: targets met, missed and not measured."""
     from splitllm.lab.bench.speed_report import TARGETS, markdown, met
 
-    step = {"total_ms": 20.0, "head_ms": 2.0, "server_ms": 10.0, "network_ms": 0.5, "tail_ms": 3.0}
+    step = {"total_ms": 20.0, "first_ms": 2.0, "server_ms": 10.0, "network_ms": 0.5, "last_ms": 3.0}
     run = {"rtt_ms": 0.0, "tok_s": 50.0, "tokens_per_step": 1.0, "mean_step_ms": step, "others_cores": 0.0}
     result = {
         "split": [2, 2], "settings": ["float32-none", "bfloat16-int8"], "fastest": "bfloat16-int8", "targets": TARGETS,
@@ -199,7 +201,12 @@ def test_runtime_report_checks_every_target() -> None:
     assert verdicts["speedup_over_float32_at_0ms"] and not verdicts["server_1_token_floor_ratio"]  # float32 at 1.43x its floor
     assert verdicts["server_1_token_ms_bfloat16-none"] is None and verdicts["sequential_tok_s_at_80ms"] is None
     text = markdown({**result, "met": verdicts})
-    assert "| bfloat16-int8 | 1 | 88 | 9.0 | 8.0 (0.89x) |" in text and "| sequential_tok_s_at_80ms | 9.5 | not measured |" in text
+    forward = [values(row) for row in table(text, "1 position ms (x floor)")]
+    assert [(row["setting"], row["threads"]) for row in forward] == [("float32-none", [1]), ("bfloat16-int8", [1])]
+    assert (forward[1]["weights MiB"], forward[1]["floor ms"], forward[1]["1 position ms (x floor)"]) == ([88], [9.0], [8.0, 0.89])
+    targets = [values(row) for row in table(text, "target")]
+    flags = {True: "met", False: "MISSED", None: "not measured"}
+    assert [(row["target"], row["value"], row["met"]) for row in targets] == [(k, [v], flags[verdicts[k]]) for k, v in TARGETS.items()]
 
 
 def test_idle_cost_waits_before_every_other_block_of_steps() -> None:
@@ -215,7 +222,7 @@ def test_idle_cost_waits_before_every_other_block_of_steps() -> None:
     assert result["idle_s"] == 0.01 and result["after_idle_ms"] >= 0 and result["back_to_back_ms"] >= 0
 
 
-def test_model_runtime_report_shows_the_server_step_each_way() -> None:
+def test_model_speed_report_shows_the_server_step_each_way() -> None:
     from splitllm.lab.bench.speed_model import markdown
 
     wan = {"tok_s": 6.5}
@@ -224,7 +231,11 @@ def test_model_runtime_report_shows_the_server_step_each_way() -> None:
     result = {"model": "m", "split": [2, 2], "new_tokens": 8, "threads": 2, "rtt_ms": 80.0, "cores": {"server": [0], "client": [1]},
               "in_process": {"bfloat16-int4": {"tok_s": 30.0}}, "llama_cpp": {"skipped": "no build"},
               "server_step": {"bfloat16-int4": step}, "llama_cpp_rpc": {}}
-    assert "| bfloat16-int4 | 40.0 | 42.0 | 1.05x | 40.0 / 41.0 (15 ms) | 30.0 | 1.33x | 6.50 |" in markdown(result)
+    assert [values(row) for row in table(markdown(result), "own process ms")] == [{
+        "setting": "bfloat16-int4", "in-process ms": [40.0], "own process ms": [42.0], "ratio": [1.05],
+        "in-process, back to back / after an idle wait": [40.0, 41.0, 15], "floor ms": [30.0], "in-process / floor": [1.33],
+        "split tok/s": [6.5],
+    }]
 
 
 def test_quality_report_shows_every_setting_against_float32() -> None:
@@ -235,6 +246,9 @@ def test_quality_report_shows_every_setting_against_float32() -> None:
         "float32-none": row,
         "bfloat16-none": {**row, "perplexity": 24.24, "kl_nats": 0.002, "identical": 3, "mean_first_divergence": 5.0},
     }}
-    text = markdown(result)
-    assert "| float32-none | reference | - | 24.000 | 1.000x | 0.0000 |" in text
-    assert "| bfloat16-none | 3 / 4 | 5.0 | 24.240 | 1.010x | 0.0020 |" in text
+    columns = ("setting", "identical to float32", "mean first divergence (token)", "perplexity", "vs float32",
+               "KL from float32 (nats/token)")
+    assert [values(row) for row in table(markdown(result), "perplexity")] == [
+        dict(zip(columns, ("float32-none", "reference", "-", [24.0], [1.0], [0.0]))),
+        dict(zip(columns, ("bfloat16-none", [3, 4], [5.0], [24.24], [1.01], [0.002]))),
+    ]

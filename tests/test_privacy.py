@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from splitllm.cli import app
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.lab.privacy import defenses
 from splitllm.lab.privacy.attacks.map_beam import fit, map_beam
 from splitllm.lab.privacy.attacks.whitebox import LanguageModelPrior, invert
@@ -24,6 +24,7 @@ from splitllm.lab.rates import clopper_pearson
 from splitllm.lab.privacy.published import DOCS, PUBLISHED, load, render_docs
 from splitllm.lab.privacy.states import WIRE_DTYPE, PublicModel
 from splitllm.weights.sources import ModelFiles
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 
@@ -46,6 +47,7 @@ def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return json.loads((out / "report.json").read_text()), out
 
 
+@pytest.mark.slow  # the quick audit runs on the default model
 def test_quick_audit_whitebox_inverts_and_certifies_an_undefended_split(quick_report) -> None:  # type: ignore[no-untyped-def]
     report, _ = quick_report
     for row in report["input_side"]:
@@ -54,6 +56,7 @@ def test_quick_audit_whitebox_inverts_and_certifies_an_undefended_split(quick_re
         assert row["whitebox_collisions"] == 0 and row["whitebox_exhaustive_positions"] >= 1
 
 
+@pytest.mark.slow  # the quick audit
 def test_quick_audit_fills_every_report_field(quick_report) -> None:  # type: ignore[no-untyped-def]
     report, out = quick_report
     assert _unfilled(report) == [".checks"]  # empty: every check passed
@@ -79,6 +82,7 @@ def test_quick_audit_fills_every_report_field(quick_report) -> None:  # type: ig
     assert (out / "leakage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the quick audit
 def test_quick_audit_rotation_is_free_but_recoverable(quick_report) -> None:  # type: ignore[no-untyped-def]
     rot = quick_report[0]["defenses"]["rotation"]
     assert rot["top1_agreement"]["rate"] == 1.0 and rot["kl_nats"] < 1e-4
@@ -96,6 +100,7 @@ def _broken(report: dict, path: tuple, value: dict) -> dict:
     return out
 
 
+@pytest.mark.slow  # the quick audit
 def test_quick_checks_fail_on_broken_or_peeking_attacks(quick_report) -> None:  # type: ignore[no-untyped-def]
     report, _ = quick_report
     assert quick_checks(report) == []
@@ -131,6 +136,7 @@ def test_docs_tables_match_the_committed_report() -> None:
         assert render_docs(report, text) == text, f"{name} drifted from {PUBLISHED}/report.json: run `splitllm privacy docs`"
 
 
+@pytest.mark.slow
 def test_corpus_test_windows_share_no_ngram_or_person_with_training(default_files) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
@@ -217,14 +223,14 @@ def test_map_beam_recovers_what_was_sent_not_what_was_proposed(tiny_models) -> N
     for noise in (defenses.RelativeNoise(0.0), defenses.RelativeNoise(0.3)):
         sent = noise(_states_after(model, 1, b), gen)
         for beam, prior in ((1, False), (3, True)):
-            out = map_beam(model, 1, sent, noise, learned, beam, prior, max_candidates=64, first=8)
+            out = map_beam(model, 1, sent, noise, learned, beam, prior, max_candidates=64, smallest=8)
             assert out.tokens == b.tolist()
             assert not any(x == y for x, y in zip(out.tokens, a.tolist()))
     # Heavy noise: several hypotheses survive and share parents; the winner's score is its log
     # likelihood and log prior recomputed from scratch over its own tokens.
     noise = defenses.RelativeNoise(3.0)
     sent = noise(_states_after(model, 1, b), gen)
-    out = map_beam(model, 1, sent, noise, learned, 4, True, max_candidates=64, first=8)
+    out = map_beam(model, 1, sent, noise, learned, 4, True, max_candidates=64, smallest=8)
     tokens = torch.tensor(out.tokens)
     states = model.stack.forward(model.stack.new_caches(10), model.embed[tokens], torch.arange(10), Visibility.chain(10), [])
     log_prior = torch.log_softmax(model.logits(states[model.cfg.num_layers]).float(), -1)[:-1].gather(-1, tokens[1:, None])
@@ -234,9 +240,9 @@ def test_map_beam_recovers_what_was_sent_not_what_was_proposed(tiny_models) -> N
     far = -torch.arange(vocab, dtype=torch.float32)[None]
     far[0, b[0]] = -99.5 - int(b[0] < 100)
     sent, clean = _states_after(model, 1, b[:1]), defenses.RelativeNoise(0.0)
-    found = map_beam(model, 1, sent, clean, far, 1, False, max_candidates=256, first=8)
+    found = map_beam(model, 1, sent, clean, far, 1, False, max_candidates=256, smallest=8)
     assert found.tokens == b[:1].tolist() and found.candidates == 8 + 16 + 32 + 64  # the fourth chunk holds it
-    assert map_beam(model, 1, sent, clean, far, 1, False, max_candidates=64, first=8).tokens != b[:1].tolist()
+    assert map_beam(model, 1, sent, clean, far, 1, False, max_candidates=64, smallest=8).tokens != b[:1].tolist()
 
 
 @pytest.mark.slow
@@ -281,15 +287,15 @@ def test_map_beam_reads_a_chat_message_through_noise_on_the_default_model(defaul
 
 
 @pytest.mark.slow
-def test_rotation_preserves_the_default_model_and_leaks_its_key(default_files, local_model, middle_stage) -> None:  # type: ignore[no-untyped-def]
-    local, middle = local_model(None, 2, 2), middle_stage(None, 2, 2)
+def test_rotation_preserves_the_default_model_and_leaks_its_key(default_files, load_client_model, middle_stage) -> None:  # type: ignore[no-untyped-def]
+    client_model, middle = load_client_model(None, 2, 2), middle_stage(None, 2, 2)
     q = defenses.random_rotation(default_files.config.hidden_size, seed=3)
-    rotated_local, rotated_middle = defenses.rotate_local(local, q), defenses.rotate_stage(middle, q)
+    rotated_client_model, rotated_middle = defenses.rotate_client_model(client_model, q), defenses.rotate_stage(middle, q)
     tokens = torch.tensor([1, 504, 3458, 314, 260, 1345, 30, 198, 504, 2030, 314, 34, 30, 7, 21, 22])
     n = len(tokens)
-    args = (tokens, torch.arange(n), Visibility.chain(n), [])
-    plain = SplitPipeline(local, LocalMiddle(middle, n), n).score(*args)[0]
-    secret = SplitPipeline(rotated_local, LocalMiddle(rotated_middle, n), n).score(*args)[0]
+    step = Step(tokens, torch.arange(n), Visibility.chain(n))
+    plain = SplitPipeline(client_model, InProcessMiddle(middle, n), n).score(step)[0]
+    secret = SplitPipeline(rotated_client_model, InProcessMiddle(rotated_middle, n), n).score(step)[0]
     assert (plain - secret).abs().max() < 1e-3
     assert torch.equal(plain.argmax(-1), secret.argmax(-1))
     recovered = defenses.rotation_from_weights(middle, rotated_middle)
@@ -302,7 +308,7 @@ def test_audit_states_of_a_gemma_are_the_splits_and_rotation_refuses_it(tiny_mod
     model = PublicModel(ModelFiles(folder), [2])
     tokens = random_ids(12, seed=5)
     states = model.window_states(torch.tensor([tokens]), [2])
-    split = pipeline(folder, 2, 1).score(torch.tensor(tokens), torch.arange(12), Visibility.chain(12), [])[0]
+    split = pipeline(folder, 2, 1).score(Step(torch.tensor(tokens), torch.arange(12), Visibility.chain(12)))[0]
     assert torch.equal(states.greedy[0], split.argmax(-1))
     with pytest.raises(ValueError, match="rotation defense"):
-        defenses.rotate_stage(model.local.head, defenses.random_rotation(model.cfg.hidden_size, seed=0))
+        defenses.rotate_stage(model.client_model.first, defenses.random_rotation(model.cfg.hidden_size, seed=0))

@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from conftest import DEFAULT_SPLIT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from splitllm.lab.bench.exactness import first_difference
 from splitllm.lab.data.instructions import KINDS
 from splitllm.cli import app
-from splitllm.client.client_model import NO_DRAFT_MODEL, LocalModel
+from splitllm.client.client_model import NO_DRAFT_MODEL, ClientModel
 from splitllm.client.client import SplitClient
 from splitllm.testing.launch import ServerThread
 from splitllm.model.precision import fastest
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 # alias -> (layers, hidden size, heads, key-value heads)
 SHAPES = {"qwen2.5-coder-0.5b": (24, 896, 14, 2), "qwen2.5-coder-1.5b": (28, 1536, 12, 2)}
-HEAD, TAIL = 2, 2
+FIRST, LAST = DEFAULT_SPLIT
 # The larger model, with heads of 128 in the 16-bit kernels (the 0.5B has 64, like the default model).
 SPECULATION_MODEL = "qwen2.5-coder-1.5b"
 DRAFT_MODEL = "qwen2.5-coder-0.5b"  # its draft model: the same tokenizer
@@ -72,10 +73,10 @@ def reference(model: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def served(model: str) -> Iterator[tuple[LocalModel, str]]:
+def served(model: str) -> Iterator[tuple[ClientModel, str]]:
     """The float32 client layers and the URL of a real server holding the middle ones, on loopback."""
-    with ServerThread(MiddleServer(model, ServerSettings(head=HEAD, tail=TAIL))) as server:
-        yield LocalModel(ModelFiles(model), HEAD, TAIL), server.url
+    with ServerThread(MiddleServer(model, ServerSettings(first=FIRST, last=LAST))) as server:
+        yield ClientModel(ModelFiles(model), FIRST, LAST), server.url
 
 
 def test_qwen_config(model: str) -> None:
@@ -91,44 +92,44 @@ def test_qwen_speculation_commits_the_sequential_tokens_in_the_fastest_setting(m
     (bfloat16-int8 in splitllm's kernels).
 
     It runs before the float32 fixtures load, so this client is the only model in memory."""
-    client = SplitClient(model, None, HEAD, TAIL, max_context=256, precision=fastest(), draft_model=NO_DRAFT_MODEL)
-    assert client.local.draft_model is None and client.local.drafter.quant == "int8"  # the shipped drafter alone
+    client = SplitClient(model, None, FIRST, LAST, max_context=256, precision=fastest(), draft_model=NO_DRAFT_MODEL)
+    assert client.client_model.draft_model is None and client.client_model.drafter.quant == "int8"  # the shipped drafter alone
     drafted = 0
     for i, ids in enumerate(prompts):
         sequential = client.generate(ids, NEW_TOKENS, decode="sequential").ids
-        for mode in ("lookup", "draft", "auto"):
+        for mode in ("lookup", "drafter", "auto"):
             gen = client.generate(ids, NEW_TOKENS, decode=mode)
             assert gen.ids == sequential, f"{mode}, prompt {i}: diverges at {first_difference(gen.ids, sequential)}"
-            drafted += sum(s.drafted for s in gen.steps)
+            drafted += sum(s.speculation.drafted for s in gen.steps)
     assert drafted > 0
 
 
 @pytest.mark.parametrize("model", [SPECULATION_MODEL], indirect=True)
 def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_tokens(model: str, prompts: list[list[int]]) -> None:
-    """The 0.5B as the 1.5B's draft model (its default), both in the fastest setting: `draft` and `auto`
+    """The 0.5B as the 1.5B's draft model (its default), both in the fastest setting: `drafter` and `auto`
     give sequential decoding's tokens, and the draft model's nodes are among those accepted."""
-    client = SplitClient(model, None, HEAD, TAIL, max_context=256, precision=fastest())
-    assert client.local.draft_model.files.path == ModelFiles(DRAFT_MODEL).path
+    client = SplitClient(model, None, FIRST, LAST, max_context=256, precision=fastest())
+    assert client.client_model.draft_model.files.path == ModelFiles(DRAFT_MODEL).path
     from_draft_model = 0
     for i, ids in enumerate(prompts):
         sequential = client.generate(ids, NEW_TOKENS, decode="sequential").ids
-        for mode in ("draft", "auto"):
+        for mode in ("drafter", "auto"):
             gen = client.generate(ids, NEW_TOKENS, decode=mode)
             assert gen.ids == sequential, f"{mode}, prompt {i}: diverges at {first_difference(gen.ids, sequential)}"
-            from_draft_model += sum(n for s in gen.steps for src, n in s.sources.items() if "draft-model" in src)
+            from_draft_model += sum(n for s in gen.steps for src, n in s.speculation.sources.items() if "draft-model" in src)
     assert from_draft_model > NEW_TOKENS
     # A conversation keeps the draft model's cache from turn to turn: the second turn equals a fresh answer.
     with client.conversation() as conv:
-        for _ in conv.say(PROMPTS[0], max_new_tokens=NEW_TOKENS, decode="draft"):
+        for _ in conv.say(PROMPTS[0], max_new_tokens=NEW_TOKENS, decode="drafter"):
             pass
         history = list(conv.ids)
-        second = [gen for gen, _ in conv.say("Now in one line.", max_new_tokens=NEW_TOKENS, decode="draft")][-1]
+        second = [gen for gen, _ in conv.say("Now in one line.", max_new_tokens=NEW_TOKENS, decode="drafter")][-1]
     assert second.ids == client.generate(history + second.prompt_ids, NEW_TOKENS, decode="sequential").ids
 
 
 def test_the_default_draft_model_needs_its_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 1.5B drafts with the 0.5B by default only while the 0.5B's packages are installed (else with
-    its head alone); no other model names one."""
+    its learned drafter alone); no other model names one."""
     files = ModelFiles(SPECULATION_MODEL)
     assert default_draft_model(files) == DRAFT_MODEL and default_draft_model(ModelFiles(DRAFT_MODEL)) is None
     find_spec = importlib.util.find_spec
@@ -138,7 +139,7 @@ def test_the_default_draft_model_needs_its_packages(monkeypatch: pytest.MonkeyPa
 
 def test_a_draft_model_with_another_tokenizer_is_refused() -> None:
     with pytest.raises(ValueError, match="a draft model needs the target's tokenizer"):
-        LocalModel(ModelFiles("default"), HEAD, TAIL, draft_model=DRAFT_MODEL)
+        ClientModel(ModelFiles("default"), FIRST, LAST, draft_model=DRAFT_MODEL)
     result = CliRunner().invoke(app, ["generate", "Hi.", "--model", "default", "--draft-model", DRAFT_MODEL])
     assert result.exit_code == 2 and "a draft model needs the target's tokenizer" in result.output
 
@@ -152,7 +153,7 @@ def test_the_shipped_drafter_fits_the_package_and_says_how_it_was_made(model: st
         return
     meta = read_metadata(folder)
     assert meta["size_bytes"] <= 32 * 2**20 and meta["weights_dtype"] == "int8"
-    assert meta["reproduce"].startswith("splitllm draft train --model qwen2.5-coder-1.5b")
+    assert meta["reproduce"].startswith("splitllm drafter train --model qwen2.5-coder-1.5b")
     assert all(meta["validation"][kind]["acceptance"][0] > 0.5 for kind in KINDS)
     assert all(max(meta["evaluation_overlap"][kind]["longest_shared_ngram_after_drop"].values()) < 8
                for kind in (*KINDS, "text"))
@@ -160,14 +161,14 @@ def test_the_shipped_drafter_fits_the_package_and_says_how_it_was_made(model: st
 
 def test_qwen_split_greedy_over_loopback_equals_transformers(
     reference: list[list[int]],
-    served: tuple[LocalModel, str],
+    served: tuple[ClientModel, str],
     prompts: list[list[int]],
     split_greedy: Callable[..., list[int]],
 ) -> None:
     """`reference` comes first: the oracle is freed before the server and the client load."""
-    local, url = served
+    client_model, url = served
     for i, (ids, ref) in enumerate(zip(prompts, reference)):
-        got = split_greedy(local, url, ids, NEW_TOKENS)
+        got = split_greedy(client_model, url, ids, NEW_TOKENS)
         assert got == ref, f"prompt {i} diverges at token {first_difference(got, ref)}"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import DEFAULT_SPLIT
 from protocol_client import greedy
 
 from splitllm.attestation.policy import AttestationPolicy
@@ -23,7 +24,7 @@ ray = pytest.importorskip("ray")
 ray_deployment = pytest.importorskip("splitllm.server.ray_deployment")
 
 pytestmark = pytest.mark.slow
-HEAD, TAIL = 2, 2
+FIRST, LAST = DEFAULT_SPLIT
 CLIENTS, NEW = 8, 24
 MAX_NODES = 16  # the replicas' positions per step: the longer prompts go as several steps
 
@@ -34,7 +35,7 @@ def ray_url(default_files, vendor):  # type: ignore[no-untyped-def]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
     port = free_port()
     settings = ServerSettings(
-        head=HEAD, tail=TAIL, max_sessions=16, max_nodes_per_step=MAX_NODES, attestation="simulated",
+        first=FIRST, last=LAST, max_sessions=16, max_nodes_per_step=MAX_NODES, attestation="simulated",
         attestation_sim=str(vendor),
     )
     spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=settings)
@@ -51,35 +52,35 @@ def prompts(random_ids) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def expected(default_files, server, local_model, split_greedy, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def expected(default_files, server, load_client_model, split_greedy, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Each prompt's greedy ids through a plain one-process server, one client at a time."""
-    url = server(str(default_files.path), HEAD, TAIL).url
-    local = local_model(str(default_files.path), HEAD, TAIL)
-    return [split_greedy(local, url, p, NEW) for p in prompts]
+    url = server(str(default_files.path), FIRST, LAST).url
+    client_model = load_client_model(str(default_files.path), FIRST, LAST)
+    return [split_greedy(client_model, url, p, NEW) for p in prompts]
 
 
 def _middle(url: str, files, prompt: list[int], policy: AttestationPolicy) -> RemoteMiddle:  # type: ignore[no-untyped-def]
-    layers = (HEAD, files.config.num_layers - TAIL)
+    layers = (FIRST, files.config.num_layers - LAST)
     options = ConnectionOptions(deadline_s=120, attestation=policy)
     return RemoteMiddle(url, files.fingerprint, layers, "float32", len(prompt) + NEW, options)
 
 
-def _run_clients(url, files, local, prompts, vendor, after_token=None) -> tuple[list[list[int]], list[RemoteMiddle]]:  # type: ignore[no-untyped-def]
+def _run_clients(url, files, client_model, prompts, vendor, after_token=None) -> tuple[list[list[int]], list[RemoteMiddle]]:  # type: ignore[no-untyped-def]
     policy = AttestationPolicy.load(vendor / "policy.json")
     middles = [_middle(url, files, p, policy) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(greedy, local, m, p, NEW, after_token) for m, p in zip(middles, prompts)]
+        futures = [pool.submit(greedy, client_model, m, p, NEW, after_token) for m, p in zip(middles, prompts)]
         return [f.result(timeout=600) for f in futures], middles
 
 
-def test_two_replicas_serve_eight_concurrent_clients(ray_url, default_files, local_model, prompts, expected, vendor) -> None:  # type: ignore[no-untyped-def]
+def test_two_replicas_serve_eight_concurrent_clients(ray_url, default_files, load_client_model, prompts, expected, vendor) -> None:  # type: ignore[no-untyped-def]
     assert len(ray_deployment.replica_actor_names()) == 2
-    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts, vendor)
+    got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST), prompts, vendor)
     assert got == expected
     assert sum(m.reconnects for m in middles) == 0
 
 
-def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files, local_model, prompts, expected, vendor) -> None:  # type: ignore[no-untyped-def]
+def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files, load_client_model, prompts, expected, vendor) -> None:  # type: ignore[no-untyped-def]
     victim = ray_deployment.replica_actor_names()[0]
     killed = threading.Event()
     lock = threading.Lock()
@@ -92,7 +93,7 @@ def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files,
                     ray_deployment.kill_replica(victim)
                     killed.set()
 
-    got, middles = _run_clients(ray_url, default_files, local_model(str(default_files.path), HEAD, TAIL), prompts, vendor,
+    got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST), prompts, vendor,
                                 kill_once)
     assert killed.is_set()
     assert got == expected
@@ -102,12 +103,12 @@ def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files,
     assert victim not in ray_deployment.replica_actor_names()
 
 
-def test_a_prompt_three_times_max_nodes_on_ray(ray_url, default_files, server, local_model, split_greedy, random_ids, vendor) -> None:  # type: ignore[no-untyped-def]
+def test_a_prompt_three_times_max_nodes_on_ray(ray_url, default_files, server, load_client_model, split_greedy, random_ids, vendor) -> None:  # type: ignore[no-untyped-def]
     prompt = random_ids(3 * MAX_NODES + 5, seed=7, vocab=49152)
-    local = local_model(str(default_files.path), HEAD, TAIL)
-    want = split_greedy(local, server(str(default_files.path), HEAD, TAIL).url, prompt, 8)  # one step, unsplit
+    client_model = load_client_model(str(default_files.path), FIRST, LAST)
+    want = split_greedy(client_model, server(str(default_files.path), FIRST, LAST).url, prompt, 8)  # one step, unsplit
     policy = AttestationPolicy.load(vendor / "policy.json")
-    assert greedy(local, _middle(ray_url, default_files, prompt, policy), prompt, 8) == want[:8]
+    assert greedy(client_model, _middle(ray_url, default_files, prompt, policy), prompt, 8) == want[:8]
 
 
 def test_every_limit_is_settable_and_public_addresses_need_tokens(default_files) -> None:  # type: ignore[no-untyped-def]
@@ -117,7 +118,7 @@ def test_every_limit_is_settable_and_public_addresses_need_tokens(default_files)
     )
     assert (settings.max_kv_bytes, settings.max_connections_per_principal, settings.operators) == (1 << 20, 3, ("ops", "admin"))
     assert (settings.max_sessions_per_principal, settings.handshake_timeout_s, settings.max_batch_rows) == (None, 2.5, 64)
-    spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=ServerSettings(head=HEAD, tail=TAIL))
+    spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=ServerSettings(first=FIRST, last=LAST))
     with pytest.raises(ValueError, match="needs a token file"):
         ray_deployment.start(spec, replicas=1, host="0.0.0.0", port=free_port())
 

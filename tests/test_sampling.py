@@ -16,20 +16,20 @@ from pathlib import Path
 import llguidance
 import pytest
 import torch
-from conftest import random_head
+from conftest import random_drafter
 from scipy.stats import chisquare
 from transformers import AutoTokenizer
 
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.client import DECODERS, SplitClient
 from splitllm.client.stopping import IncrementalText, StopRule
 from splitllm.decoding.grammar import Grammar
 from splitllm.decoding.sampling import Sampler, SamplingParams
-from splitllm.decoding.tree import ROOT, DraftTree
+from splitllm.decoding.tree import ROOT, CandidateTree
 from splitllm.decoding.verifier import verify
 from splitllm.drafting.draft_model import DraftModel
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -106,24 +106,24 @@ def test_acceptance_rule_reproduces_the_distribution() -> None:
 
 
 @pytest.fixture(scope="module")
-def small_vocab(vocab16_model: Path) -> tuple[LocalModel, Stage]:
+def small_vocab(vocab16_model: Path) -> tuple[ClientModel, Stage]:
     """The 16-token Llama in float64, split 1 + 1 + 1."""
     files = ModelFiles(str(vocab16_model))
-    return LocalModel(files, 1, 1, torch.float64), Stage.load(files, 1, 2, torch.float64)
+    return ClientModel(files, 1, 1, torch.float64), Stage.load(files, 1, 2, torch.float64)
 
 
-def _pipeline(model: tuple[LocalModel, Stage]) -> SplitPipeline:
-    local, stage = model
-    return SplitPipeline(local, LocalMiddle(stage, 32), 32)
+def _pipeline(model: tuple[ClientModel, Stage]) -> SplitPipeline:
+    client_model, stage = model
+    return SplitPipeline(client_model, InProcessMiddle(stage, 32), 32)
 
 
-def _exact_pairs(model: tuple[LocalModel, Stage], params: SamplingParams = PARAMS) -> dict[tuple[int, int], float]:
+def _exact_pairs(model: tuple[ClientModel, Stage], params: SamplingParams = PARAMS) -> dict[tuple[int, int], float]:
     """P(first two tokens) under `params`: one step scores the prompt and every first token as a tree."""
     n = len(PROMPT)
     tokens = torch.tensor(PROMPT + list(range(VOCAB)))
     positions = torch.tensor(list(range(n)) + [n] * VOCAB)
     vis = Visibility.from_parents([*range(-1, n - 1), *[n - 1] * VOCAB])
-    logits, _ = _pipeline(model).score(tokens, positions, vis, [])
+    logits, _ = _pipeline(model).score(Step(tokens, positions, vis))
     first = Sampler(params, PROMPT).probs(logits[n - 1])
 
     def second(a: int) -> Sampler:
@@ -154,6 +154,7 @@ def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler, toke
     return samples, emitted / steps
 
 
+@pytest.mark.slow  # thousands of sampled continuations
 def test_speculative_sampling_keeps_the_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
     exact = _exact_pairs(small_vocab)
     assert abs(sum(exact.values()) - 1) < 1e-9
@@ -178,6 +179,7 @@ class _Letters:
         return [b - ord("a") for b in text]
 
 
+@pytest.mark.slow  # thousands of sampled continuations
 def test_speculative_sampling_under_a_grammar_keeps_the_masked_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
     """Under a grammar, speculative sampling emits what sequential sampling under it does: the model's
     distribution masked to the grammar, node by node, whatever the drafts were."""
@@ -194,7 +196,7 @@ def test_speculative_sampling_under_a_grammar_keeps_the_masked_distribution(smal
 
 @pytest.fixture(scope="module")
 def default_client() -> SplitClient:
-    return SplitClient(None, head=2, tail=2)
+    return SplitClient(None, first=2, last=2)
 
 
 @pytest.mark.slow
@@ -251,6 +253,7 @@ def test_stop_rule_clips_overshooting_steps() -> None:
     assert length.text(final=True) == "ababab" and rule().clip([1]) == ([1], None)
 
 
+@pytest.mark.slow
 def test_incremental_text_equals_decoding_everything(default_files) -> None:  # type: ignore[no-untyped-def]
     """Spaces, punctuation and characters split over several byte tokens (emoji, CJK, accents)."""
     tok = AutoTokenizer.from_pretrained(default_files.path)
@@ -291,10 +294,10 @@ def _synthetic_logits(prefix: tuple[int, ...]) -> torch.Tensor:
 
 
 @cache
-def _synthetic_tree(prefix: tuple[int, ...]) -> DraftTree:
+def _synthetic_tree(prefix: tuple[int, ...]) -> CandidateTree:
     """A depth-3 tree, a deterministic function of the prefix: the 3 likeliest tokens first, then 2, then
     3 children per node, likeliest first (so a wrong rule for later siblings shows)."""
-    tree = DraftTree()
+    tree = CandidateTree()
     frontier = [(ROOT, prefix)]
     for width in (3, 2, 3):
         frontier = [
@@ -322,7 +325,7 @@ def _sample_tree_walks(sampler_class: type[Sampler], samples: int) -> list[tuple
     return drawn
 
 
-def _ancestry(tree: DraftTree, node: int) -> list[int]:
+def _ancestry(tree: CandidateTree, node: int) -> list[int]:
     path = []
     while node != ROOT:
         path.append(node)
@@ -350,7 +353,7 @@ def test_tree_acceptance_is_exact_at_depth_three_with_siblings() -> None:
     assert p_wrong < FAIL_P
 
 
-def _exact_triples(model: tuple[LocalModel, Stage]) -> dict[tuple[int, ...], float]:
+def _exact_triples(model: tuple[ClientModel, Stage]) -> dict[tuple[int, ...], float]:
     """P(first three tokens) under PARAMS: one step scores the prompt and every one- and two-token
     continuation as a tree."""
     n, firsts = len(PROMPT), list(range(VOCAB))
@@ -358,8 +361,8 @@ def _exact_triples(model: tuple[LocalModel, Stage]) -> dict[tuple[int, ...], flo
     tokens = torch.tensor(PROMPT + firsts + [b for _, b in pairs])
     positions = torch.tensor(list(range(n)) + [n] * VOCAB + [n + 1] * len(pairs))
     vis = Visibility.from_parents([*range(-1, n - 1), *[n - 1] * VOCAB, *(n + a for a, _ in pairs)])
-    local, stage = model
-    logits, _ = SplitPipeline(local, LocalMiddle(stage, 300), 300).score(tokens, positions, vis, [])
+    client_model, stage = model
+    logits, _ = SplitPipeline(client_model, InProcessMiddle(stage, 300), 300).score(Step(tokens, positions, vis))
     probs = lambda prefix, row: Sampler(PARAMS, PROMPT + prefix).probs(logits[row]).tolist()  # noqa: E731
     exact = {}
     for a, pa in enumerate(probs([], n - 1)):
@@ -370,19 +373,20 @@ def _exact_triples(model: tuple[LocalModel, Stage]) -> dict[tuple[int, ...], flo
     return exact
 
 
-@pytest.mark.parametrize("drafter", ["head", "draft model"])
+@pytest.mark.slow  # thousands of sampled continuations
+@pytest.mark.parametrize("drafter", ["drafter", "draft model"])
 def test_drafter_sampling_keeps_the_distribution(small_vocab, vocab16_draft_model: Path, drafter: str) -> None:  # type: ignore[no-untyped-def]
     """Three tokens: the prefill, then a step whose tree holds the drafter's top-k siblings (random
-    weights: a head's, or a whole draft model's), point masses like any candidate."""
-    local, stage = small_vocab
-    drafting = LocalModel(local.files, 1, 1, torch.float64)
-    if drafter == "head":
-        drafting.drafter = random_head(local.files, torch.float64)
+    weights: a learned drafter's, or a whole draft model's), point masses like any candidate."""
+    client_model, stage = small_vocab
+    drafting = ClientModel(client_model.files, 1, 1, torch.float64)
+    if drafter == "drafter":
+        drafting.drafter = random_drafter(client_model.files, torch.float64)
     else:
         drafting.draft_model = DraftModel(ModelFiles(str(vocab16_draft_model)), torch.float64)
     exact = _exact_triples(small_vocab)
     assert abs(sum(exact.values()) - 1) < 1e-9
-    spec, per_step = _sample_pairs((drafting, stage), "draft", tokens=3)
+    spec, per_step = _sample_pairs((drafting, stage), "drafter", tokens=3)
     p_spec = _chi_square_p(spec, exact)
     print(f"chi-square p: draft {p_spec:.3g} ({per_step:.2f} tok/step)")
     assert per_step > 1.2

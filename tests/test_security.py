@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_SPLIT
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -34,7 +35,8 @@ from protocol_client import RawClient, greedy
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages
+from splitllm.protocol.messages import ClosedMessage, ErrorMessage, OpenedMessage, OpenMessage, ResultMessage, StepMessage
 from splitllm.client.connection import (
     TOKEN_ENV,
     AuthenticationError,
@@ -51,7 +53,7 @@ from splitllm.server.logs import configure, event, formatter
 from splitllm.server.settings import ServerSettings
 from splitllm.server.transport import TlsFiles
 
-HEAD, TAIL = 1, 1
+FIRST, LAST = TINY_SPLIT
 CONTEXT = 64
 TOKENS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob", "carol")}
 
@@ -109,14 +111,9 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models) -> str:  # type: ignore[no-untyped-def]
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
 def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
     """A wss:// server that wants a bearer token."""
-    server = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, operators=("carol",)), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, operators=("carol",)), TokenTable.load(token_file))
     with ServerThread(server, tls=TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))) as thread:
         yield thread
 
@@ -127,7 +124,7 @@ def _options(certs: Path, principal: str | None = None, **kw: object) -> Connect
 
 def _middle(thread: ServerThread, options: ConnectionOptions | None = None, context: int = CONTEXT) -> RemoteMiddle:
     files = thread.server.files
-    return RemoteMiddle(thread.url, files.fingerprint, (HEAD, files.config.num_layers - TAIL), "float16", context, options)
+    return RemoteMiddle(thread.url, files.fingerprint, (FIRST, files.config.num_layers - LAST), "float16", context, options)
 
 
 def _sample(thread: ServerThread, name: str, **labels: str) -> float:
@@ -137,11 +134,11 @@ def _sample(thread: ServerThread, name: str, **labels: str) -> float:
 # --- transport security ---------------------------------------------------------------------------------
 
 
-def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
-    local, prompt = local_model(tiny, HEAD, TAIL), random_ids(8, 1)
-    plain = greedy(local, _middle(server(tiny, HEAD, TAIL)), prompt, 16)
+def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+    client_model, prompt = load_client_model(tiny, FIRST, LAST), random_ids(8, 1)
+    plain = greedy(client_model, _middle(server(tiny, FIRST, LAST)), prompt, 16)
     assert secure.url.startswith("wss://")
-    assert greedy(local, _middle(secure, _options(certs, "alice")), prompt, 16) == plain
+    assert greedy(client_model, _middle(secure, _options(certs, "alice")), prompt, 16) == plain
 
 
 def test_tls_is_1_2_or_later_and_heads_go_through_h11(tiny, certs) -> None:  # type: ignore[no-untyped-def]
@@ -149,7 +146,7 @@ def test_tls_is_1_2_or_later_and_heads_go_through_h11(tiny, certs) -> None:  # t
     from splitllm.server.transport import uvicorn_config
 
     tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))
-    config = uvicorn_config(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), "127.0.0.1", 0, tls)
+    config = uvicorn_config(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST)), "127.0.0.1", 0, tls)
     assert config.ssl is not None and config.ssl.minimum_version == ssl.TLSVersion.TLSv1_2
     assert issubclass(config.http_protocol_class, GuardedH11Protocol)  # never httptools, even when installed
 
@@ -161,11 +158,11 @@ def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # t
     insecure.close()
 
 
-def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
     tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), tls=tls) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST)), tls=tls) as thread:
         mine = _options(certs, client_cert=str(certs / "client.pem"), client_key=str(certs / "client.key"))
-        assert len(greedy(local_model(tiny, HEAD, TAIL), _middle(thread, mine), random_ids(4, 2), 4)) == 4
+        assert len(greedy(load_client_model(tiny, FIRST, LAST), _middle(thread, mine), random_ids(4, 2), 4)) == 4
         stranger = str(certs / "stranger.pem"), str(certs / "stranger.key")
         for options in (_options(certs, deadline_s=0.3), _options(certs, None, deadline_s=0.3, client_cert=stranger[0], client_key=stranger[1])):
             with pytest.raises(ServerUnreachable, match="client certificate"):
@@ -173,19 +170,19 @@ def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, local_model,
         assert _sample(thread, "splitllm_sessions_opened_total") == 1
 
 
-def test_client_certificate_names_the_principal(tiny, certs, token_file, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_client_certificate_names_the_principal(tiny, certs, token_file, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
     """Under mutual TLS the certificate's common name (alice) is the principal; with tokens too, only
     alice's token goes with alice's certificate."""
     tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
     cert = {"client_cert": str(certs / "client.pem"), "client_key": str(certs / "client.key")}
-    local = local_model(tiny, HEAD, TAIL)
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL)), tls=tls) as thread:
-        greedy(local, _middle(thread, _options(certs, **cert)), random_ids(4, 5), 2)
+    client_model = load_client_model(tiny, FIRST, LAST)
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST)), tls=tls) as thread:
+        greedy(client_model, _middle(thread, _options(certs, **cert)), random_ids(4, 5), 2)
         assert thread.server.metrics.total("splitllm_sessions_opened_total", principal="alice") == 1
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL), TokenTable.load(token_file)), tls=tls) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST), TokenTable.load(token_file)), tls=tls) as thread:
         with pytest.raises(AuthenticationError):
             _middle(thread, _options(certs, "bob", **cert))
-        greedy(local, _middle(thread, _options(certs, "alice", **cert)), random_ids(4, 5), 2)
+        greedy(client_model, _middle(thread, _options(certs, "alice", **cert)), random_ids(4, 5), 2)
 
 
 # --- authentication -------------------------------------------------------------------------------------
@@ -230,14 +227,14 @@ def _get(url: str, ctx: ssl.SSLContext, principal: str | None = None) -> str:
     return urllib.request.urlopen(urllib.request.Request(url, headers=headers), context=ctx, timeout=10).read().decode()
 
 
-def test_metrics_need_a_token_and_show_each_principal_only_its_own(secure, certs, local_model, tiny, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_need_a_token_and_show_each_principal_only_its_own(secure, certs, load_client_model, tiny, random_ids) -> None:  # type: ignore[no-untyped-def]
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     url = f"https://127.0.0.1:{secure.port}/metrics"
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url, context=ctx, timeout=10)
     assert refused.value.code == 401
     for principal in ("alice", "bob"):
-        greedy(local_model(tiny, HEAD, TAIL), _middle(secure, _options(certs, principal)), random_ids(4, 3), 2)
+        greedy(load_client_model(tiny, FIRST, LAST), _middle(secure, _options(certs, principal)), random_ids(4, 3), 2)
     bob = _get(url, ctx, "bob")
     assert 'splitllm_steps_total{principal="bob"}' in bob
     assert "alice" not in bob and "splitllm_sessions " not in bob and "splitllm_step_seconds_bucket" not in bob
@@ -255,8 +252,9 @@ def test_health_shows_load_only_to_authenticated_callers(secure, certs) -> None:
     assert "connections" in json.loads(_get(url, ctx, "carol"))
 
 
+@pytest.mark.slow
 def test_cli_generate_with_token_file_and_environment(default_files, token_file, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    server = MiddleServer(None, ServerSettings(head=2, tail=2), TokenTable.load(token_file))
+    server = MiddleServer(None, ServerSettings(first=2, last=2), TokenTable.load(token_file))
     wrong = tmp_path / "wrong"
     wrong.write_text("not-a-token\n")
     base = [sys.executable, "-m", "splitllm.cli", "generate", "Say hi.", "--max-new-tokens", "4", "--json"]
@@ -277,39 +275,37 @@ def test_cli_generate_with_token_file_and_environment(default_files, token_file,
 
 def test_sessions_belong_to_their_principal_and_connection(tiny, secure, certs) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    layers = (HEAD, files.config.num_layers - TAIL)
+    layers = (FIRST, files.config.num_layers - LAST)
     hidden = torch.randn(3, files.config.hidden_size)
     with RawClient(secure.url, _options(certs, "alice")) as alice, RawClient(secure.url, _options(certs, "bob")) as bob:
-        session = alice.open(files, layers).header["session"]
+        session = alice.open(files, layers).session  # type: ignore[union-attr]
         never = secrets.token_urlsafe(18)
 
         def refusal(client: RawClient, sid: str, op: str) -> tuple:
-            if op == "step":
-                h = client.step(sid, hidden, [0, 1, 2], []).header
-            else:
-                h = client.request({"op": "close", "session": sid}).header
-            return h["code"], h["message"]
+            reply = client.step(sid, hidden, [0, 1, 2], []) if op == "step" else client.close_session(sid)
+            assert isinstance(reply, ErrorMessage), reply
+            return reply.code, reply.message
 
         with RawClient(secure.url, _options(certs, "alice")) as alice_again:
             for op in ("step", "close"):
                 # another principal, or the same one on another connection: the answer an unknown id gets
                 assert refusal(bob, session, op) == refusal(bob, never, op) == refusal(alice_again, session, op)
                 assert refusal(bob, session, op)[0] == "unknown_session"
-        assert alice.step(session, hidden, [0, 1, 2], []).header["op"] == "result"  # untouched
+        assert isinstance(alice.step(session, hidden, [0, 1, 2], []), ResultMessage)  # untouched
 
 
 def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    layers = (HEAD, files.config.num_layers - TAIL)
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, session_ttl_s=0.3))) as thread:
+    layers = (FIRST, files.config.num_layers - LAST)
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, session_ttl_s=0.3))) as thread:
         with RawClient(thread.url) as owner, RawClient(thread.url) as other:
-            session = owner.open(files, layers).header["session"]
+            session = owner.open(files, layers).session  # type: ignore[union-attr]
             deadline = time.monotonic() + 10
             while thread.server.info(ANONYMOUS)["sessions"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             hidden = torch.randn(1, files.config.hidden_size)
-            assert owner.step(session, hidden, [0], []).header["code"] == "session_expired"
-            assert other.step(session, hidden, [0], []).header["code"] == "unknown_session"
+            assert owner.step(session, hidden, [0], []).code == "session_expired"  # type: ignore[union-attr]
+            assert other.step(session, hidden, [0], []).code == "unknown_session"  # type: ignore[union-attr]
             assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0
 
 
@@ -318,21 +314,21 @@ def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None: 
 
 def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    layers = (HEAD, files.config.num_layers - TAIL)
-    settings = ServerSettings(head=HEAD, tail=TAIL, max_sessions=3, max_sessions_per_principal=2)
+    layers = (FIRST, files.config.num_layers - LAST)
+    settings = ServerSettings(first=FIRST, last=LAST, max_sessions=3, max_sessions_per_principal=2)
     with ServerThread(MiddleServer(tiny, settings, TokenTable.load(token_file))) as thread:
         clients = {p: RawClient(thread.url, ConnectionOptions(token=TOKENS[p])) for p in TOKENS}
         try:
-            a1, a2 = (clients["alice"].open(files, layers).header["session"] for _ in range(2))
-            third = clients["alice"].open(files, layers).header
-            assert (third["code"], third["retryable"]) == ("principal_full", True)
-            assert "session" in clients["bob"].open(files, layers).header
-            full = clients["carol"].open(files, layers).header
-            assert (full["code"], full["retryable"]) == ("server_full", True)
-            assert clients["alice"].request({"op": "close", "session": a1}).header["op"] == "closed"
-            assert "session" in clients["carol"].open(files, layers).header
+            a1, a2 = (clients["alice"].open(files, layers).session for _ in range(2))  # type: ignore[union-attr]
+            third = clients["alice"].open(files, layers)
+            assert isinstance(third, ErrorMessage) and (third.code, third.retryable) == ("principal_full", True)
+            assert isinstance(clients["bob"].open(files, layers), OpenedMessage)
+            full = clients["carol"].open(files, layers)
+            assert isinstance(full, ErrorMessage) and (full.code, full.retryable) == ("server_full", True)
+            assert isinstance(clients["alice"].close_session(a1), ClosedMessage)
+            assert isinstance(clients["carol"].open(files, layers), OpenedMessage)
             step = clients["alice"].step(a2, torch.randn(2, files.config.hidden_size), [0, 1], [])
-            assert step.header["op"] == "result"  # the older session was never evicted
+            assert isinstance(step, ResultMessage)  # the older session was never evicted
         finally:
             for c in clients.values():
                 c.close()
@@ -340,38 +336,38 @@ def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_
 
 def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    layers = (HEAD, files.config.num_layers - TAIL)
-    probe = MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))
+    layers = (FIRST, files.config.num_layers - LAST)
+    probe = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))
     per_session = probe.stage.new_cache(CONTEXT).nbytes
-    settings = ServerSettings(head=HEAD, tail=TAIL, max_kv_bytes=int(2.5 * per_session))
+    settings = ServerSettings(first=FIRST, last=LAST, max_kv_bytes=int(2.5 * per_session))
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
         for _ in range(2):
-            assert "session" in raw.open(files, layers, CONTEXT).header
+            assert isinstance(raw.open(files, layers, CONTEXT), OpenedMessage)
         assert thread.server.info(ANONYMOUS)["kv_bytes"] == 2 * per_session
-        full = raw.open(files, layers, CONTEXT).header
-        assert (full["code"], full["retryable"]) == ("server_full", True) and "KV" in full["message"]
-        assert "session" in raw.open(files, layers, CONTEXT // 4).header  # a smaller one still fits
-        too_big = raw.open(files, layers, 4 * CONTEXT).header
-        assert too_big["code"] == "context_too_large" and "retryable" not in too_big
+        full = raw.open(files, layers, CONTEXT)
+        assert isinstance(full, ErrorMessage) and (full.code, full.retryable) == ("server_full", True) and "KV" in full.message
+        assert isinstance(raw.open(files, layers, CONTEXT // 4), OpenedMessage)  # a smaller one still fits
+        too_big = raw.open(files, layers, 4 * CONTEXT)
+        assert isinstance(too_big, ErrorMessage) and (too_big.code, too_big.retryable) == ("context_too_large", False)
         assert thread.server.info(ANONYMOUS)["kv_bytes"] <= settings.max_kv_bytes
     assert thread.server.info(ANONYMOUS)["kv_bytes"] == 0  # released with the connection
 
 
 def test_nodes_per_step_and_context_are_capped(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    layers = (HEAD, files.config.num_layers - TAIL)
-    settings = ServerSettings(head=HEAD, tail=TAIL, max_context=32, max_nodes_per_step=8)
+    layers = (FIRST, files.config.num_layers - LAST)
+    settings = ServerSettings(first=FIRST, last=LAST, max_context=32, max_nodes_per_step=8)
     with ServerThread(MiddleServer(tiny, settings)) as thread, RawClient(thread.url) as raw:
-        opened = raw.open(files, layers, 10_000).header
-        assert (opened["max_context"], opened["max_nodes"]) == (32, 8)
+        opened = raw.open(files, layers, 10_000)
+        assert isinstance(opened, OpenedMessage) and (opened.max_context, opened.max_nodes) == (32, 8)
         d = files.config.hidden_size
-        assert raw.step(opened["session"], torch.randn(9, d), list(range(9)), []).header["code"] == "too_many_nodes"
-        assert raw.step(opened["session"], torch.randn(8, d), list(range(8)), []).header["op"] == "result"
+        assert raw.step(opened.session, torch.randn(9, d), list(range(9)), []).code == "too_many_nodes"  # type: ignore[union-attr]
+        assert isinstance(raw.step(opened.session, torch.randn(8, d), list(range(8)), []), ResultMessage)
 
 
 def test_oversized_frame_is_refused_from_its_header(tiny, server) -> None:  # type: ignore[no-untyped-def]
     """A frame declaring 1 TiB is refused (close 1009) as soon as its length is read: nothing is buffered."""
-    thread = server(tiny, HEAD, TAIL, max_frame_bytes=1 << 20)
+    thread = server(tiny, FIRST, LAST, max_frame_bytes=1 << 20)
     with socket.create_connection(("127.0.0.1", thread.port), timeout=10) as sock:
         key = base64.b64encode(os.urandom(16))
         sock.sendall(
@@ -391,27 +387,22 @@ def test_oversized_frame_is_refused_from_its_header(tiny, server) -> None:  # ty
             reply += chunk
         assert reply[0] == 0x88 and struct.unpack(">H", reply[2:4])[0] == 1009  # close: message too big
     with RawClient(thread.url) as raw:  # and the server carries on
-        assert raw.send_raw(b"\x00").header["code"] == "bad_frame"
+        assert raw.send_raw(b"\x00").code == "bad_frame"  # type: ignore[union-attr]
 
 
-def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_a_peer_that_stops_reading_blocks_nobody(tiny, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    layers = [HEAD, files.config.num_layers - TAIL]
-    local, prompt = local_model(tiny, HEAD, TAIL), random_ids(8, 3)
-    settings = ServerSettings(head=HEAD, tail=TAIL, send_timeout_s=1.0)
+    layers = (FIRST, files.config.num_layers - LAST)
+    client_model, prompt = load_client_model(tiny, FIRST, LAST), random_ids(8, 3)
+    settings = ServerSettings(first=FIRST, last=LAST, send_timeout_s=1.0)
     with ServerThread(MiddleServer(tiny, settings)) as thread:
-        expected = greedy(local, _middle(thread), prompt, 24)
+        expected = greedy(client_model, _middle(thread), prompt, 24)
         # max_queue=1: this client's reader thread stops taking data after one message
         staller = connect(thread.url + "/ws", compression=None, max_size=None, max_queue=1, legacy=True)
-        open_header = {"op": "open", "version": wire.PROTOCOL_VERSION, "fingerprint": files.fingerprint,
-                       "layers": layers, "dtype": "float32", "max_context": 256}
-        staller.send(wire.encode(open_header))
-        session = wire.decode(staller.recv(timeout=10)).header["session"]
+        staller.send(messages.encode(OpenMessage(files.fingerprint, layers, "float32", 256)))
+        session = messages.decode(staller.recv(timeout=10), (OpenedMessage,)).session
         n = 256  # 64 KiB replies: a few hundred fill every socket buffer on the way back
-        big = wire.encode(
-            {"op": "step", "session": session, "positions": list(range(n)), "keep": []},
-            torch.randn(n, files.config.hidden_size), "float32",
-        )
+        big = messages.encode(StepMessage(session, torch.randn(n, files.config.hidden_size), "float32", tuple(range(n))))
 
         def flood() -> None:
             try:
@@ -422,22 +413,22 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, local_model, random_ids) 
 
         threading.Thread(target=flood, daemon=True).start()
         try:
-            assert greedy(local, _middle(thread), prompt, 24) == expected
+            assert greedy(client_model, _middle(thread), prompt, 24) == expected
             deadline = time.monotonic() + 60
             while _sample(thread, "splitllm_connections_dropped_total", reason="stalled") < 1:
                 assert time.monotonic() < deadline, "the stalled connection was never dropped"
                 time.sleep(0.1)
             assert thread.server.info(ANONYMOUS)["sessions"] == 0  # its session and KV memory are released
-            assert greedy(local, _middle(thread), prompt, 24) == expected
+            assert greedy(client_model, _middle(thread), prompt, 24) == expected
         finally:
             staller.socket.shutdown(socket.SHUT_RDWR)
 
 
 def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny)
-    with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL, idle_timeout_s=0.5))) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, idle_timeout_s=0.5))) as thread:
         with RawClient(thread.url) as raw:
-            assert "session" in raw.open(files, (HEAD, files.config.num_layers - TAIL)).header
+            assert isinstance(raw.open(files, (FIRST, files.config.num_layers - LAST)), OpenedMessage)
             with pytest.raises(ConnectionClosed) as closed:
                 raw.ws.recv(timeout=30)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
@@ -452,11 +443,11 @@ def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # 
 # --- observability --------------------------------------------------------------------------------------
 
 
-def test_logs_are_structured_and_carry_no_tensors(tiny, local_model, random_ids, caplog) -> None:  # type: ignore[no-untyped-def]
-    local = local_model(tiny, HEAD, TAIL)
+def test_logs_are_structured_and_carry_no_tensors(tiny, load_client_model, random_ids, caplog) -> None:  # type: ignore[no-untyped-def]
+    client_model = load_client_model(tiny, FIRST, LAST)
     with caplog.at_level(logging.DEBUG, logger="splitllm.server"):
-        with ServerThread(MiddleServer(tiny, ServerSettings(head=HEAD, tail=TAIL))) as thread:
-            greedy(local, _middle(thread), random_ids(8, 4), 6)
+        with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))) as thread:
+            greedy(client_model, _middle(thread), random_ids(8, 4), 6)
             with RawClient(thread.url) as raw:
                 raw.send_raw(b"garbage")
     records = [r for r in caplog.records if r.name == "splitllm.server"]

@@ -4,14 +4,19 @@ frame, with the session and the server left intact), and isolation between sessi
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
+from conftest import DEFAULT_SPLIT
 from protocol_client import RawClient
 from safetensors import safe_open
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages, wire
+from splitllm.protocol.messages import (
+    PROTOCOL_VERSION, ClosedMessage, ErrorMessage, OpenedMessage, OpenMessage, ResultMessage, StepMessage,
+)
 from splitllm.client.pipeline import SplitPipeline
 from splitllm.client.client import SplitClient
 from splitllm.testing.launch import ServerThread
@@ -20,10 +25,10 @@ from splitllm.decoding.sequential import decode_sequential
 from splitllm.weights.sources import ModelFiles
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
-from splitllm.stats import StepStats
-from splitllm.model.visibility import Visibility
+from splitllm.stats import StepTiming
+from splitllm.model.stage import Step
 
-HEAD, TAIL = 2, 2
+FIRST, LAST = DEFAULT_SPLIT
 CONTEXT = 64
 HIDDEN = 576  # the default model's hidden size
 PROMPT = "Name three colors of the rainbow and say one thing about each."
@@ -32,15 +37,16 @@ PROMPT = "Name three colors of the rainbow and say one thing about each."
 # --- what the server holds ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_server_holds_only_the_middle_layers(default_files, tensor_reads) -> None:
     names = tensor_reads
-    server = MiddleServer(None, ServerSettings(head=HEAD, tail=TAIL))
+    server = MiddleServer(None, ServerSettings(first=FIRST, last=LAST))
     cfg = default_files.config
-    middle = range(HEAD, cfg.num_layers - TAIL)
+    middle = range(FIRST, cfg.num_layers - LAST)
     assert names and {int(n.split(".")[2]) for n in names} == set(middle)
     assert all(n.startswith("model.layers.") for n in names)
     stage = server.stage
-    assert (stage.start, stage.end, len(stage.layers)) == (HEAD, cfg.num_layers - TAIL, len(middle))
+    assert (stage.start, stage.end, len(stage.layers)) == (FIRST, cfg.num_layers - LAST, len(middle))
     shapes = {tuple(p.shape) for p in stage.parameters()}
     assert not any(cfg.vocab_size in s for s in shapes)  # no embedding or LM head
     per_layer = sum(p.numel() for p in stage.layers[0].parameters())
@@ -54,16 +60,17 @@ def test_server_holds_only_the_middle_layers(default_files, tensor_reads) -> Non
 
 def test_server_reads_middle_biases_only(tiny_models, tensor_reads) -> None:
     names = tensor_reads
-    MiddleServer(str(tiny_models["qwen2"]), ServerSettings(head=1, tail=1))
+    MiddleServer(str(tiny_models["qwen2"]), ServerSettings(first=1, last=1))
     assert {int(n.split(".")[2]) for n in names} == {1, 2}
     assert "model.layers.1.self_attn.q_proj.bias" in names
     assert not any("embed" in n or "lm_head" in n or n == "model.norm.weight" for n in names)
 
 
-@pytest.mark.parametrize(("head", "tail"), [(0, 2), (2, -1), (20, 10), (29, 1), (30, 0)])
-def test_invalid_split_is_refused_naming_the_layer_count(head: int, tail: int) -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "last"), [(0, 2), (2, -1), (20, 10), (29, 1), (30, 0)])
+def test_invalid_split_is_refused_naming_the_layer_count(first: int, last: int) -> None:
     with pytest.raises(ValueError, match="the model has 30 layers"):
-        MiddleServer(None, ServerSettings(head=head, tail=tail))
+        MiddleServer(None, ServerSettings(first=first, last=last))
 
 
 # --- opening sessions -----------------------------------------------------------------------------------
@@ -71,22 +78,23 @@ def test_invalid_split_is_refused_naming_the_layer_count(head: int, tail: int) -
 
 @pytest.fixture(scope="module")
 def default_url(server) -> str:
-    return server(None, HEAD, TAIL).url
+    return server(None, FIRST, LAST).url
 
 
 def _open_header(files: ModelFiles, **override: object) -> dict:
     header = {
         "op": "open",
         "id": 1,
-        "version": wire.PROTOCOL_VERSION,
+        "version": PROTOCOL_VERSION,
         "fingerprint": files.fingerprint,
-        "layers": [HEAD, files.config.num_layers - TAIL],
+        "layers": [FIRST, files.config.num_layers - LAST],
         "dtype": "float32",
         "max_context": CONTEXT,
     }
     return {**header, **override}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "code"),
     [
@@ -94,7 +102,7 @@ def _open_header(files: ModelFiles, **override: object) -> dict:
         ({"fingerprint": None}, "model_mismatch"),
         ({"layers": [1, 28]}, "split_mismatch"),
         ({"layers": [2, 27]}, "split_mismatch"),
-        ({"version": wire.PROTOCOL_VERSION + 1}, "version_mismatch"),
+        ({"version": PROTOCOL_VERSION + 1}, "version_mismatch"),
         ({"version": None}, "version_mismatch"),
         ({"dtype": "int8"}, "bad_dtype"),
         ({"max_context": 0}, "bad_request"),
@@ -104,22 +112,39 @@ def _open_header(files: ModelFiles, **override: object) -> dict:
 def test_bad_open_is_refused_and_connection_stays_usable(default_url, default_files, override, code) -> None:
     with RawClient(default_url) as raw:
         refused = raw.request(_open_header(default_files, **override))
-        assert refused.header["op"] == "error" and refused.header["code"] == code and refused.header["id"] == 1
-        assert refused.header["message"]
+        assert isinstance(refused, ErrorMessage) and (refused.code, refused.id) == (code, 1) and refused.message
         opened = raw.request(_open_header(default_files))
-        assert opened.header["op"] == "opened" and opened.header["max_context"] == CONTEXT
+        assert isinstance(opened, OpenedMessage) and opened.max_context == CONTEXT
 
 
+@pytest.mark.slow
+def test_a_client_of_another_protocol_version_is_refused_naming_both(default_url, default_files) -> None:
+    """An older client's `open`, byte for byte as it sends it, and a newer one's get a refusal naming both
+    versions (an older client reads error frames as this one does); the connection stays usable."""
+    layers = (FIRST, default_files.config.num_layers - LAST)
+    older = wire.encode({"op": "open", "version": 2, "fingerprint": default_files.fingerprint, "layers": list(layers),
+                         "dtype": "float32", "max_context": CONTEXT, "id": 1})
+    newer = messages.encode(OpenMessage(default_files.fingerprint, layers, "float32", version=PROTOCOL_VERSION + 1))
+    with RawClient(default_url) as raw:
+        for message, theirs in ((older, 2), (newer, PROTOCOL_VERSION + 1)):
+            refused = raw.send_raw(message)
+            assert isinstance(refused, ErrorMessage) and refused.code == "version_mismatch"
+            assert f"server speaks protocol {PROTOCOL_VERSION} and the client speaks protocol {theirs}" in refused.message
+        assert isinstance(raw.send(OpenMessage(default_files.fingerprint, layers, "float32", CONTEXT)), OpenedMessage)
+
+
+@pytest.mark.slow
 def test_model_mismatch_names_the_servers_model_and_both_fingerprints(default_url, default_files) -> None:
     with RawClient(default_url) as raw:
-        message = raw.request(_open_header(default_files, fingerprint="0" * 64)).header["message"]
+        message = raw.request(_open_header(default_files, fingerprint="0" * 64)).message  # type: ignore[union-attr]
     assert default_files.path.name in message and default_files.fingerprint[:16] in message and "0" * 16 in message
 
 
+@pytest.mark.slow
 def test_split_mismatch_names_both_splits(default_url, default_files) -> None:
     with RawClient(default_url) as raw:
-        message = raw.request(_open_header(default_files, layers=[4, 26])).header["message"]
-    assert "[2, 28) (a client with --head 2 --tail 2)" in message and message.endswith("asked for [4, 26)")
+        message = raw.request(_open_header(default_files, layers=[4, 26])).message  # type: ignore[union-attr]
+    assert "[2, 28) (a client with --first 2 --last 2)" in message and message.endswith("asked for [4, 26)")
 
 
 # --- hostile frames between the steps of a real decode -------------------------------------------------
@@ -184,22 +209,22 @@ class _HostileMiddle:
         self.ids = iter(range(100, 10**6))
 
     def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
-        while_waiting: Iterator[object] | None = None,  # the decoder runs what this leaves
+        self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None  # the decoder runs what this leaves
     ) -> torch.Tensor:
-        header = {"op": "step", "session": self.session, "positions": positions.tolist(), "keep": list(keep)}
-        header.update(vis.to_wire())
+        parents, bits = step.vis.to_wire()
+        request = StepMessage(self.session, step.inputs, "float32", tuple(step.positions.tolist()), step.keep, parents, bits)
+        header = request.header()
         if self.hostile_steps > 0:
             self.hostile_steps -= 1
-            for what, message, code in _hostile(header, hidden, self.other, self.max_position):
+            for what, message, code in _hostile(header, step.inputs, self.other, self.max_position):
                 message, rid = _with_id(message, next(self.ids))
-                reply = self.raw.send_raw(message).header
-                assert (reply["op"], reply.get("code"), reply["id"]) == ("error", code, rid), f"{what}: {reply}"
-                assert reply["message"], what
+                refused = self.raw.send_raw(message)
+                assert isinstance(refused, ErrorMessage) and (refused.code, refused.id) == (code, rid), f"{what}: {refused}"
+                assert refused.message, what
                 self.refused.append(what)
-        reply = self.raw.request({**header, "id": next(self.ids)}, hidden)
-        assert reply.header["op"] == "result" and reply.tensor is not None, reply.header
-        return reply.tensor.float()
+        reply = self.raw.send(replace(request, id=next(self.ids)))
+        assert isinstance(reply, ResultMessage), reply
+        return reply.hidden.float()
 
 
 def _with_id(message: bytes, rid: int) -> tuple[bytes, int | None]:
@@ -211,64 +236,61 @@ def _with_id(message: bytes, rid: int) -> tuple[bytes, int | None]:
     return wire.encode({**frame.header, "id": rid}) + frame.payload, rid
 
 
-def test_hostile_frames_leave_the_session_decoding_correctly(default_url, default_files, local_model, split_greedy):
-    local = local_model(None, HEAD, TAIL)
-    prompt = SplitClient(None, None, HEAD, TAIL, precision=EXACT).encode_prompt(PROMPT)
-    expected = split_greedy(local, default_url, prompt, 12)
+@pytest.mark.slow
+def test_hostile_frames_leave_the_session_decoding_correctly(default_url, default_files, load_client_model, split_greedy):
+    client_model = load_client_model(None, FIRST, LAST)
+    prompt = SplitClient(None, None, FIRST, LAST, precision=EXACT).encode_prompt(PROMPT)
+    expected = split_greedy(client_model, default_url, prompt, 12)
     with RawClient(default_url) as raw, RawClient(default_url) as other:
-        other_session = other.request(_open_header(default_files)).header["session"]
-        session = raw.request(_open_header(default_files)).header["session"]
+        other_session = other.request(_open_header(default_files)).session  # type: ignore[union-attr]
+        session = raw.request(_open_header(default_files)).session  # type: ignore[union-attr]
         middle = _HostileMiddle(raw, session, other_session, default_files.config.max_position, hostile_steps=3)
-        pipeline = SplitPipeline(local, middle, CONTEXT)
+        pipeline = SplitPipeline(client_model, middle, CONTEXT)
         got = [t for out in decode_sequential(pipeline, prompt, 12, frozenset()) for t in out.tokens]
         assert len(middle.refused) == 3 * len(set(middle.refused)) >= 3 * 25
         # the other connection's session was never touched either
-        probe = other.request(
-            {"op": "step", "id": 9, "session": other_session, "positions": [0], "keep": []}, torch.zeros(1, HIDDEN)
-        )
-        assert probe.header["op"] == "result"
+        assert isinstance(other.step(other_session, torch.zeros(1, HIDDEN), [0], []), ResultMessage)
     assert got == expected
 
 
+@pytest.mark.slow
 def test_error_frames_echo_the_request_id(default_url, default_files) -> None:
     with RawClient(default_url) as raw:
-        session = raw.request(_open_header(default_files)).header["session"]
+        session = raw.request(_open_header(default_files)).session  # type: ignore[union-attr]
         step = {"op": "step", "session": session, "positions": [0], "keep": []}
         reply = raw.request({**step, "id": "abc"}, torch.zeros(1, 5))
-        assert reply.header == {"op": "error", "id": "abc", "code": "bad_shape", "message": reply.header["message"]}
-        closed = raw.request({"op": "close", "id": 4, "session": session})
-        assert closed.header == {"op": "closed", "id": 4}
+        assert reply == ErrorMessage("bad_shape", reply.message, id="abc")  # type: ignore[union-attr]
+        assert raw.request({"op": "close", "id": 4, "session": session}) == ClosedMessage(4)
         gone = raw.request({**step, "id": 5}, torch.zeros(1, HIDDEN))
-        assert (gone.header["code"], gone.header["id"]) == ("unknown_session", 5)
+        assert isinstance(gone, ErrorMessage) and (gone.code, gone.id) == ("unknown_session", 5)
         again = raw.request({"op": "close", "id": 6, "session": session})
-        assert again.header["code"] == "unknown_session"
+        assert isinstance(again, ErrorMessage) and again.code == "unknown_session"
 
 
+@pytest.mark.slow
 def test_a_session_dies_with_its_connection_only(default_url, default_files) -> None:
     with RawClient(default_url) as keeper:
-        kept = keeper.request(_open_header(default_files)).header["session"]
-        step = {"op": "step", "session": kept, "positions": [0], "keep": []}
+        kept = keeper.request(_open_header(default_files)).session  # type: ignore[union-attr]
         with RawClient(default_url) as leaver:
             leaver.request(_open_header(default_files))
         with RawClient(default_url) as thief:
-            stolen = thief.request(step, torch.zeros(1, HIDDEN))
-            assert stolen.header["code"] == "unknown_session"
-        ok = keeper.request(step, torch.zeros(1, HIDDEN))
-        assert ok.header["op"] == "result"
+            stolen = thief.step(kept, torch.zeros(1, HIDDEN), [0], [])
+            assert isinstance(stolen, ErrorMessage) and stolen.code == "unknown_session"
+        assert isinstance(keeper.step(kept, torch.zeros(1, HIDDEN), [0], []), ResultMessage)
 
 
+@pytest.mark.slow
 def test_a_text_frame_closes_that_connection_with_a_reason(default_url, default_files) -> None:
     from websockets.exceptions import ConnectionClosed
 
     with RawClient(default_url) as keeper:
-        kept = keeper.request(_open_header(default_files)).header["session"]
+        kept = keeper.request(_open_header(default_files)).session  # type: ignore[union-attr]
         with RawClient(default_url) as texter:
             texter.ws.send("not a frame")
             with pytest.raises(ConnectionClosed) as closed:
                 texter.ws.recv(timeout=30)
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 1003
-        ok = keeper.request({"op": "step", "session": kept, "positions": [0], "keep": []}, torch.zeros(1, HIDDEN))
-        assert ok.header["op"] == "result"
+        assert isinstance(keeper.step(kept, torch.zeros(1, HIDDEN), [0], []), ResultMessage)
 
 
 def test_server_settings_are_keyword_only() -> None:
@@ -279,8 +301,9 @@ def test_server_settings_are_keyword_only() -> None:
 # --- concurrency ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_concurrent_sessions_do_not_interfere(default_url) -> None:
-    client = SplitClient(None, default_url, HEAD, TAIL, wire_dtype="float32", max_context=256, precision=EXACT)
+    client = SplitClient(None, default_url, FIRST, LAST, wire_dtype="float32", max_context=256, precision=EXACT)
     # The server batches concurrent steps, which rounds differently from solo steps (~1e-4); these
     # prompts' greedy top-2 logit gaps stay above 0.07 over the 20 tokens, so rounding cannot flip a token.
     texts = [
@@ -311,13 +334,13 @@ def test_concurrent_sessions_do_not_interfere(default_url) -> None:
     assert [results[i] for i in range(len(prompts))] == solo
 
 
-def test_the_server_loads_and_steps_on_one_compute_thread(tiny_models, local_model, split_greedy, stage_threads) -> None:
+def test_the_server_loads_and_steps_on_one_compute_thread(tiny_models, load_client_model, split_greedy, stage_threads) -> None:
     """PyTorch keeps a thread pool per thread that starts parallel work; a server that loaded on one
     thread and stepped on another ran its steps at half speed (threads.ComputeThread)."""
     model = tiny_models["qwen2"]
-    local = local_model(model, 1, 1)
-    with ServerThread(MiddleServer(str(model), ServerSettings(head=1, tail=1))) as server:
-        split_greedy(local, server.url, [5, 9, 2, 7], 4)
+    client_model = load_client_model(model, 1, 1)
+    with ServerThread(MiddleServer(str(model), ServerSettings(first=1, last=1))) as server:
+        split_greedy(client_model, server.url, [5, 9, 2, 7], 4)
     middle = [(what, name) for what, start, name in stage_threads if start == 1]
     assert {what for what, _ in middle} == {"load", "forward"}
     assert {name for _, name in middle} == {server.server.compute.run(lambda: threading.current_thread().name)}

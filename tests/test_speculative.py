@@ -1,8 +1,8 @@
 """Speculative decoding commits exactly what sequential greedy decoding commits, and leaves every cache
-(client head and tail, server middle) as a from-scratch computation of the committed tokens would.
+(client first and last stages, server middle) as a from-scratch computation of the committed tokens would.
 
 Property tests run tiny random models in float64, where logits do not depend on the batch beyond
-~1e-15, so any difference is a bug; drafts come from a scripted proposer that knows the greedy
+~1e-15, so any difference is a bug; candidates come from a scripted proposer that knows the greedy
 continuation and corrupts it at random, so every accept/reject pattern and cache compaction occurs.
 """
 
@@ -14,22 +14,22 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import random_head
+from conftest import random_drafter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
 from splitllm.decoding.sizing.policies import StaticPolicy
-from splitllm.decoding.proposers import Draft, Proposer
+from splitllm.decoding.proposers import Candidate, Proposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -48,11 +48,11 @@ def one_thread():  # type: ignore[no-untyped-def]
 
 @dataclass
 class Float64Model:
-    local: LocalModel
+    client_model: ClientModel
     middle: Stage
 
     def pipeline(self) -> SplitPipeline:
-        return SplitPipeline(self.local, LocalMiddle(self.middle, CONTEXT), CONTEXT)
+        return SplitPipeline(self.client_model, InProcessMiddle(self.middle, CONTEXT), CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +61,9 @@ def f64(tiny_models) -> dict[str, Float64Model]:  # type: ignore[no-untyped-def]
     for name in ("llama", "mistral"):  # mistral: sliding window 8, so trees cross window edges
         files = ModelFiles(tiny_models[name])
         end = files.config.num_layers - 1
-        local = LocalModel(files, 1, 1, torch.float64)
-        local.drafter = random_head(files, torch.float64)  # `draft` and `auto` draft with it too
-        models[name] = Float64Model(local, Stage.load(files, 1, end, torch.float64))
+        client_model = ClientModel(files, 1, 1, torch.float64)
+        client_model.drafter = random_drafter(files, torch.float64)  # `drafter` and `auto` draft with it too
+        models[name] = Float64Model(client_model, Stage.load(files, 1, end, torch.float64))
     return models
 
 
@@ -76,16 +76,16 @@ class Scripted:
     def __init__(self, truth: Sequence[int], seed: int) -> None:
         self.truth, self.rng = truth, random.Random(seed)
 
-    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Draft]:
+    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Candidate]:
         true = list(self.truth[len(history) : len(history) + budget.depth])
-        drafts = []
+        candidates = []
         for _ in range(budget.guesses):
             keep = self.rng.randint(0, len(true))
             noise = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(0, 3))]
             tokens = tuple(true[:keep] + noise)
             if tokens:
-                drafts.append(Draft(tokens, self.name, self.rng.uniform(0.05, 1.0)))
-        return drafts
+                candidates.append(Candidate(tokens, self.name, self.rng.uniform(0.05, 1.0)))
+        return candidates
 
 
 def sequential(model: Float64Model, prompt: list[int], n: int, stop_ids: frozenset[int]) -> list[int]:
@@ -96,15 +96,15 @@ def assert_caches_match_recomputation(
     model: Float64Model, pipeline: SplitPipeline, path: list[int], ids: list[int]
 ) -> None:
     """Commit the last step's path everywhere (what the next step's keep does), then compare with a fresh prefill."""
-    assert isinstance(pipeline.middle, LocalMiddle)
-    caches = [pipeline.caches.head, pipeline.caches.tail, pipeline.middle.cache]
+    assert isinstance(pipeline.middle, InProcessMiddle)
+    caches = [pipeline.caches.first, pipeline.caches.last, pipeline.middle.cache]
     for cache in caches:
         cache.keep(path)
     length = len(ids) - 1  # the last committed token is never fed
     fresh = model.pipeline()
-    fresh.forward(torch.tensor(ids[:-1]), torch.arange(length), Visibility.chain(length), [])
-    assert isinstance(fresh.middle, LocalMiddle)
-    for cache, ref in zip(caches, [fresh.caches.head, fresh.caches.tail, fresh.middle.cache]):
+    fresh.forward(Step(torch.tensor(ids[:-1]), torch.arange(length), Visibility.chain(length)))
+    assert isinstance(fresh.middle, InProcessMiddle)
+    for cache, ref in zip(caches, [fresh.caches.first, fresh.caches.last, fresh.middle.cache]):
         ref.keep(list(range(length)))
         assert cache.length == ref.length == length
         assert torch.equal(cache.positions[:length], torch.arange(length))
@@ -152,7 +152,8 @@ def test_speculative_equals_sequential_and_caches_match(
     assert ids == expected
     for i, out in enumerate(outs):
         fed = len(prompt) if i == 0 else 1  # the prompt, then each step's bonus token from the step before
-        assert out.stats.nodes == fed + out.stats.drafted + out.stats.window
+        spec = out.stats.speculation
+        assert out.stats.timing.nodes == fed + spec.drafted + spec.window
         assert len(out.tokens) == len(out.path) - fed + 1
     assert_caches_match_recomputation(model, pipeline, outs[-1].path, prompt + ids)
 
@@ -172,15 +173,15 @@ def test_modes_match_sequential_on_a_repetitive_prompt(f64, mode: str) -> None: 
 def test_speculation_over_a_server_matches_sequential(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
     """Over a real socket (float32 on the wire and in compute): trees and windows travel and compact there too."""
     folder = tiny_models["qwen2"]
-    local = LocalModel(ModelFiles(folder), 1, 1)
-    local.drafter = random_head(local.files)
+    client_model = ClientModel(ModelFiles(folder), 1, 1)
+    client_model.drafter = random_drafter(client_model.files)
     url = server(folder, 1, 1).url
     prompt = [3, 4, 5, 6] * 5
 
     def run(decoder) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
-        middle = RemoteMiddle(url, local.files.fingerprint, local.middle_range, "float32", CONTEXT)
+        middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, "float32", CONTEXT)
         try:
-            outs = list(decoder(SplitPipeline(local, middle, CONTEXT), prompt, 48, frozenset()))
+            outs = list(decoder(SplitPipeline(client_model, middle, CONTEXT), prompt, 48, frozenset()))
         finally:
             middle.close()
         return [t for out in outs for t in out.tokens], len(outs)

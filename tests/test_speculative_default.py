@@ -41,25 +41,25 @@ def test_speculation_accepts_drafts_and_reports_them(client) -> None:  # type: i
     # In-process there is no round trip to adapt to, so the adaptive policy would rightly not speculate.
     static = SpeculativeDecoder(SpeculationConfig(Mode.AUTO, StaticPolicy(AUTO_BUDGET)))
     gen = client.generate(prompt, 48, decode=static)
-    decode_steps = gen.steps[1:]
+    decode_steps = [s.speculation for s in gen.steps[1:]]
     assert len(gen.ids) == 48 and gen.tokens_per_step > 1.2
     assert {s.proposer for s in decode_steps} - {""} <= {"lookup", "lookahead"}
     assert any(s.proposer for s in decode_steps)
-    assert all(s.nodes == 1 + s.drafted + s.window for s in decode_steps)
-    assert sum(s.accepted for s in gen.steps) == 48
+    assert all(s.timing.nodes == 1 + s.speculation.drafted + s.speculation.window for s in gen.steps[1:])
+    assert sum(s.speculation.accepted for s in gen.steps) == 48
 
 
 @pytest.mark.slow
-def test_draft_mode_with_the_shipped_head_matches_sequential_over_a_server(server) -> None:  # type: ignore[no-untyped-def]
-    """The shipped head drafts over a real server on loopback with a float32 wire: sequential's tokens,
-    and the head's nodes get accepted."""
+def test_draft_mode_with_the_shipped_drafter_matches_sequential_over_a_server(server) -> None:  # type: ignore[no-untyped-def]
+    """The shipped drafter drafts over a real server on loopback with a float32 wire: sequential's tokens,
+    and the drafter's nodes get accepted."""
     url = server(None, 2, 2).url
     remote = SplitClient(None, url, wire_dtype="float32", max_context=512, precision=EXACT)
-    assert remote.local.drafter is not None, "no drafter is shipped for the default model"
+    assert remote.client_model.drafter is not None, "no drafter is shipped for the default model"
     prompt = "Explain in three sentences why the sky is blue."
     expected = remote.generate(prompt, 48).ids
-    gen = remote.generate(prompt, 48, decode="draft")
+    gen = remote.generate(prompt, 48, decode="drafter")
     assert gen.ids == expected
     decode_steps = gen.steps[1:]
-    assert sum(n for s in decode_steps for src, n in s.sources.items() if "draft" in src) > 0
-    assert all(s.draft_ms > 0 for s in decode_steps) and gen.tokens_per_step > 1.0
+    assert sum(n for s in decode_steps for src, n in s.speculation.sources.items() if "draft" in src) > 0
+    assert all(s.timing.draft_ms > 0 for s in decode_steps) and gen.tokens_per_step > 1.0

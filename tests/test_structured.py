@@ -42,7 +42,7 @@ def api(request: pytest.FixtureRequest, server) -> Iterator[tuple[str, openai.Op
     """An OpenAI client on `client-api`'s app over a real server thread: the smaller Qwen (its template
     takes tools) and the default model (its template does not)."""
     model = None if request.param == "default" else request.param
-    client = SplitClient(model, server(model, 2, 2).url, head=2, tail=2)
+    client = SplitClient(model, server(model, 2, 2).url, first=2, last=2)
     with serve_http(create_app(client, "m")) as url:
         yield request.param, openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
 

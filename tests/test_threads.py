@@ -76,7 +76,7 @@ def _thread_cores(pid: int) -> dict[int, str]:
 
 
 def test_a_server_pins_its_compute_threads_and_leaves_its_event_loop_free(tiny_models) -> None:  # type: ignore[no-untyped-def]
-    args = ["--model", str(tiny_models["qwen2"]), "--head", "1", "--tail", "1", "--threads", str(len(CORES))]
+    args = ["--model", str(tiny_models["qwen2"]), "--first", "1", "--last", "1", "--threads", str(len(CORES))]
     with ServerProcess(*args, timeout=120) as server:
         pid = server.proc.pid  # type: ignore[union-attr]
         threads = _thread_cores(pid)

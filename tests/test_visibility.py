@@ -6,18 +6,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import DEFAULT_MODEL_CASE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages
+from splitllm.protocol.messages import StepMessage
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 ATOL, RTOL = 1e-4, 1e-5  # float32 logits of the default model reach ~20: its rounding scales with them
 
 
 def _round_trip(vis: Visibility) -> Visibility:
-    frame = wire.decode(wire.encode({"op": "step", **vis.to_wire()}))
-    return Visibility.from_wire(frame.header, vis.n)
+    parents, bits = vis.to_wire()
+    sent = StepMessage("s", torch.zeros(vis.n, 1), "float32", tuple(range(vis.n)), parents=parents, bits=bits)
+    got = messages.decode(messages.encode(sent), (StepMessage,))
+    return Visibility.from_wire(got.parents, got.bits, vis.n)
 
 
 # --- construction and encoding ---------------------------------------------------------------------
@@ -63,7 +68,8 @@ def _matrices(draw: st.DrawFn) -> np.ndarray:
 @given(_matrices())
 def test_bit_matrix_survives_the_wire(matrix: np.ndarray) -> None:
     vis = Visibility.from_matrix(matrix)
-    assert "bits" in vis.to_wire() and len(vis.to_wire()["bits"]) == (vis.n**2 + 7) // 8
+    parents, bits = vis.to_wire()
+    assert parents is None and bits is not None and len(bits) == (vis.n**2 + 7) // 8
     back = _round_trip(vis)
     assert back.parents is None and torch.equal(back.matrix, vis.matrix)
 
@@ -78,15 +84,15 @@ def test_parents_survive_the_wire(seeds: list[int]) -> None:
 
 
 def test_wire_fields_are_checked() -> None:
-    assert torch.equal(Visibility.from_wire({}, 3).matrix, Visibility.chain(3).matrix)
+    assert torch.equal(Visibility.from_wire(None, None, 3).matrix, Visibility.chain(3).matrix)
     with pytest.raises(ValueError, match="list of 3"):
-        Visibility.from_wire({"parents": [-1, 0]}, 3)
+        Visibility.from_wire([-1, 0], None, 3)
     with pytest.raises(ValueError, match="2 bytes for 3"):
-        Visibility.from_wire({"bits": b"\xff"}, 3)
+        Visibility.from_wire(None, b"\xff", 3)
     with pytest.raises(ValueError, match="2 bytes for 3"):
-        Visibility.from_wire({"bits": "ab"}, 3)
+        Visibility.from_wire(None, "ab", 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="see itself"):
-        Visibility.from_wire({"bits": b"\x00\x00"}, 3)
+        Visibility.from_wire(None, b"\x00\x00", 3)
 
 
 # --- masks -------------------------------------------------------------------------------------------
@@ -142,26 +148,26 @@ def _vocab(model) -> int:
     return 49152 if model is None else 512
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "default"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", DEFAULT_MODEL_CASE])
 def test_tree_node_logits_equal_its_path_alone(name, tiny_models, pipeline, random_ids) -> None:
     model = None if name == "default" else tiny_models[name]
     prompt = random_ids(13, 21, _vocab(model))
     nodes = random_ids(14, 22, _vocab(model))
     parents, depth = _random_tree(len(nodes), seed=23)
     p = pipeline(model)
-    p.score(torch.tensor(prompt), torch.arange(len(prompt)), Visibility.chain(len(prompt)), [])
+    p.score(Step(torch.tensor(prompt), torch.arange(len(prompt)), Visibility.chain(len(prompt))))
     positions = torch.tensor([len(prompt) + d for d in depth])
-    tree, _ = p.score(torch.tensor(nodes), positions, Visibility.from_parents(parents), list(range(len(prompt))))
+    tree, _ = p.score(Step(torch.tensor(nodes), positions, Visibility.from_parents(parents), range(len(prompt))))
     for i in range(len(nodes)):
         path = [nodes[j] for j in _path(parents, i)]
         seq = prompt + path
         alone, _ = pipeline(model).score(
-            torch.tensor(seq), torch.arange(len(seq)), Visibility.chain(len(seq)), [], rows=torch.tensor([len(seq) - 1])
+            Step(torch.tensor(seq), torch.arange(len(seq)), Visibility.chain(len(seq))), rows=torch.tensor([len(seq) - 1])
         )
         torch.testing.assert_close(tree[i], alone[0], rtol=RTOL, atol=ATOL, msg=lambda m: f"node {i}: {m}")
 
 
-@pytest.mark.parametrize("name", ["llama", "default"])
+@pytest.mark.parametrize("name", ["llama", DEFAULT_MODEL_CASE])
 def test_bit_matrix_step_matches_transformers_custom_mask(name, tiny_models, pipeline, hf_model, random_ids) -> None:
     """A general (non-tree) pattern: each row sees an arbitrary subset of the new positions."""
     model = None if name == "default" else tiny_models[name]
@@ -172,8 +178,8 @@ def test_bit_matrix_step_matches_transformers_custom_mask(name, tiny_models, pip
     positions = torch.tensor(rng.integers(len(prompt), len(prompt) + 5, size=9))
     vis = _round_trip(Visibility.from_matrix(see))
     p = pipeline(model)
-    p.score(torch.tensor(prompt), torch.arange(len(prompt)), Visibility.chain(len(prompt)), [])
-    ours, _ = p.score(torch.tensor(nodes), positions, vis, list(range(len(prompt))))
+    p.score(Step(torch.tensor(prompt), torch.arange(len(prompt)), Visibility.chain(len(prompt))))
+    ours, _ = p.score(Step(torch.tensor(nodes), positions, vis, range(len(prompt))))
     total = len(prompt) + len(nodes)
     mask = torch.zeros(total, total, dtype=torch.bool)
     mask[: len(prompt), : len(prompt)] = Visibility.chain(len(prompt)).matrix
@@ -195,7 +201,7 @@ def test_tree_as_bits_equals_tree_as_parents(tiny_models, pipeline, random_ids) 
     out = []
     for vis in (as_parents, as_bits):
         p = pipeline(tiny_models["qwen2"], 1, 1)
-        p.score(torch.tensor(random_ids(6, 42)), torch.arange(6), Visibility.chain(6), [])
-        logits, _ = p.score(torch.tensor(random_ids(10, 43)), torch.tensor(depth) + 6, vis, list(range(6)))
+        p.score(Step(torch.tensor(random_ids(6, 42)), torch.arange(6), Visibility.chain(6)))
+        logits, _ = p.score(Step(torch.tensor(random_ids(10, 43)), torch.tensor(depth) + 6, vis, range(6)))
         out.append(logits)
     assert torch.equal(out[0], out[1])

@@ -39,7 +39,7 @@ def chat_url(server) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """The endpoint with its client behind an emulated 40 ms link to a real server."""
     target = server(None, 2, 2)
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=40)) as proxy:
-        client = SplitClient(None, f"ws://127.0.0.1:{proxy.port}", head=2, tail=2)
+        client = SplitClient(None, f"ws://127.0.0.1:{proxy.port}", first=2, last=2)
         with serve_http(create_app(client, "splitllm-test")) as url:
             yield url
 

@@ -1,9 +1,11 @@
 """The frame format: layout, tensor round trips per dtype, and a clear ProtocolError for every
-malformed frame (never an unrelated exception)."""
+malformed frame (never an unrelated exception); the typed messages: round trips, the header they
+write, and a refusal on receipt, with its code, for every malformed request."""
 
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -11,7 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages, wire
+from splitllm.protocol.messages import (
+    CloseMessage, ClosedMessage, ErrorMessage, OpenedMessage, OpenMessage, ResultMessage, StepMessage,
+)
 from splitllm.protocol.wire import ProtocolError
 
 
@@ -116,6 +121,96 @@ def test_truncated_step_frame() -> None:
 
 
 @pytest.mark.parametrize(("rid", "echoed"), [(5, 5), ("a", "a"), (None, None), ([1], None), (1.5, None)])
-def test_error_frame(rid: object, echoed: object) -> None:
-    frame = wire.decode(wire.error_frame(rid, "bad_request", "nope"))
+def test_a_reply_echoes_only_an_integer_or_string_id(rid: object, echoed: object) -> None:
+    request = messages.decode(wire.encode({"op": "close", "id": rid, "session": "s"}), messages.REQUESTS)
+    assert request == CloseMessage("s", echoed)
+    frame = wire.decode(messages.encode(ErrorMessage("bad_request", "nope", id=request.id)))
     assert frame.header == {"op": "error", "id": echoed, "code": "bad_request", "message": "nope"}
+
+
+# --- typed messages --------------------------------------------------------------------------------------
+
+_HIDDEN = torch.arange(6, dtype=torch.float32).view(2, 3)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        OpenMessage("ab" * 32, (2, 28), "float16", 512, id=1),
+        OpenMessage("ab" * 32, (2, 28), "float32"),
+        OpenedMessage("s" * 24, 512, 256, 1),
+        StepMessage("s", _HIDDEN, "float32", (0, 1), (0, 2), parents=(-1, 0), id=7),
+        StepMessage("s", _HIDDEN, "float32", (4, 4), bits=b"\xd0", id="x"),
+        StepMessage("s", _HIDDEN, "float32", (0, 1)),
+        ResultMessage(_HIDDEN, "float32", 1.5, 7),
+        CloseMessage("s", 3),
+        ClosedMessage(3),
+        ErrorMessage("server_full", "later", True, 2),
+        ErrorMessage("bad_request", "no"),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_every_message_round_trips(message: messages.Message) -> None:
+    got = messages.decode(messages.encode(message), messages.REQUESTS + messages.REPLIES)
+    if isinstance(message, (StepMessage, ResultMessage)):
+        assert isinstance(got, type(message)) and torch.equal(got.hidden, message.hidden)
+        assert replace(got, hidden=message.hidden) == message  # type: ignore[type-var]
+    else:
+        assert got == message
+
+
+def test_a_step_is_framed_as_before_the_messages_were_typed() -> None:
+    """The header's keys and their order are the protocol's: only the version number moved."""
+    step = messages.encode(StepMessage("s", _HIDDEN, "float16", (0, 1), (0,), parents=(-1, 0), id=4))
+    (hlen,) = struct.unpack(">I", step[:4])
+    assert list(msgpack.unpackb(step[4 : 4 + hlen]).items()) == [
+        ("op", "step"), ("id", 4), ("session", "s"), ("keep", [0]), ("positions", [0, 1]), ("parents", [-1, 0]),
+        ("dtype", "float16"), ("shape", [2, 3]),
+    ]
+    open_ = wire.decode(messages.encode(OpenMessage("ab" * 32, (2, 28), "float16", 64, id=1))).header
+    assert list(open_) == ["op", "version", "fingerprint", "layers", "dtype", "max_context", "id"]
+    assert open_["version"] == messages.PROTOCOL_VERSION == 3
+
+
+def _step(**fields: object) -> bytes:
+    header = {"op": "step", "session": "s", "positions": [0, 1], "keep": [], **fields}
+    return wire.encode(header, _HIDDEN, "float32")
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        (wire.encode({"op": "result"}, _HIDDEN), "unknown_op"),  # a reply is no request
+        (wire.encode({"op": "attest"}), "unknown_op"),  # the handshake is read before, by the server
+        (wire.encode({"op": "open", "version": 2}), "version_mismatch"),
+        (wire.encode({"op": "open", "version": 3, "layers": [2, 28], "dtype": "float32"}), "model_mismatch"),
+        (wire.encode({"op": "open", "version": 3, "fingerprint": "x", "layers": [2], "dtype": "float32"}), "split_mismatch"),
+        (wire.encode({"op": "open", "version": 3, "fingerprint": "x", "layers": [2, 28], "dtype": "int8"}), "bad_dtype"),
+        (wire.encode({"op": "open", "version": 3, "fingerprint": "x", "layers": [2, 28], "dtype": "float32",
+                      "max_context": None}), "bad_request"),
+        (wire.encode({"op": "step", "positions": [0, 1]}, _HIDDEN), "unknown_session"),
+        (wire.encode({"op": "step", "session": "s", "positions": [0, 1]}), "bad_shape"),
+        (_step(positions=[0]), "bad_positions"),
+        (_step(positions=[0, True]), "bad_positions"),
+        (_step(positions=[0, 2**63]), "bad_request"),
+        (_step(keep=0), "bad_keep"),
+        (_step(keep=[0, 0]), "bad_request"),
+        (_step(keep=[-1]), "bad_request"),
+        (_step(keep=["0"]), "bad_request"),
+        (_step(parents=[-1, 1]), "bad_request"),
+        (_step(parents=None), "bad_request"),
+        (_step(bits=b"\xd0\x00"), "bad_request"),
+        (wire.encode({"op": "step", "session": "s", "positions": [0, 1]}, _HIDDEN / 0), "bad_values"),
+        (wire.encode({"op": "close"}), "unknown_session"),
+    ],
+)
+def test_a_malformed_request_is_refused_on_receipt(message: bytes, code: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        messages.decode(message, messages.REQUESTS)
+    assert info.value.code == code and info.value.message
+
+
+def test_a_request_without_visibility_is_a_chain_and_bits_none_too() -> None:
+    for message in (_step(), _step(bits=None)):
+        step = messages.decode(message, messages.REQUESTS)
+        assert isinstance(step, StepMessage) and (step.parents, step.bits) == (None, None)

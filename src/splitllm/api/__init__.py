@@ -1,1 +1,2 @@
-"""Ways in for existing tools: an OpenAI-compatible endpoint and a transformers-style model class."""
+"""Ways in for existing tools: an OpenAI-compatible endpoint with the web chat, a transformers-style model
+class, and the terminal chat."""

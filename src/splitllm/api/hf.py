@@ -7,6 +7,7 @@ Code written for `AutoModelForCausalLM.generate` (token id tensors in and out, `
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -16,6 +17,37 @@ from splitllm.decoding.modes import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
 
 
+@dataclass(frozen=True)
+class GenerationConfig:
+    """`SplitModelForCausalLM.generate`'s settings under transformers' names. Its sampling arguments
+    (`do_sample`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`) make `sampling`, with
+    transformers' defaults (top_k 50); `decode` is splitllm's decoding mode."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams(top_k=50)
+    decode: str = DEFAULT_DECODE
+    stop_strings: str | Sequence[str] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def of(cls, kwargs: dict[str, Any]) -> GenerationConfig:
+        """The settings `generate`'s keyword arguments name; a TypeError names any it does not take."""
+        sampling = {f.name for f in fields(SamplingParams)} - {"grammar"}
+        own = {f.name for f in fields(cls)} - {"sampling"}
+        unknown = sorted(set(kwargs) - sampling - own)
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword arguments: {', '.join(unknown)}")
+        given = {k: v for k, v in kwargs.items() if k in sampling}
+        return cls(**{k: v for k, v in kwargs.items() if k not in sampling}, sampling=replace(cls.sampling, **given))
+
+    def row_sampling(self, row: int) -> SamplingParams:
+        """Row `row`'s sampling: seeded with `seed + row`."""
+        return replace(self.sampling, seed=None if self.sampling.seed is None else self.sampling.seed + row)
+
+    def stops(self) -> list[str]:
+        return [self.stop_strings] if isinstance(self.stop_strings, str) else list(self.stop_strings or [])
+
+
 class SplitModelForCausalLM:
     def __init__(self, client: SplitClient) -> None:
         self.client = client
@@ -23,11 +55,11 @@ class SplitModelForCausalLM:
 
     @classmethod
     def from_pretrained(
-        cls, model: str | None = "default", server: str | None = None, head: int = 2, tail: int = 2, **kwargs: Any
+        cls, model: str | None = "default", server: str | None = None, first: int = 2, last: int = 2, **kwargs: Any
     ) -> SplitModelForCausalLM:
         """`model`: 'default', an HF folder or a .gguf file; `server`: ws(s)://host:port, None runs the
         middle in-process; other keyword arguments go to `SplitClient` (wire_dtype, connection, ...)."""
-        return cls(SplitClient(model, server, head, tail, **kwargs))
+        return cls(SplitClient(model, server, first, last, **kwargs))
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]
@@ -37,50 +69,35 @@ class SplitModelForCausalLM:
         self,
         input_ids: torch.Tensor | Sequence[Sequence[int]],
         attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 128,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 50,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
         streamer: Any = None,
-        decode: str = DEFAULT_DECODE,
-        stop_strings: str | Sequence[str] | None = None,
-        pad_token_id: int | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor:
         """Prompt ids (batch, length) -> prompt plus new ids, right-padded with `pad_token_id`.
 
-        Sampling defaults are transformers' (top_k 50); rows run one after another, row i seeded
-        with `seed + i`. A streamer gets the prompt, then each step's new ids, then `end()`.
+        Keyword arguments are `GenerationConfig`'s (transformers' names). Rows run one after another,
+        row i seeded with `seed + i`. A streamer gets the prompt, then each step's new ids, then `end()`.
         """
+        config = GenerationConfig.of(kwargs)
         rows = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [list(r) for r in input_ids]
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
             raise ValueError("padded prompts are not supported: pass each prompt unpadded")
         if streamer is not None and len(rows) != 1:
             raise ValueError("a streamer takes a batch of one prompt")
-        stop = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
-        outputs = []
-        for i, prompt in enumerate(rows):
-            sampling = SamplingParams(
-                do_sample=do_sample,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                repetition_penalty=repetition_penalty,
-                seed=None if seed is None else seed + i,
-            )
-            if streamer is not None:
-                streamer.put(torch.tensor(prompt))
-            new: list[int] = []
-            for _, out in self.client.stream(prompt, max_new_tokens, decode, False, sampling, stop):
-                new += out.tokens
-                if streamer is not None and out.tokens:
-                    streamer.put(torch.tensor(out.tokens))
-            if streamer is not None:
-                streamer.end()
-            outputs.append(prompt + new)
-        pad = pad_token_id if pad_token_id is not None else self.tokenizer.pad_token_id
+        outputs = [prompt + self._new_ids(prompt, config, config.row_sampling(i), streamer) for i, prompt in enumerate(rows)]
+        pad = config.pad_token_id if config.pad_token_id is not None else self.tokenizer.pad_token_id
         pad = pad if pad is not None else min(self.client.stop_ids, default=0)
         width = max(map(len, outputs))
         return torch.tensor([row + [pad] * (width - len(row)) for row in outputs], dtype=torch.long)
+
+    def _new_ids(self, prompt: list[int], config: GenerationConfig, sampling: SamplingParams, streamer: Any) -> list[int]:
+        """One row's new ids, streamed as they come."""
+        if streamer is not None:
+            streamer.put(torch.tensor(prompt))
+        new: list[int] = []
+        for _, out in self.client.stream(prompt, config.max_new_tokens, config.decode, False, sampling, config.stops()):
+            new += out.tokens
+            if streamer is not None and out.tokens:
+                streamer.put(torch.tensor(out.tokens))
+        if streamer is not None:
+            streamer.end()
+        return new

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP endpoint on the trusted device, so existing clients and tools use splitllm.
 
-It runs the client side of the split (tokenizer, embedding, head and tail layers, LM head); the
+It runs the client side of the split (tokenizer, embedding, first and last stages, LM head); the
 remote server still receives only hidden states. One generation runs at a time: the device's cores
 are the bottleneck, so requests queue on a lock. Beyond OpenAI's fields a request may set `top_k`,
 `repetition_penalty` and `decode` (the decoding mode); every response carries `splitllm`, the
@@ -19,7 +19,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from importlib import resources
 from dataclasses import replace
 from typing import Annotated, Any, Literal, NamedTuple
@@ -437,6 +437,21 @@ def create_app(
     endpoint = OpenAIEndpoint(client, model_name or client.files.path.name, decode, compute or ComputeThread(), reuse)
     app = FastAPI(title="splitllm", summary="OpenAI-compatible endpoint over a split model")
     app.state.endpoint = endpoint
+    _add_error_handlers(app)
+    owner = _key_check(api_keys)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        owner(request)
+        return endpoint.models()
+
+    _add_web_chat(app, endpoint, bool(api_keys))
+    _add_completions(app, endpoint, owner)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Errors as OpenAI's JSON bodies; a request that fails validation is a 400 naming its fields."""
 
     @app.exception_handler(_APIError)
     async def api_error(_request: Request, exc: _APIError) -> JSONResponse:
@@ -447,8 +462,11 @@ def create_app(
         message = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in exc.errors())
         return JSONResponse(_APIError(400, message).body(), status_code=400)
 
+
+def _key_check(api_keys: frozenset[str]) -> Callable[[Request], str | None]:
+    """A request's API key (None when none are configured); a 401 unless it is one of `api_keys`."""
+
     def owner(request: Request) -> str | None:
-        """The request's API key (None when none are configured); a 401 unless it is one of `api_keys`."""
         if not api_keys:
             return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -456,11 +474,11 @@ def create_app(
             raise _APIError(401, "a valid API key is needed: Authorization: Bearer <key>", "invalid_request_error")
         return key
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        owner(request)
-        return endpoint.models()
+    return owner
 
+
+def _add_web_chat(app: FastAPI, endpoint: OpenAIEndpoint, keyed: bool) -> None:
+    """The local web chat: its page, its files and what it shows (`keyed`: /v1 requests need an API key)."""
     app.mount("/static", StaticFiles(packages=[("splitllm.api", "web")]), name="static")
 
     @app.get("/", response_class=HTMLResponse)
@@ -471,8 +489,12 @@ def create_app(
     @app.get("/splitllm/info")
     async def info() -> dict[str, Any]:
         """What the chat page shows and offers: the model, where the middle runs, the decoding modes."""
-        return {"model": endpoint.model_name, "server": client.server, "modes": list(DECODERS), "decode": endpoint.decode,
-                "api_key": bool(api_keys)}
+        return {"model": endpoint.model_name, "server": endpoint.client.server, "modes": list(DECODERS),
+                "decode": endpoint.decode, "api_key": keyed}
+
+
+def _add_completions(app: FastAPI, endpoint: OpenAIEndpoint, owner: Callable[[Request], str | None]) -> None:
+    """/v1/chat/completions and /v1/completions, whole or streamed."""
 
     async def respond(prompt: Prompt, req: _Request, chat: bool, key: str | None) -> Any:
         try:
@@ -491,5 +513,3 @@ def create_app(
     async def completions(req: CompletionRequest, request: Request) -> Any:
         key = owner(request)
         return await respond(endpoint.text_prompt(req), req, False, key)
-
-    return app

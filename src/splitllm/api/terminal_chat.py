@@ -38,7 +38,7 @@ def stats_table(turns: list[Generation]) -> Table:
         m = mean_stats(gen.steps[1:] or gen.steps)
         table.add_row(
             str(i),
-            str(gen.steps[0].nodes if gen.steps else 0),
+            str(gen.steps[0].timing.nodes if gen.steps else 0),
             str(len(gen.ids)),
             str(len(gen.steps)),
             f"{gen.tokens_per_second:.1f}",

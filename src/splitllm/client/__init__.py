@@ -1,1 +1,1 @@
-"""The trusted side: tokenizer, embedding, head and tail layers, LM head, and the server connection."""
+"""The trusted side: tokenizer, embedding, first and last stages, LM head, and the server connection."""

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitllm.attestation.policy import AttestationPolicy
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, Middle, SplitPipeline
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, Middle, SplitPipeline
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.stopping import StopRule, stop_ids
@@ -26,7 +26,8 @@ from splitllm.model.kv import KVCache
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
 from splitllm.weights.sources import ModelFiles
-from splitllm.stats import StepStats, mean_stats
+from splitllm.decoding.sizing.latency import tokens_per_second
+from splitllm.stats import SpeculationMetrics, StepStats, mean_stats
 
 __all__ = ["DECODERS", "Conversation", "Decoder", "Generation", "SplitClient"]
 
@@ -46,15 +47,12 @@ class Generation:
 
     @property
     def tokens_per_step(self) -> float:
-        decode_steps = self.steps[1:]  # the first step is the prefill
-        return sum(s.accepted for s in decode_steps) / len(decode_steps) if decode_steps else 0.0
+        return SpeculationMetrics.of(self.steps[1:]).tokens_per_step  # the first step is the prefill
 
     @property
     def tokens_per_second(self) -> float:
         """Decode speed: tokens after the first over the time of the steps after the prefill."""
-        decode_steps = self.steps[1:]
-        ms = sum(s.total_ms for s in decode_steps)
-        return sum(s.accepted for s in decode_steps) / ms * 1000 if ms > 0 else 0.0
+        return tokens_per_second(self.steps[1:])
 
     def summary(self) -> dict:
         return {
@@ -73,12 +71,12 @@ class Generation:
 
 
 class SplitClient:
-    """Tokenizer and local layers of a split model, talking to a server (or an in-process middle).
+    """Tokenizer and `ClientModel` of a split model, talking to a server (or an in-process middle).
 
     `server=None` runs the middle layers in this process: the same code path minus the network,
     for tests and offline measurements. `precision` (default: the fastest here, `fastest()`) is the
     client's layers'; `lm_head_precision` (default: the same) the embedding's and LM head's. `drafter`: a
-    drafter folder from `splitllm draft train` (default: the one shipped for this model, if any);
+    drafter folder from `splitllm drafter train` (default: the one shipped for this model, if any);
     `draft_model`: a smaller model with this one's tokenizer that drafts instead (`DraftModel`).
     `max_context` (default: the model's own limit) bounds a conversation's positions; the server may
     grant fewer, and the caches are sized to what it grants. `attestation_policy` (a JSON file or an
@@ -93,8 +91,8 @@ class SplitClient:
         self,
         model: str | None = None,
         server: str | None = None,
-        head: int = 2,
-        tail: int = 2,
+        first: int = 2,
+        last: int = 2,
         wire_dtype: str = "float16",
         max_context: int | None = None,
         precision: Precision | torch.dtype | None = None,
@@ -107,12 +105,12 @@ class SplitClient:
         self.connection = _with_policy(connection, attestation_policy, server)  # before any model work
         self.files = ModelFiles(model)
         self.precision = fastest() if precision is None else Precision.of(precision)
-        self.local = LocalModel(self.files, head, tail, self.precision, lm_head_precision, drafter, draft_model)
+        self.client_model = ClientModel(self.files, first, last, self.precision, lm_head_precision, drafter, draft_model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype = server, wire_dtype
         self.max_context = self._context(max_context)
         self.dtype = self.precision.dtype
-        self._local_middle: Stage | None = None
+        self._in_process_middle: Stage | None = None
         self.stop_ids = stop_ids(self.tokenizer, self.files.hf_config)
 
     def _context(self, wanted: int | None) -> int:
@@ -125,7 +123,7 @@ class SplitClient:
         context = limit if wanted is None else wanted
         if not 1 <= context <= limit:
             raise ValueError(f"max_context must be between 1 and the model's limit of {limit} tokens, not {context}")
-        layers = self.local.head_layers + self.local.tail_layers
+        layers = self.client_model.first_layers + self.client_model.last_layers
         layers += cfg.num_layers - layers if self.server is None else 0  # the in-process middle's too
         need = context * KVCache.position_bytes(layers, cfg.num_kv_heads, cfg.head_dim, self.precision.attention_dtype)
         free = _available_bytes()
@@ -148,11 +146,11 @@ class SplitClient:
         return self.tokenizer(prompt)["input_ids"]
 
     def _middle(self) -> Middle:
-        start, end = self.local.middle_range
+        start, end = self.client_model.middle_range
         if self.server is None:
-            if self._local_middle is None:
-                self._local_middle = Stage.load(self.files, start, end, self.precision)
-            return LocalMiddle(self._local_middle, self.max_context)
+            if self._in_process_middle is None:
+                self._in_process_middle = Stage.load(self.files, start, end, self.precision)
+            return InProcessMiddle(self._in_process_middle, self.max_context)
         return RemoteMiddle(
             self.server, self.files.fingerprint, (start, end), self.wire_dtype, self.max_context, self.connection
         )
@@ -256,7 +254,7 @@ class Conversation:
         if self._pipeline is None:
             return 0
         caches = self._pipeline.caches
-        total = caches.head.nbytes + (caches.tail.nbytes if caches.tail is not None else 0)
+        total = caches.first.nbytes + (caches.last.nbytes if caches.last is not None else 0)
         for decoder in self._decoders.values():
             proposer = getattr(decoder, "draft_model_proposer", None)
             total += proposer.cache.nbytes if proposer is not None else 0
@@ -283,46 +281,28 @@ class Conversation:
             check_mode(decode)
         if max_new_tokens < 1 or not new_ids:
             raise ValueError("a generation needs input tokens and max_new_tokens >= 1")
-        if len(self.ids) + len(new_ids) + max_new_tokens > client.max_context:
-            raise ValueError(
-                f"context of {len(self.ids) + len(new_ids)} tokens plus {max_new_tokens} new exceeds "
-                f"the maximum context of {client.max_context}"
-            )
+        self._check_fits(len(new_ids), max_new_tokens, client.max_context, f"the maximum context of {client.max_context}")
         rule = StopRule(client.tokenizer, client.stop_ids, stop, max_new_tokens)
         if self._pipeline is None:
-            self._pipeline = SplitPipeline(client.local, client._middle(), client.max_context)
+            self._pipeline = SplitPipeline(client.client_model, client._middle(), client.max_context)
         pipeline = self._pipeline
         granted = pipeline.middle.max_context  # the server may hold fewer positions than we asked for
-        if len(self.ids) + len(new_ids) + max_new_tokens > granted:
-            raise ValueError(
-                f"context of {len(self.ids) + len(new_ids)} tokens plus {max_new_tokens} new exceeds the "
-                f"server's maximum context of {granted}; shorten the prompt or ask for fewer tokens"
-            )
+        self._check_fits(len(new_ids), max_new_tokens, granted, f"the server's maximum context of {granted}; "
+                         "shorten the prompt or ask for fewer tokens")
         gen = Generation(list(new_ids))
         feed = self.ids[-1:] + gen.prompt_ids
         self.ids.extend(gen.prompt_ids)
         sampler = Sampler(sampling or SamplingParams(), self.ids)
-        if isinstance(decode, str):
-            if decode not in self._decoders:
-                self._decoders[decode] = DECODERS[decode]()
-            decode = self._decoders[decode]
-        decoder = decode(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
+        decoder = self._decoder(decode)(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
         pipeline.take_score_ms()
         t0 = last = time.perf_counter()
         try:
             for out in decoder:
                 now = time.perf_counter()
-                out.stats.decode_ms = (now - last) * 1000 - pipeline.take_score_ms()
-                tokens, gen.finish_reason = rule.clip(out.tokens)
-                out.path = out.path[: len(out.path) - (len(out.tokens) - len(tokens))]
-                out.tokens, out.stats.accepted = tokens, len(tokens)
-                gen.ids.extend(tokens)
-                self.ids.extend(tokens)
-                self.keep = out.path
-                gen.steps.append(out.stats)
+                out.stats.timing.decode_ms = (now - last) * 1000 - pipeline.take_score_ms()
+                self._take(out, gen, rule)
                 gen.seconds = now - t0
-                gen.text = rule.text(final=gen.finish_reason is not None)
-                out.stats.total_ms = (time.perf_counter() - last) * 1000  # the bookkeeping above included
+                out.stats.timing.total_ms = (time.perf_counter() - last) * 1000  # the bookkeeping above included
                 yield gen, out
                 if gen.finish_reason:
                     break
@@ -334,6 +314,34 @@ class Conversation:
             raise
         finally:
             decoder.close()
+
+    def _check_fits(self, new: int, max_new_tokens: int, limit: int, what: str) -> None:
+        """A ValueError unless the tokens so far, `new` more and `max_new_tokens` fit in `limit` (`what` it is)."""
+        if len(self.ids) + new + max_new_tokens > limit:
+            raise ValueError(f"context of {len(self.ids) + new} tokens plus {max_new_tokens} new exceeds {what}")
+
+    def _decoder(self, decode: str | Decoder) -> Decoder:
+        """A mode's decoder, one per conversation (its policy state carries over between turns)."""
+        if isinstance(decode, str):
+            if decode not in self._decoders:
+                self._decoders[decode] = DECODERS[decode]()
+            return self._decoders[decode]
+        return decode
+
+    def _take(self, out: StepOutput, gen: Generation, rule: StopRule) -> None:
+        """A step's tokens, clipped at a stop, into the generation and the conversation; its path kept
+        for the next step to commit."""
+        tokens, gen.finish_reason = rule.clip(out.tokens)
+        out.path = out.path[: len(out.path) - (len(out.tokens) - len(tokens))]
+        if out.stats.speculation.accepted != len(tokens):  # clipped at a stop or at the token limit
+            clipped = dataclasses.replace(out.stats.speculation, accepted=len(tokens))
+            out.stats = dataclasses.replace(out.stats, speculation=clipped)
+        out.tokens = tokens
+        gen.ids.extend(tokens)
+        self.ids.extend(tokens)
+        self.keep = out.path
+        gen.steps.append(out.stats)
+        gen.text = rule.text(final=gen.finish_reason is not None)
 
     def say(
         self,

@@ -1,9 +1,8 @@
-"""The client's own layers: embedding, head stage, tail stage, final norm and LM head, and what it drafts with."""
+"""The client's own layers: embedding, first stage, last stage, final norm and LM head, and what it drafts with."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -17,9 +16,8 @@ from splitllm.drafting.store import load_drafter
 from splitllm.model.kv import KVCache
 from splitllm.model.ends import ModelEnds
 from splitllm.model.precision import Precision
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles, default_draft_model
-from splitllm.model.visibility import Visibility
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +25,15 @@ NO_DRAFT_MODEL = "none"  # `draft_model` that turns the default draft model off
 
 
 @dataclass
-class LocalCaches:
-    head: KVCache
-    tail: KVCache | None
+class ClientCaches:
+    first: KVCache
+    last: KVCache | None
 
 
-class LocalModel(ModelEnds):
+class ClientModel(ModelEnds):
     """Everything that never leaves the trusted device; reads none of the server's layers.
 
-    `precision` is the head and tail stages'; `lm_head_precision` (default: the same) is the embedding's,
+    `precision` is the first and last stages'; `lm_head_precision` (default: the same) is the embedding's,
     final norm's and LM head's, the client's biggest read. It drafts with a learned drafter (`drafter`:
     a folder, default the one shipped for this model) and with `draft_model`, a smaller model with this
     one's tokenizer run whole on the client (default: the packaged one that drafts for this model, if
@@ -45,25 +43,25 @@ class LocalModel(ModelEnds):
     def __init__(
         self,
         files: ModelFiles,
-        head: int,
-        tail: int,
+        first: int,
+        last: int,
         precision: Precision | torch.dtype = torch.float32,
         lm_head_precision: Precision | torch.dtype | None = None,
         drafter: str | Path | None = None,
         draft_model: str | Path | None = None,
     ) -> None:
         cfg = files.config
-        cfg.check_split(head, tail)
+        cfg.check_split(first, last)
         self.precision = Precision.of(precision)
         super().__init__(files, self.precision if lm_head_precision is None else lm_head_precision)
         self.dtype = self.precision.dtype
-        self.head_layers, self.tail_layers = head, tail
-        self.middle_range = (head, cfg.num_layers - tail)
-        self.head = Stage.load(files, 0, head, self.precision)
-        self.tail = Stage.load(files, cfg.num_layers - tail, cfg.num_layers, self.precision) if tail else None
+        self.first_layers, self.last_layers = first, last
+        self.middle_range = (first, cfg.num_layers - last)
+        self.first = Stage.load(files, 0, first, self.precision)
+        self.last = Stage.load(files, cfg.num_layers - last, cfg.num_layers, self.precision) if last else None
         self.drafter_path = drafter
         self._vocab_head: tuple[Drafter, nn.Module] | None = None  # see drafter_vocab_head
-        # Naming a drafter folder (to measure that head) turns the default draft model off.
+        # Naming a drafter folder (to measure that drafter) turns the default draft model off.
         self.draft_model_name = default_draft_model(files) if draft_model is None and drafter is None else draft_model
         if drafter is not None:
             self.drafter  # a drafter that does not fit is refused now, not at the first generation
@@ -72,8 +70,8 @@ class LocalModel(ModelEnds):
 
     @property
     def tap_layers(self) -> tuple[int, int]:
-        """The layers whose outputs this client holds besides the top one: its head's (K) and the
-        middle's it receives (N - M). A fused drafter reads some of them."""
+        """The layers whose outputs this client holds besides the top one: its first stage's (K) and the
+        middle's it receives (N - M). A tapped drafter reads some of them."""
         return self.middle_range
 
     @cached_property
@@ -83,13 +81,13 @@ class LocalModel(ModelEnds):
         drafts are only ever verified), except beside exact layers: there it follows them in float32, so
         the exact mode never compiles the CPU kernels.
 
-        A fused drafter needs this split to hold the layers it taps: one named by `drafter_path` is
+        A tapped drafter needs this split to hold the layers it taps: one named by `drafter_path` is
         refused otherwise; the shipped one is left out, with a warning."""
-        head = load_drafter(self.files, self.drafter_path, torch.float32 if self.precision.exact else torch.bfloat16)
-        if head is None or set(head.taps) <= set(self.tap_layers):
-            return head
-        why = (f"the drafter reads the outputs of layers {list(head.taps)}, which the split "
-               f"{self.head_layers}+{self.tail_layers} does not hold on the client (it holds {list(self.tap_layers)})")
+        drafter = load_drafter(self.files, self.drafter_path, torch.float32 if self.precision.exact else torch.bfloat16)
+        if drafter is None or set(drafter.taps) <= set(self.tap_layers):
+            return drafter
+        why = (f"the drafter reads the outputs of layers {list(drafter.taps)}, which the split "
+               f"{self.first_layers}+{self.last_layers} does not hold on the client (it holds {list(self.tap_layers)})")
         if self.drafter_path is not None:
             raise ValueError(why)
         log.warning("%s: drafting from context only", why)
@@ -101,13 +99,13 @@ class LocalModel(ModelEnds):
         1.5B's first token: docs/results/drafting-log.md), and every generation's drafting needs them.
         Guesses only: bfloat16 drafts several times faster than float32 here, and a drafter drafting in
         int8 reads these rows in int8 too (at 1.5B they weigh more than its layer)."""
-        head = self.drafter
-        if head is None:
+        drafter = self.drafter
+        if drafter is None:
             raise ValueError("this client has no drafter")
-        if self._vocab_head is None or self._vocab_head[0] is not head:
-            rows = self.lm_head_rows(head.vocab)
-            precision = Precision(head.dtype, head.quant, device=str(rows.device))
-            self._vocab_head = (head, precision.linear(precision.store_linear(rows)))
+        if self._vocab_head is None or self._vocab_head[0] is not drafter:
+            rows = self.lm_head_rows(drafter.vocab)
+            precision = Precision(drafter.dtype, drafter.quant, device=str(rows.device))
+            self._vocab_head = (drafter, precision.linear(precision.store_linear(rows)))
         return self._vocab_head[1]
 
     @cached_property
@@ -118,19 +116,17 @@ class LocalModel(ModelEnds):
             return None
         return DraftModel.for_target(self.files, ModelFiles(self.draft_model_name), self.precision, self.lm_head_precision)
 
-    def new_caches(self, max_context: int) -> LocalCaches:
-        return LocalCaches(self.head.new_cache(max_context), self.tail.new_cache(max_context) if self.tail else None)
+    def new_caches(self, max_context: int) -> ClientCaches:
+        return ClientCaches(self.first.new_cache(max_context), self.last.new_cache(max_context) if self.last else None)
 
     @torch.inference_mode()
-    def run_head(
-        self, caches: LocalCaches, tokens: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
-    ) -> torch.Tensor:
-        return self.head(caches.head, self.embed(tokens), positions, vis, keep).cpu()
+    def run_first(self, caches: ClientCaches, step: Step) -> torch.Tensor:
+        """The first stage's outputs for a step of token ids."""
+        return self.first(caches.first, step.with_inputs(self.embed(step.inputs))).cpu()
 
     @torch.inference_mode()
-    def run_tail(
-        self, caches: LocalCaches, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
-    ) -> torch.Tensor:
-        hidden = hidden.to(self.precision.torch_device, self.dtype)
-        return self.tail(caches.tail, hidden, positions, vis, keep) if self.tail else hidden
+    def run_last(self, caches: ClientCaches, step: Step) -> torch.Tensor:
+        """The last stage's outputs for a step of the middle's hidden states."""
+        hidden = step.inputs.to(self.precision.torch_device, self.dtype)
+        return self.last(caches.last, step.with_inputs(hidden)) if self.last else hidden
 

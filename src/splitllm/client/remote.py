@@ -18,17 +18,23 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import TypeVar
 
 import torch
 from websockets.sync.client import ClientConnection
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages, wire
+from splitllm.protocol.messages import (
+    PROTOCOL_VERSION, CloseMessage, ClosedMessage, ErrorMessage, OpenedMessage, OpenMessage, Reply, ResultMessage,
+    StepMessage,
+)
 from splitllm.attestation.handshake import ClientHandshake, Evidence
 from splitllm.attestation.sealing import SealedChannel
 from splitllm.attestation.verify import AttestationError
 from splitllm.client.connection import ConnectionOptions, ServerError, ServerUnreachable, describe, is_transient
-from splitllm.stats import StepStats
+from splitllm.stats import StepTiming
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 __all__ = ["RemoteMiddle", "ServerError"]
@@ -36,6 +42,7 @@ __all__ = ["RemoteMiddle", "ServerError"]
 _BACKOFF_S = (0.05, 2.0)  # first and largest pause between rounds of connection attempts
 
 log = logging.getLogger("splitllm.client")
+_R = TypeVar("_R", OpenedMessage, ResultMessage, ClosedMessage)
 
 
 def _ws_url(url: str) -> str:
@@ -91,14 +98,7 @@ class RemoteMiddle:
         self.url = self.urls[0]
         self.wire_dtype = wire_dtype
         self.reconnects = 0
-        self._open_header = {
-            "op": "open",
-            "version": wire.PROTOCOL_VERSION,
-            "fingerprint": fingerprint,
-            "layers": list(layers),
-            "dtype": wire_dtype,
-            "max_context": max_context,
-        }
+        self._open_request = OpenMessage(fingerprint, (layers[0], layers[1]), wire_dtype, max_context)
         self._ids = itertools.count(1)
         self._ws: ClientConnection | None = None
         self._channel: SealedChannel | None = None  # set on an attested connection: every frame is sealed
@@ -114,10 +114,21 @@ class RemoteMiddle:
         """A received message as a plain frame; SealError if an attested connection's message is refused."""
         return self._channel.open(message) if self._channel is not None else message
 
-    def _call(self, header: dict[str, Any], tensor: torch.Tensor | None = None, timeout: float | None = None) -> wire.Frame:
+    def _exchange(self, message: bytes, timeout: float | None = None) -> bytes:
+        """Send one frame; the plain frame of its reply."""
         assert self._ws is not None
-        self._ws.send(self._sealed(wire.encode({**header, "id": next(self._ids)}, tensor, self.wire_dtype)))
-        return self._check(wire.decode(self._opened(self._ws.recv(timeout=timeout or self.options.step_timeout_s))))
+        self._ws.send(self._sealed(message))
+        return self._opened(self._ws.recv(timeout=timeout or self.options.step_timeout_s))
+
+    def _call(self, request: OpenMessage | StepMessage | CloseMessage, kind: type[_R], timeout: float | None = None) -> _R:
+        """The reply to `request`, of `kind`; ServerError if the server refused it."""
+        return _expect(messages.decode(self._exchange(messages.encode(request), timeout), messages.REPLIES), kind)
+
+    def _step_message(self, step: Step) -> StepMessage:
+        """The request of a step whose inputs are already in the wire dtype."""
+        parents, bits = step.vis.to_wire()
+        positions = tuple(step.positions.tolist())
+        return StepMessage(self.session, step.inputs, self.wire_dtype, positions, step.keep, parents, bits, next(self._ids))
 
     def _attest(self) -> None:
         """Verify the server against the policy and seal the connection; AttestationError, with nothing
@@ -126,25 +137,19 @@ class RemoteMiddle:
         self._channel = None
         if policy is None:
             return
-        handshake = ClientHandshake(policy, self._open_header["fingerprint"], tuple(self._open_header["layers"]), wire.PROTOCOL_VERSION)
-        try:
-            frame = self._call(handshake.request(None), timeout=self.options.open_timeout_s)
-        except ServerError as exc:
-            if exc.code in ("attestation_unavailable", "unknown_op"):
-                raise AttestationError("evidence", f"{self.url} offers no attestation evidence ({exc})") from None
-            raise
-        if frame.header.get("op") != "evidence":
-            raise AttestationError("evidence", f"{self.url} answered {frame.header.get('op')!r} to attest")
+        handshake = ClientHandshake(policy, self._open_request.fingerprint, self._open_request.layers, PROTOCOL_VERSION)
+        # The handshake's messages are attestation.handshake's header maps, framed as they are.
+        frame = wire.decode(self._exchange(wire.encode(handshake.request(next(self._ids))), self.options.open_timeout_s))
+        if frame.header["op"] == ErrorMessage.OP:
+            error = _refusal(messages.parse(frame, (ErrorMessage,)))
+            if error.code in ("attestation_unavailable", "unknown_op"):
+                raise AttestationError("evidence", f"{self.url} offers no attestation evidence ({error})")
+            raise error
+        if frame.header["op"] != "evidence":
+            raise AttestationError("evidence", f"{self.url} answered {frame.header['op']!r} to attest")
         self._channel, verified = handshake.finish(Evidence.from_header(frame.header))
         log.info("%s attested: SEV-SNP %s, measurement %s%s", self.url, verified.product,
                  verified.report.measurement.hex()[:16], " (simulated vendor)" if verified.simulated else "")
-
-    @staticmethod
-    def _check(frame: wire.Frame) -> wire.Frame:
-        h = frame.header
-        if h["op"] == "error":
-            raise ServerError(str(h.get("code")), str(h.get("message")), h.get("retryable") is True)
-        return frame
 
     def _connect(self, deadline: float) -> None:
         """Open a session, trying each server in turn with growing pauses, and replay what is committed."""
@@ -155,10 +160,10 @@ class RemoteMiddle:
                 self._ws = self.options.connect(url)
                 self.url = url
                 self._attest()
-                reply = self._call(self._open_header).header
-                self.session: str = reply["session"]
-                self.max_context: int = reply["max_context"]
-                self.max_nodes: int = reply.get("max_nodes") or self.max_context
+                opened = self._call(replace(self._open_request, id=next(self._ids)), OpenedMessage)
+                self.session: str = opened.session
+                self.max_context: int = opened.max_context
+                self.max_nodes: int = opened.max_nodes
                 self._replay()
                 return
             except Exception as exc:
@@ -192,14 +197,8 @@ class RemoteMiddle:
         for start in range(0, hidden.shape[0], self.max_nodes):
             chunk = hidden[start : start + self.max_nodes]
             n = chunk.shape[0]
-            header = {
-                "op": "step",
-                "session": self.session,
-                "positions": positions[start : start + n].tolist(),
-                "keep": self._resume_keep,
-                **Visibility.chain(n).to_wire(),
-            }
-            self._call(header, chunk)
+            part = Step(chunk, positions[start : start + n], Visibility.chain(n), self._resume_keep)
+            self._call(self._step_message(part), ResultMessage)
             self._resume_keep = list(range(n))
 
     def _drop(self) -> None:
@@ -210,24 +209,21 @@ class RemoteMiddle:
                 pass  # the link is already broken; nothing to tell the server
             self._ws = None
 
-    def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
-        while_waiting: Iterator[object] | None = None,
-    ) -> torch.Tensor:
-        """Send hidden states after the head, get them back before the tail; fills the wire timings.
+    def step(self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
+        """Send hidden states after the first stage, get them back before the last stage; fills the wire timings.
         A piece of `while_waiting` runs after each request is sent (a retry goes on with the next piece)."""
-        sent = hidden.detach().to(wire.WIRE_DTYPES[self.wire_dtype]).contiguous()
+        sent = step.with_inputs(step.inputs.detach().to(wire.WIRE_DTYPES[self.wire_dtype]).contiguous())
         waiting = while_waiting if while_waiting is not None else iter(())
-        self._record.keep(keep)
+        self._record.keep(step.keep)
         deadline = None
-        server_keep = self._server_keep(keep)
+        server_keep = self._server_keep(step.keep)
         while True:
             try:
                 if server_keep is None:  # the server committed entries this keep drops: rebuild the session
                     raise ConnectionResetError("the session's committed entries differ from the client's")
                 parts = [
-                    self._send_part(sent, positions, vis, start, end, part_keep, stats, waiting)
-                    for start, end, part_keep in self._keeps(vis.cuts(self.max_nodes), server_keep)
+                    self._send_part(sent, start, end, part_keep, timing, waiting)
+                    for start, end, part_keep in self._keeps(step.vis.cuts(self.max_nodes), server_keep)
                 ]
                 break
             except Exception as exc:
@@ -241,7 +237,7 @@ class RemoteMiddle:
                 self._drop()
                 self._connect(deadline)
                 server_keep = self._resume_keep
-        self._record.push(sent, positions.clone())
+        self._record.push(sent.inputs, step.positions.clone())
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _server_keep(self, keep: Sequence[int]) -> list[int] | None:
@@ -257,42 +253,50 @@ class RemoteMiddle:
         return [(a, b, keep if i == 0 else list(range(parts[i - 1][1] - parts[i - 1][0]))) for i, (a, b) in enumerate(parts)]
 
     def _send_part(
-        self, sent: torch.Tensor, positions: torch.Tensor, vis: Visibility, start: int, end: int, keep: list[int],
-        stats: StepStats, waiting: Iterator[object],
+        self, sent: Step, start: int, end: int, keep: list[int], timing: StepTiming, waiting: Iterator[object]
     ) -> torch.Tensor:
-        """One request of a step: positions [start, end) of it; the first commits `keep`. A piece of
-        `waiting` runs between sending and receiving."""
+        """One request of a step (its inputs in the wire dtype): entries [start, end) of it, committing
+        `keep` first. A piece of `waiting` runs between sending and receiving."""
         t0 = time.perf_counter()
         assert self._ws is not None
-        chunk = sent[start:end]
-        header = {
-            "op": "step", "id": next(self._ids), "session": self.session, "keep": keep,
-            "positions": positions[start:end].tolist(), **vis.part(start, end).to_wire(),
-        }
-        message = self._sealed(wire.encode(header, chunk, self.wire_dtype))
+        part = sent.part(start, end, keep)
+        message = self._sealed(messages.encode(self._step_message(part)))
         t1 = time.perf_counter()
         self._ws.send(message)
         next(waiting, None)
         reply = self._ws.recv(timeout=self.options.step_timeout_s)
         t2 = time.perf_counter()
-        frame = self._check(wire.decode(self._opened(reply)))
-        if frame.tensor is None or frame.tensor.shape != chunk.shape:
-            raise ServerError("bad_reply", f"expected hidden states of shape {tuple(chunk.shape)} in the reply")
-        out = frame.tensor.float()
+        result = _expect(messages.decode(self._opened(reply), messages.REPLIES), ResultMessage)
+        if result.hidden.shape != part.inputs.shape:
+            raise ServerError("bad_reply", f"expected hidden states of shape {tuple(part.inputs.shape)} in the reply")
+        out = result.hidden.float()
         self._committed = start
         t3 = time.perf_counter()
-        stats.serialize_ms += (t1 - t0) * 1000
-        stats.round_trip_ms += (t2 - t1) * 1000
-        stats.deserialize_ms += (t3 - t2) * 1000
-        stats.server_ms += float(frame.header.get("server_ms", 0.0))
-        stats.bytes_up += len(message)
-        stats.bytes_down += len(reply)
+        timing.serialize_ms += (t1 - t0) * 1000
+        timing.round_trip_ms += (t2 - t1) * 1000
+        timing.deserialize_ms += (t3 - t2) * 1000
+        timing.server_ms += result.server_ms
+        timing.bytes_up += len(message)
+        timing.bytes_down += len(reply)
         return out
 
     def close(self) -> None:
         if self._ws is not None:
             try:
-                self._call({"op": "close", "session": self.session}, timeout=self.options.open_timeout_s)
+                self._call(CloseMessage(self.session, next(self._ids)), ClosedMessage, self.options.open_timeout_s)
             except Exception:
                 pass  # closing is best effort: the server drops the session with the connection anyway
         self._drop()
+
+
+def _refusal(error: ErrorMessage) -> ServerError:
+    return ServerError(error.code, error.message, error.retryable)
+
+
+def _expect(reply: Reply, kind: type[_R]) -> _R:
+    """`reply` if it is of `kind`; the server's refusal (or a `bad_reply`) raised otherwise."""
+    if isinstance(reply, ErrorMessage):
+        raise _refusal(reply)
+    if not isinstance(reply, kind):
+        raise ServerError("bad_reply", f"expected {kind.OP!r}, the server answered {reply.OP!r}")
+    return reply

@@ -2,10 +2,10 @@
 
 import typer
 
-from splitllm.commands import attest, client, serve
+from splitllm.commands import attest_commands, client_commands, serve_commands
 
 
 def register(app: typer.Typer) -> None:
-    serve.register(app)
-    client.register(app)
-    attest.register(app)
+    serve_commands.register(app)
+    client_commands.register(app)
+    attest_commands.register(app)

@@ -12,14 +12,14 @@ from typing import Protocol
 import torch
 
 from splitllm.drafting.drafter_proposer import DraftingClient
-from splitllm.stats import StepStats
-from splitllm.model.visibility import Visibility
+from splitllm.stats import StepTiming
+from splitllm.model.stage import Step
 
 
 class Scorer(Protocol):
     """One generation's model state: its caches and the middle session behind them."""
 
-    local: DraftingClient  # what the drafter drafts with
+    client_model: DraftingClient  # what the drafter drafts with
 
     @property
     def committed(self) -> int:
@@ -41,32 +41,21 @@ class Scorer(Protocol):
         ...
 
     def score(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        vis: Visibility,
-        keep: Sequence[int],
-        rows: torch.Tensor | None = None,
-        stats: StepStats | None = None,
-    ) -> tuple[torch.Tensor, StepStats]:
-        """Logits for the chosen rows after one round trip; `keep` commits the previous step's entries."""
+        self, step: Step, rows: torch.Tensor | None = None, timing: StepTiming | None = None
+    ) -> tuple[torch.Tensor, StepTiming]:
+        """Logits for the chosen rows of a step of token ids after one round trip; its `keep` commits the
+        previous step's entries."""
         ...
 
     def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        vis: Visibility,
-        keep: Sequence[int],
-        stats: StepStats | None = None,
-        while_waiting: Iterator[object] | None = None,
-    ) -> tuple[torch.Tensor, StepStats]:
-        """Hidden states leaving the tail for every node, after one round trip; pieces of `while_waiting`
+        self, step: Step, timing: StepTiming | None = None, while_waiting: Iterator[object] | None = None
+    ) -> tuple[torch.Tensor, StepTiming]:
+        """Hidden states leaving the last stage for every node, after one round trip; pieces of `while_waiting`
         (work that needs nothing from this step) run while the middle computes, the rest is the caller's."""
         ...
 
     def tapped(self, layers: Sequence[int]) -> torch.Tensor:
-        """The last step's outputs of the client's head and the middle, by layer count, side by side."""
+        """The last step's outputs of the client's first stage and the middle, by layer count, side by side."""
         ...
 
     @property
@@ -74,6 +63,10 @@ class Scorer(Protocol):
         """How many rows' logits one call gives for about the cost of one row's (their bits the same as alone)."""
         ...
 
-    def logits(self, hidden: torch.Tensor, stats: StepStats, draft: bool = False) -> torch.Tensor:
-        """LM head over `hidden`'s rows; `draft`: the approximate head."""
+    def logits(self, hidden: torch.Tensor, timing: StepTiming) -> torch.Tensor:
+        """LM head over `hidden`'s rows."""
+        ...
+
+    def approx_logits(self, hidden: torch.Tensor, timing: StepTiming) -> torch.Tensor:
+        """An approximate LM head over `hidden`'s rows, for guesses that are never committed unverified."""
         ...

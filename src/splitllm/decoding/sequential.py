@@ -9,7 +9,9 @@ import torch
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
+from splitllm.stats import StepSpeculation, StepStats
 
 
 def decode_sequential(
@@ -30,14 +32,11 @@ def decode_sequential(
     produced = 0
     while produced < max_new_tokens:
         n = len(tokens)
-        positions = torch.arange(start, start + n)
-        logits, stats = pipeline.score(
-            torch.tensor(tokens), positions, Visibility.chain(n), keep, rows=torch.tensor([n - 1])
-        )
+        step = Step(torch.tensor(tokens), torch.arange(start, start + n), Visibility.chain(n), keep)
+        logits, timing = pipeline.score(step, rows=torch.tensor([n - 1]))
         token = sampler.choose(logits[0])
-        stats.accepted = 1
         produced += 1
-        yield StepOutput([token], stats, list(range(n)))
+        yield StepOutput([token], StepStats(timing, StepSpeculation(accepted=1)), list(range(n)))
         if token in stop_ids:
             return
         keep, start, tokens = list(range(n)), start + n, [token]

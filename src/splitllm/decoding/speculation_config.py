@@ -30,7 +30,7 @@ class Mode(StrEnum):
     SEQUENTIAL = "sequential"
     LOOKAHEAD = "lookahead"
     LOOKUP = "lookup"
-    DRAFT = "draft"
+    DRAFTER = "drafter"  # every step drafted by the learned drafter or a draft model, beside context lookup
     AUTO = "auto"
 
 
@@ -51,7 +51,7 @@ class Drafting:
 SPECULATIVE_MODES: Mapping[Mode, Drafting] = MappingProxyType({
     Mode.LOOKAHEAD: Drafting(LOOKAHEAD_BUDGET, (LookaheadWindow,)),
     Mode.LOOKUP: Drafting(LOOKUP_BUDGET, (ContextLookup,)),
-    Mode.DRAFT: Drafting(DRAFTER_BUDGET, None, (ContextLookup,)),
+    Mode.DRAFTER: Drafting(DRAFTER_BUDGET, None, (ContextLookup,)),
     Mode.AUTO: Drafting(AUTO_BUDGET, (ContextLookup, LookaheadWindow), (ContextLookup,)),
 })
 
@@ -108,8 +108,8 @@ class SpeculationConfig:
     def drafting(self) -> Drafting:
         return SPECULATIVE_MODES[self.mode]
 
-    def static_budget(self, with_head: bool) -> SpecBudget:
-        """The static budget of steps the drafter drafts in (`with_head`) or not."""
-        if with_head:
+    def static_budget(self, with_drafter: bool) -> SpecBudget:
+        """The static budget of steps the drafter drafts in (`with_drafter`) or not."""
+        if with_drafter:
             return self.drafter_budget
         return self.drafting.budget if self.budget is None else self.budget

@@ -3,7 +3,7 @@
 One step sends, in one `Scorer.forward` call:
   chain  - committed tokens with no cache entry yet (the prompt at first, then the last step's bonus token),
            causal; its last token is the step's root;
-  tree   - the candidate tree hanging off the root (drafts of every proposer, merged);
+  tree   - the candidate tree hanging off the root (every proposer's candidates, merged);
   window - lookahead's Jacobi window, also hanging off the root, invisible to the tree.
 The verifier walks the tree with the model's argmax; the next step's `keep` commits the chain and the
 accepted nodes, so every stage compacts its cache without an extra round trip.
@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from splitllm.decoding.sizing.budget import SpecBudget
-from splitllm.decoding.sizing.calibration import DraftRates
+from splitllm.decoding.sizing.calibration import CandidateRates
 from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.sizing.gate import DraftGate
 from splitllm.decoding.sizing.policies import BudgetPolicy, StaticPolicy
-from splitllm.decoding.proposers import Draft, Proposer
+from splitllm.decoding.proposers import Candidate, Proposer
 from splitllm.drafting.draft_model_proposer import DraftModelProposer
 from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
@@ -37,9 +37,10 @@ from splitllm.drafting.scored_tree import ScoredTreeProposer
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
-from splitllm.decoding.tree import ROOT, DraftTree
+from splitllm.decoding.tree import ROOT, CandidateTree
 from splitllm.decoding.verifier import Verdict, verify
-from splitllm.stats import StepStats
+from splitllm.stats import StepSpeculation, StepStats, StepTiming
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 
@@ -51,7 +52,7 @@ class StepPlan:
     window_rows: list[int]
 
 
-def plan_step(chain: Sequence[int], start: int, tree: DraftTree, window: WindowLayout | None) -> StepPlan:
+def plan_step(chain: Sequence[int], start: int, tree: CandidateTree, window: WindowLayout | None) -> StepPlan:
     """Lay out chain, tree and window as one step starting at absolute position `start`."""
     c, t = len(chain), len(tree)
     root = start + c - 1
@@ -80,13 +81,20 @@ def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
     return replace(budget, window=w, levels=n)
 
 
-def record(stats: StepStats, tree: DraftTree, layout: WindowLayout | None, verdict: Verdict) -> None:
-    """What a step speculated and what of it the model confirmed, into its stats."""
-    stats.accepted = len(verdict.tokens)
-    stats.drafted = len(tree)
-    stats.window = len(layout.tokens) if layout else 0
-    stats.proposer = tree.sources[verdict.path[-1]][0] if verdict.path else ""
-    stats.sources = dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path))
+def speculation_of(
+    tree: CandidateTree, layout: WindowLayout | None, verdict: Verdict, prepared: bool, adopted: bool
+) -> StepSpeculation:
+    """What a step speculated and what of it the model confirmed; `prepared`: the next step's tree was
+    prepared while it was in flight, `adopted`: its tree was the one prepared while the last step was."""
+    return StepSpeculation(
+        accepted=len(verdict.tokens),
+        drafted=len(tree),
+        window=len(layout.tokens) if layout else 0,
+        proposer=tree.sources[verdict.path[-1]][0] if verdict.path else "",
+        sources=dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path)),
+        prepared=int(prepared),
+        adopted=int(adopted),
+    )
 
 
 class SpeculativeDecoder:
@@ -126,26 +134,26 @@ class SpeculativeDecoder:
 
 def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], list[ScoredTreeProposer]]:
     """A generation's own proposers (they index its history): n-gram ones, and its drafters' when it
-    drafts: a draft model's first (kept from the decoder's last generation), then the learned head's."""
+    drafts: a draft model's first (kept from the decoder's last generation), then the learned drafter's."""
     config, drafting = decoder.config, decoder.config.drafting
-    local = pipeline.local
+    client_model = pipeline.client_model
     drafters: list[ScoredTreeProposer] = []
     if decoder.drafter_policy is not None and drafting.drafter_ngrams is not None:
-        if local.draft_model is not None:
+        if client_model.draft_model is not None:
             kept = decoder.draft_model_proposer
-            if kept is None or kept.model is not local.draft_model or kept.cache.max_context < pipeline.max_context:
-                kept = DraftModelProposer(local.draft_model, pipeline.max_context, config.tree.top_k, config.tree.beam,
-                                          config.calibration)
+            if kept is None or kept.model is not client_model.draft_model or kept.cache.max_context < pipeline.max_context:
+                kept = DraftModelProposer(client_model.draft_model, pipeline.max_context, config.tree.top_k,
+                                          config.tree.beam, config.calibration)
                 decoder.draft_model_proposer = kept
             drafters.append(kept)
-        if local.drafter is not None:
-            drafters.append(DrafterProposer(local.drafter, local, pipeline.max_context, config.tree.top_k, config.tree.beam,
-                                            config.calibration))
+        if client_model.drafter is not None:
+            drafters.append(DrafterProposer(client_model.drafter, client_model, pipeline.max_context, config.tree.top_k,
+                                            config.tree.beam, config.calibration))
     ngrams = drafting.drafter_ngrams if drafters else drafting.ngrams
     if ngrams is None:
         raise ValueError(
             f"decode mode '{config.mode}' needs a drafter for this model: train one with "
-            "`splitllm draft train --model <model> --out <folder>` and pass --drafter <folder>, or pass "
+            "`splitllm drafter train --model <model> --out <folder>` and pass --drafter <folder>, or pass "
             "--draft-model <a smaller model with its tokenizer>"
         )
     return config.proposers() if config.proposers else [make() for make in ngrams], drafters
@@ -170,7 +178,7 @@ class _Generation:
         self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
         self.policy = self._policy(decoder)
         self.gates = [DraftGate(decoder.config.gate) for _ in self.drafters]
-        self.rates = DraftRates(decoder.config.calibration)
+        self.rates = CandidateRates(decoder.config.calibration)
         self.chain, self.keep = list(prompt), list(keep)
         self.start = pipeline.committed + len(self.keep)
         self.steps: list[StepStats] = []
@@ -192,38 +200,41 @@ class _Generation:
         """Who sizes this generation's steps: the drafter's policy when it drafts, the decoder's otherwise."""
         if self._seeded:
             return StaticPolicy(decoder.config.static_budget(bool(self.drafters)))
-        head = decoder.drafter_policy if self.drafters else None
-        return decoder.policy if head is None else head
+        drafter_policy = decoder.drafter_policy if self.drafters else None
+        return decoder.policy if drafter_policy is None else drafter_policy
 
     def step(self) -> StepOutput:
-        """One round trip: size, draft, lay out, score, verify, learn, record."""
+        """One round trip: size, propose, lay out, score, verify, learn, record."""
         room = max(self.pipeline.room(self.start) - len(self.chain), 0)  # nodes the tree and window may take
         budget = self._budget(room)
         reading = self._reading_beside()
-        drafts, grew = self._draft(budget, reading)
-        rates = [self.rates.rates(d) for d in drafts]
-        tree = DraftTree.build(drafts, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
+        candidates, grew = self._propose(budget, reading)
+        rates = [self.rates.rates(c) for c in candidates]
+        tree = CandidateTree.build(candidates, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
         layout = self._layout(budget, room - len(tree))
         plan = plan_step(self.chain, self.start, tree, layout)
         tokens, positions = torch.tensor(plan.tokens), torch.tensor(plan.positions)
-        stats = StepStats(adopted=int(any(d.adopted for d in self.drafters)))
-        catching_up = self._catch_up(reading, stats)
-        waiting = itertools.chain(catching_up, self._prepare(tree, budget, grew, stats))
-        hidden, stats = self.pipeline.forward(tokens, positions, plan.vis, self.keep, stats, waiting)
+        adopted = any(d.adopted for d in self.drafters)  # a tree prepared while the last step was in flight
+        timing = StepTiming()
+        catching_up = self._catch_up(reading, timing)
+        waiting = itertools.chain(catching_up, self._prepare(tree, budget, grew, timing))
+        hidden, timing = self.pipeline.forward(Step(tokens, positions, plan.vis, self.keep), timing, waiting)
         for _ in catching_up:  # what the round trip did not hide (a next tree not prepared in time is drafted later)
             pass
-        verdict = self._verify(tree, hidden, stats)
+        prepared = any(d.prepared is not None for d in self.drafters)  # by `_prepare` (each propose takes or drops it)
+        verdict = self._verify(tree, hidden, timing)
         keep = [*range(len(self.chain)), *(len(self.chain) + i for i in verdict.path)]
         if layout is not None and self.window is not None:
-            self._advance_window(self.window, hidden[plan.window_rows], stats)
-        record(stats, tree, layout, verdict)  # before the gate reads what the step yielded
+            self._advance_window(self.window, hidden[plan.window_rows], timing)
+        speculation = speculation_of(tree, layout, verdict, prepared, adopted)
         if self.drafters:
-            self._feed_drafters(hidden[keep], keep, stats, grew)
+            self._feed_drafters(hidden[keep], keep, speculation, timing, grew)
+        stats = StepStats(timing, speculation)
         self._commit(verdict, stats, keep)
-        return StepOutput(verdict.tokens, stats, keep)
+        return StepOutput(list(verdict.tokens), stats, keep)
 
     def _budget(self, room: int) -> SpecBudget:
-        """The policy's budget, its drafts no deeper than the tokens left to emit and the room left."""
+        """The policy's budget, its candidates no deeper than the tokens left to emit and the room left."""
         budget = self.policy.choose(self.steps)
         return replace(budget, depth=min(budget.depth, self.remaining - 1, room))
 
@@ -241,18 +252,21 @@ class _Generation:
             return []
         return [d for d in self.drafters if isinstance(d, DraftModelProposer)]
 
-    def _catch_up(self, reading: list[DraftModelProposer], stats: StepStats) -> Iterator[None]:
+    def _catch_up(self, reading: list[DraftModelProposer], timing: StepTiming) -> Iterator[None]:
         """The `reading` draft models' catch-up on the history, a pass per `next`, timed into `overlap_ms`."""
         for drafter in reading:
             t0 = time.perf_counter()
             for _ in drafter.catch_up(self.history):
-                stats.overlap_ms += (time.perf_counter() - t0) * 1000
+                timing.overlap_ms += (time.perf_counter() - t0) * 1000
                 yield
                 t0 = time.perf_counter()
 
-    def _prepare(self, tree: DraftTree, budget: SpecBudget, grew: int | None, stats: StepStats) -> Iterator[None]:
+    def _prepare(
+        self, tree: CandidateTree, budget: SpecBudget, grew: int | None, timing: StepTiming
+    ) -> Iterator[None]:
         """One piece of work for the round trip: the drafter that grew this step's tree prepares the next
-        step's (if it can) after the path this step likely accepts, timed into `overlap_ms`."""
+        step's (if it can) after the path this step likely accepts, timed into `overlap_ms`; the drafter
+        keeps what it prepared (`prepared`) for its next propose."""
         drafter = self.drafters[grew] if grew is not None else None
         if drafter is None or not drafter.prepares or not self.pipeline.overlaps or not self.config.prepare or self._seeded:
             return
@@ -269,44 +283,44 @@ class _Generation:
         if self.remaining - len(path) <= 2 or not self.steps:  # the generation ends with this step or the next
             return
         t0 = time.perf_counter()
-        back = t0 + (self.link_ms + self.steps[-1].server_ms) / 1000  # when the step is expected back
-        stats.prepared = int(drafter.prepare([*self.history, *path], budget, back))
-        stats.overlap_ms += (time.perf_counter() - t0) * 1000
+        back = t0 + (self.link_ms + self.steps[-1].timing.server_ms) / 1000  # when the step is expected back
+        drafter.prepare([*self.history, *path], budget, back)
+        timing.overlap_ms += (time.perf_counter() - t0) * 1000
         yield
 
-    def _draft(self, budget: SpecBudget, reading: list[DraftModelProposer]) -> tuple[list[Draft], int | None]:
-        """Every proposer's drafts, and which drafter grew a tree (None: none did).
+    def _propose(self, budget: SpecBudget, reading: list[DraftModelProposer]) -> tuple[list[Candidate], int | None]:
+        """Every proposer's candidates, and which drafter grew a tree (None: none did).
 
         Without a link cost (a fixed budget) the first drafter not `reading` grows one every step; with
         one, the gates say which drafter's tree saves the most time, if any does. The others only learn
         from what was committed since they last drafted (an empty budget)."""
         self.rates.resolve(self.history)
-        drafts = [d for p in self.proposers for d in p.propose(self.history, budget)]
-        self.rates.track(drafts, len(self.history))
+        candidates = [d for p in self.proposers for d in p.propose(self.history, budget)]
+        self.rates.track(candidates, len(self.history))
         if not self.drafters:
-            return self._allowed(drafts), None
+            return self._allowed(candidates), None
         free = [i for i, drafter in enumerate(self.drafters) if drafter not in reading]
         grows = free[0] if free else None
         if budget.cost is not None:
             offers = {i: saved for i in free if (saved := self.gates[i].offer(budget.cost, len(self.steps))) is not None}
             grows = max(offers, key=offers.__getitem__) if offers else None
         for i, drafter in enumerate(self.drafters):
-            drafts += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))
-        return self._allowed(drafts), grows
+            candidates += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))
+        return self._allowed(candidates), grows
 
-    def _allowed(self, drafts: list[Draft]) -> list[Draft]:
-        """Under a grammar, each draft cut where the grammar rejects it (no output changes: the verifier
+    def _allowed(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Under a grammar, each candidate cut where the grammar rejects it (no output changes: the verifier
         never accepts a token the grammar masks), so the tree's room goes to tokens that can be accepted.
-        A scored draft stands for its last node only, so one the grammar cuts is dropped."""
+        A scored candidate stands for its last node only, so one the grammar cuts is dropped."""
         if self.sampler.grammar is None:
-            return drafts
+            return candidates
         kept = []
-        for draft in drafts:
-            n = self.sampler.allowed_prefix(draft.tokens)
-            if n == len(draft.tokens):
-                kept.append(draft)
-            elif n and draft.score is None:
-                kept.append(replace(draft, tokens=draft.tokens[:n]))
+        for candidate in candidates:
+            n = self.sampler.allowed_prefix(candidate.tokens)
+            if n == len(candidate.tokens):
+                kept.append(candidate)
+            elif n and candidate.score is None:
+                kept.append(replace(candidate, tokens=candidate.tokens[:n]))
         return kept
 
     def _layout(self, budget: SpecBudget, room: int) -> WindowLayout | None:
@@ -316,48 +330,55 @@ class _Generation:
         fitted = fit_window(budget, room)
         return self.window.layout(self.history, fitted) if fitted.window else None
 
-    def _verify(self, tree: DraftTree, hidden: torch.Tensor, stats: StepStats) -> Verdict:
+    def _verify(self, tree: CandidateTree, hidden: torch.Tensor, timing: StepTiming) -> Verdict:
         """Walk the tree with the sampler's choice at each node. Where the whole tree's logits cost about
         one row's (`Scorer.shared_logit_rows`), they come in one call, which reads the LM head once where
         asking along the way would read it once per emitted token; else only the nodes along the way are
         asked for. A row's logits are the same bits either way."""
         first = len(self.chain) - 1  # the root's row; node i's is first + 1 + i (ROOT is -1)
         if 0 < len(tree) < self.pipeline.shared_logit_rows:  # the root's row and the nodes' in one call
-            every = self.pipeline.logits(hidden[first : first + 1 + len(tree)], stats)
+            every = self.pipeline.logits(hidden[first : first + 1 + len(tree)], timing)
 
             def logits(node: int) -> torch.Tensor:
                 return every[node + 1]
         else:
 
             def logits(node: int) -> torch.Tensor:
-                return self.pipeline.logits(hidden[first + 1 + node : first + 2 + node], stats)[0]
+                return self.pipeline.logits(hidden[first + 1 + node : first + 2 + node], timing)[0]
 
-        def choose(node: int, candidates: list[int]) -> int:
-            return self.sampler.choose(logits(node), candidates)
+        def choose(node: int, children: list[int]) -> int:
+            return self.sampler.choose(logits(node), children)
 
         return verify(tree, choose, self.remaining, self.stop_ids)
 
-    def _advance_window(self, window: LookaheadWindow, outputs: torch.Tensor, stats: StepStats) -> None:
+    def _advance_window(self, window: LookaheadWindow, outputs: torch.Tensor, timing: StepTiming) -> None:
         """Move the Jacobi window on by the approximate LM head's guesses at its outputs."""
-        guesses = self.pipeline.logits(outputs, stats, draft=True).argmax(-1).tolist()
+        guesses = self.pipeline.approx_logits(outputs, timing).argmax(-1).tolist()
         window.advance(self.chain[-1], guesses)
 
-    def _feed_drafters(self, features: torch.Tensor, keep: list[int], stats: StepStats, grew: int | None) -> None:
-        """Hand every drafter the committed nodes' features (and a fused head's taps), and each gate what
-        its drafter's drafting cost."""
-        stats.draft_ms = 0.0
+    def _feed_drafters(
+        self,
+        features: torch.Tensor,
+        keep: list[int],
+        speculation: StepSpeculation,
+        timing: StepTiming,
+        grew: int | None,
+    ) -> None:
+        """Hand every drafter the committed nodes' features (and a tapped drafter's taps), and each gate what
+        the step yielded and what its drafter's drafting cost (timed into `draft_ms`)."""
+        timing.draft_ms = 0.0
         for i, (drafter, gate) in enumerate(zip(self.drafters, self.gates)):
             taps = self.pipeline.tapped(drafter.taps)[keep] if drafter.taps else None
             drafter.observe(self.start, features, taps)
             ms = drafter.take_draft_ms()
-            stats.draft_ms += ms
-            gate.observe(stats, drafter.name, ms if i == grew else None)
+            timing.draft_ms += ms
+            gate.observe(speculation, drafter.name, ms if i == grew else None)
 
     def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int]) -> None:
         """Move past this step: its path is the next step's keep, its bonus token the next chain."""
         self.steps.append(stats)
-        self.link_ms = min(self.link_ms, stats.round_trip_ms - stats.server_ms)
+        self.link_ms = min(self.link_ms, stats.timing.round_trip_ms - stats.timing.server_ms)
         self.stopped = verdict.stopped
         self.remaining -= len(verdict.tokens)
         self.start += len(keep)
-        self.chain, self.keep = verdict.tokens[-1:], keep
+        self.chain, self.keep = list(verdict.tokens[-1:]), keep

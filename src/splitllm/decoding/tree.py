@@ -1,11 +1,11 @@
-"""Merge drafts into one token tree (shared prefixes once) and cut it to a node budget.
+"""Merge candidates into one token tree (shared prefixes once) and cut it to a node budget.
 
-A node's score estimates its chance of being accepted: each draft through it adds the chance that
-its tokens are right up to that depth, `first * next ** (depth - 1)` (calibration.py learns the
-rates; by default the draft's confidence and a fixed decay); a node a proposer scored itself (the
+A node's score estimates its chance of being accepted: each candidate through it adds the chance that
+its tokens are right up to that depth, `first * next ** (depth - 1)` (sizing/calibration.py learns the
+rates; by default the candidate's confidence and a fixed decay); a node a proposer scored itself (the
 drafter's) adds that score. Scores never rise along a path (ties go to the earlier node, a
 parent), so keeping the best nodes always keeps a node's ancestors too. How many: at most
-`max_nodes`, and with a `NodeCost` only those worth their verification (see budget.py).
+`max_nodes`, and with a `NodeCost` only those worth their verification (see sizing/budget.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitllm.decoding.sizing.budget import NodeCost
-from splitllm.decoding.proposers import Draft
+from splitllm.decoding.proposers import Candidate
 
 ROOT = -1
 DEPTH_DECAY = 0.8
 
 
 @dataclass
-class DraftTree:
+class CandidateTree:
     """Nodes in an order where parents come first; parent ROOT hangs a node off the step's root."""
 
     tokens: list[int] = field(default_factory=list)
@@ -36,7 +36,7 @@ class DraftTree:
     def child(self, node: int, token: int) -> int | None:
         return self._children.get(node, {}).get(token)
 
-    def candidates(self, node: int) -> list[int]:
+    def child_tokens(self, node: int) -> list[int]:
         """Tokens of a node's children."""
         return list(self._children.get(node, ()))
 
@@ -51,33 +51,33 @@ class DraftTree:
     @classmethod
     def build(
         cls,
-        drafts: Sequence[Draft],
+        candidates: Sequence[Candidate],
         max_nodes: int,
         max_depth: int,
         rates: Sequence[tuple[float, float]] | None = None,
         cost: NodeCost | None = None,
-    ) -> DraftTree:
-        """The best `max_nodes` nodes of the trie of `drafts`, each cut to `max_depth` tokens, fewer
+    ) -> CandidateTree:
+        """The best `max_nodes` nodes of the trie of `candidates`, each cut to `max_depth` tokens, fewer
         when `cost` says the rest would slow the step down more than they are likely to add.
 
-        rates[i]: (first, next) acceptance rates of drafts[i], with 0 < first and 0 <= next < 1.
+        rates[i]: (first, next) acceptance rates of candidates[i], with 0 < first and 0 <= next < 1.
         """
         trie = cls()
         scores: list[float] = []
-        for i, draft in enumerate(drafts):
-            first, nxt = rates[i] if rates is not None else (draft.confidence, DEPTH_DECAY)
+        for i, candidate in enumerate(candidates):
+            first, nxt = rates[i] if rates is not None else (candidate.confidence, DEPTH_DECAY)
             node = ROOT
-            if draft.score is not None and len(draft.tokens) > max_depth:
+            if candidate.score is not None and len(candidate.tokens) > max_depth:
                 continue
-            for depth, token in enumerate(draft.tokens[:max_depth], start=1):
+            for depth, token in enumerate(candidate.tokens[:max_depth], start=1):
                 child = trie.child(node, token)
                 if child is None:
                     child = trie.add(node, token, ())
                     scores.append(0.0)
-                if draft.score is None or depth == len(draft.tokens):
-                    if draft.source not in trie.sources[child]:
-                        trie.sources[child] += (draft.source,)
-                    scores[child] += first * nxt ** (depth - 1) if draft.score is None else draft.score
+                if candidate.score is None or depth == len(candidate.tokens):
+                    if candidate.source not in trie.sources[child]:
+                        trie.sources[child] += (candidate.source,)
+                    scores[child] += first * nxt ** (depth - 1) if candidate.score is None else candidate.score
                 node = child
         best = sorted(range(len(trie)), key=lambda i: (-scores[i], i))[: max(max_nodes, 0)]
         if cost is not None:

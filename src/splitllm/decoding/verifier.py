@@ -10,38 +10,37 @@ generation's sampler, which given the children's tokens also implements sampled 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from splitllm.decoding.tree import ROOT, DraftTree
+from splitllm.decoding.tree import ROOT, CandidateTree
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
-    tokens: list[int] = field(default_factory=list)  # committed this step: the accepted drafts plus the bonus
-    path: list[int] = field(default_factory=list)  # accepted tree nodes, root first; their cache entries are kept
+    tokens: tuple[int, ...]  # committed this step: the accepted nodes' tokens plus the bonus
+    path: tuple[int, ...]  # accepted tree nodes, root first; their cache entries are kept
     stopped: bool = False  # a stop token was committed
 
 
 def verify(
-    tree: DraftTree, choose: Callable[[int, list[int]], int], limit: int, stop_ids: Collection[int]
+    tree: CandidateTree, choose: Callable[[int, list[int]], int], limit: int, stop_ids: Collection[int]
 ) -> Verdict:
-    """Commit at most `limit` tokens; `choose(node, candidates)` is the token emitted at a node (ROOT:
+    """Commit at most `limit` tokens; `choose(node, children)` is the token emitted at a node (ROOT:
     the step's root) given its children's tokens: the argmax for greedy decoding.
 
     Logits are asked for one node at a time, only along the accepted path, so a step pays the LM
     head once per committed token, like sequential decoding.
     """
-    verdict, node = Verdict(), ROOT
+    tokens: list[int] = []
+    path: list[int] = []
+    node = ROOT
     while True:
-        token = choose(node, tree.candidates(node))
-        verdict.tokens.append(token)
+        token = choose(node, tree.child_tokens(node))
+        tokens.append(token)
         if token in stop_ids:
-            verdict.stopped = True
-            return verdict
-        if len(verdict.tokens) >= limit:
-            return verdict
+            return Verdict(tuple(tokens), tuple(path), stopped=True)
         nxt = tree.child(node, token)
-        if nxt is None:
-            return verdict
-        verdict.path.append(nxt)
+        if len(tokens) >= limit or nxt is None:
+            return Verdict(tuple(tokens), tuple(path))
+        path.append(nxt)
         node = nxt

@@ -1,9 +1,9 @@
 """A whole smaller model of the target's family as its drafter, run on the client.
 
 Where a model family ships a small sibling with the same tokenizer (Qwen2.5-Coder 0.5B beside 1.5B),
-that sibling predicts the target's greedy tokens far more often than a one-layer head trained here
-can: on the 1.5B's own answers the 0.5B's next token is the 1.5B's far more often than the shipped
-head's first guess is (docs/results/drafting-log.md). It
+that sibling predicts the target's greedy tokens far more often than a one-layer drafter trained
+here can: on the 1.5B's own answers the 0.5B's next token is the 1.5B's far more often than the
+shipped drafter's first guess is (docs/results/drafting-log.md). It
 drafts from the committed tokens alone (no target features), so nothing about it crosses the wire:
 the client holds it whole, embedding to LM head, at the client's precisions. What it costs is client
 time, one pass of all its layers per tree depth, which `auto`'s gate weighs against what it gains.
@@ -35,7 +35,10 @@ def check_same_tokenizer(target: ModelFiles, draft: ModelFiles) -> None:
 
 
 class DraftModel(ModelEnds):
-    """Every layer of a draft model over its own cache, with its embedding, final norm and LM head."""
+    """Every layer of a draft model over its own cache, with its embedding, final norm and LM head.
+
+    A whole smaller model that drafts from tokens alone, not the learned `Drafter` (one trained layer).
+    """
 
     def __init__(
         self, files: ModelFiles, precision: Precision | torch.dtype, lm_head_precision: Precision | torch.dtype | None = None
@@ -66,4 +69,4 @@ class DraftModel(ModelEnds):
     @torch.inference_mode()
     def probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token distributions over the whole vocabulary after the given last-layer outputs."""
-        return torch.softmax(self.draft_logits(hidden), dim=-1)
+        return torch.softmax(self.approx_logits(hidden), dim=-1)

@@ -5,16 +5,16 @@ last decoder layer, before the final norm) and the embedding of the token that f
 the pair into one hidden state, one decoder layer of the target's shape (with its own KV cache, masks
 and rotary from `Stage`) turns it into a guess of f_{t+1}, and the target's own final norm and LM head,
 restricted to a reduced draft vocabulary, turn that guess into the distribution of x_{t+2}.
-Deeper guesses feed predicted features back in place of real ones. Only `fc` (and a fused head's
+Deeper guesses feed predicted features back in place of real ones. Only `fc` (and a tapped drafter's
 `fuse`), the layer and the vocabulary are learned and shipped; the embedding, norm and LM head are
 the client's.
 
-A fused drafter (EAGLE-3's low, middle and high features) also reads, at committed positions, the
+A tapped drafter (EAGLE-3's low, middle and high features) also reads, at committed positions, the
 outputs of other layers the client holds for free: its first K layers' and the middle state the server
 returns (the input of layer N - M). Its `taps` name those layers; `fuse` projects the tap outputs, each
 RMS-normalised (their scales differ by layer, with a few dimensions in the thousands), onto a
 correction added to f_t. Deeper guesses have no taps and go in as they are. `fuse` starts at zero,
-so a fused head starts as the plain one, and stored in int8 its scales fit what it learned.
+so a tapped drafter starts as the plain one, and stored in int8 its scales fit what it learned.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 from splitllm.model.kv import KVCache
 from splitllm.model.config import ModelConfig
 from splitllm.model.precision import Precision
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.model.visibility import Visibility
 
 
@@ -45,7 +45,7 @@ def drafter_config(target: ModelConfig, intermediate_size: int | None = None) ->
 
 
 def check_taps(taps: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    """Taps as a fused drafter and its capture take them: increasing layer counts inside the model."""
+    """Taps as a tapped drafter and its capture take them: increasing layer counts inside the model."""
     if any(not isinstance(t, int) or not 0 < t < num_layers for t in taps) or list(taps) != sorted(set(taps)):
         raise ValueError(f"taps must be increasing layer counts between 1 and {num_layers - 1}, not {list(taps)}")
     return tuple(taps)
@@ -54,8 +54,9 @@ def check_taps(taps: Sequence[int], num_layers: int) -> tuple[int, ...]:
 class Drafter(nn.Module):
     """fc([feature, next embedding]) -> one decoder layer -> predicted next feature.
 
+    The learned drafter: one layer trained on the target's features, not a `DraftModel` (a whole smaller model).
     `vocab` holds the target token ids the drafter may propose (most frequent first); logits are over
-    those ids only, in that order. `taps`: the layer counts whose outputs a fused drafter reads beside
+    those ids only, in that order. `taps`: the layer counts whose outputs a tapped drafter reads beside
     the top feature (empty: the top feature alone).
     """
 
@@ -75,7 +76,7 @@ class Drafter(nn.Module):
 
     def packed(self, quant: str = "none") -> Drafter:
         """This drafter for drafting only: its linear weights in the form the CPU runs fastest (see
-        `Precision.linear`), int8 with `quant="int8"` (a head stored in int8 loses nothing more, and a
+        `Precision.linear`), int8 with `quant="int8"` (a drafter stored in int8 loses nothing more, and a
         draft forward reads half the bytes); training and saving use the plain modules."""
         precision = Precision(self.dtype, quant)
         self.quant = quant
@@ -114,7 +115,7 @@ class Drafter(nn.Module):
         taps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predicted next features (n, d) for n new entries, with the cache contract of `Stage.forward`."""
-        return self.stage(cache, self.combine(features, embeddings, taps), positions, vis, keep)
+        return self.stage(cache, Step(self.combine(features, embeddings, taps), positions, vis, keep))
 
     @torch.inference_mode()
     def grow(

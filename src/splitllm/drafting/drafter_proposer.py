@@ -1,7 +1,7 @@
-"""The learned drafter's proposer: an EAGLE head grows the tree from the client's own top-layer features.
+"""The learned drafter's proposer: an EAGLE-style drafter grows the tree from the client's own top-layer features.
 
-The head's cache mirrors the committed sequence: after every step the decoder hands over the true
-features (tail output) of the positions it committed, and the next `propose` that drafts appends one
+The drafter's cache mirrors the committed sequence: after every step the decoder hands over the true
+features (last-stage output) of the positions it committed, and the next `propose` that drafts appends one
 entry per such position t with input (f_t, embed(x_{t+1})). The last entry predicts the feature after
 the bonus token, whose logits over the draft vocabulary give the tree's first level; a node's entry
 takes its parent's predicted feature and its own token (scored_tree.py grows and scores the tree).
@@ -23,7 +23,7 @@ from splitllm.drafting.drafter import Drafter
 
 class DraftingClient(Protocol):
     """What the drafters draft with besides themselves: the client's embedding, final norm and LM head
-    (the client's `LocalModel`), the drafter shipped or trained for the model and a draft model, if any."""
+    (the client's `ClientModel`), the drafter shipped or trained for the model and a draft model, if any."""
 
     dtype: torch.dtype
 
@@ -47,26 +47,26 @@ class DrafterProposer(ScoredTreeProposer):
 
     def __init__(
         self,
-        head: Drafter,
-        local: DraftingClient,
+        drafter: Drafter,
+        client_model: DraftingClient,
         max_context: int,
         top_k: int = 6,
         beam: int = 4,
         calibration_config: CalibrationConfig = CalibrationConfig(),
     ) -> None:
-        super().__init__(head.new_cache(max_context + 32 * beam), top_k, beam, calibration_config)
-        self.head, self.local, self.taps = head, local, head.taps
-        self.vocab_head = local.drafter_vocab_head()
+        super().__init__(drafter.new_cache(max_context + 32 * beam), top_k, beam, calibration_config)
+        self.drafter, self.client_model, self.taps = drafter, client_model, drafter.taps
+        self.vocab_head = client_model.drafter_vocab_head()
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (first position, true features, taps) not in the cache yet
         self.next_position: int | None = None  # position of the next committed entry
 
     @property
     def max_position(self) -> int:
-        return self.head.cfg.max_position
+        return self.drafter.cfg.max_position
 
     def observe(self, start: int, features: torch.Tensor, taps: torch.Tensor | None = None) -> None:
-        if (taps is None) != (not self.head.taps):
-            raise ValueError(f"this drafter reads the outputs of layers {list(self.head.taps)} beside the features")
+        if (taps is None) != (not self.drafter.taps):
+            raise ValueError(f"this drafter reads the outputs of layers {list(self.drafter.taps)} beside the features")
         if self.next_position is None:
             self.next_position = start
         self.pending.append((start, features.detach(), None if taps is None else taps.detach()))
@@ -76,7 +76,7 @@ class DrafterProposer(ScoredTreeProposer):
         if not self.pending or self.next_position is None:
             return None
         features = torch.cat([f for _, f, _ in self.pending])
-        taps = torch.cat([t for _, _, t in self.pending]) if self.head.taps else None
+        taps = torch.cat([t for _, _, t in self.pending]) if self.drafter.taps else None
         first = self.pending[0][0]
         self.pending = []
         if first != self.next_position:
@@ -87,16 +87,16 @@ class DrafterProposer(ScoredTreeProposer):
             raise ValueError("every committed feature needs the token that followed it")
         self.cache.crop(self.committed)
         sees = chain_after(self.committed, n)
-        embeddings = self.local.embed(torch.tensor(history[first + 1 : first + n + 1]))
-        out = self.head.grow(self.cache, features, embeddings, positions, sees, taps)
+        embeddings = self.client_model.embed(torch.tensor(history[first + 1 : first + n + 1]))
+        out = self.drafter.grow(self.cache, features, embeddings, positions, sees, taps)
         self.committed += n
         self.next_position = first + n
         return out[-1:], len(history) - 2
 
     def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
-        return self.head.grow(self.cache, parents, self.local.embed(tokens), positions, sees)
+        return self.drafter.grow(self.cache, parents, self.client_model.embed(tokens), positions, sees)
 
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = self.local.normed(outputs.to(self.local.dtype)).to(self.head.dtype)  # the vocab head's dtype
+        normed = self.client_model.normed(outputs.to(self.client_model.dtype)).to(self.drafter.dtype)  # the vocab head's dtype
         q, idx = torch.softmax(self.vocab_head(normed).float(), dim=-1).topk(min(k, self.vocab_head.out_features), dim=-1)
-        return q, self.head.vocab[idx]
+        return q, self.drafter.vocab[idx]

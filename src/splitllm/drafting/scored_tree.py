@@ -8,7 +8,7 @@ level. Each later depth runs the best `beam` frontier nodes at once (each sees t
 and its own ancestors) and offers every one's `top_k` tokens.
 Where a link cost prices the step, a depth is run only while it can pay for its pass: its children can
 add at most the chances of the nodes it runs in expected tokens, each worth what a token costs at this
-link, against the measured time of one pass (a few milliseconds for a one-layer head, one whole
+link, against the measured time of one pass (a few milliseconds for a one-layer drafter, one whole
 forward for a draft model).
 
 While a step is in flight, a proposer that reads tokens alone (a draft model) can `prepare` the next
@@ -19,7 +19,7 @@ critical path (`_adopt`); otherwise it drafts as usual, its cache keeping the co
 
 Node scores are estimated acceptance chances: the product along the path of the drafting model's
 probability, recalibrated per probability bin against the tokens actually committed. They depend only
-on the committed history (and the target's features, for a head that reads them), never on the
+on the committed history (and the target's features, for a drafter that reads them), never on the
 sampler's draws, so greedy output stays sequential's and speculative sampling stays exact with the
 candidates treated as point masses.
 """
@@ -35,7 +35,7 @@ import torch
 
 from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
 from splitllm.decoding.sizing.calibration import Calibration, CalibrationConfig
-from splitllm.decoding.proposers import Draft
+from splitllm.decoding.proposers import Candidate
 from splitllm.model.kv import KVCache
 
 MIN_SCORE = 0.01  # nodes less likely than this are not expanded when no link cost says otherwise
@@ -69,7 +69,7 @@ class _Prepared:
 
 
 class ScoredTreeProposer(ABC):
-    """A Proposer whose drafts are single scored nodes of a tree (see `Draft.score`).
+    """A Proposer whose candidates are single scored nodes of a tree (see `Candidate.score`).
 
     Subclasses say how the drafting model catches up with the committed sequence (`_sync`), runs a
     depth of nodes (`_expand`) and turns outputs into token probabilities (`_top`).
@@ -81,7 +81,7 @@ class ScoredTreeProposer(ABC):
 
     def __init__(self, cache: KVCache, top_k: int, beam: int, calibration_config: CalibrationConfig) -> None:
         self.cache, self.top_k, self.beam = cache, top_k, beam
-        self.bins = calibration_config.head_bins
+        self.bins = calibration_config.drafter_bins
         self.calibration: Calibration[int] = Calibration(calibration_config.prior_weight)  # P(right | bin of q)
         self.committed = 0  # cache entries holding committed positions
         self.tree: list[_Node] = []
@@ -93,7 +93,7 @@ class ScoredTreeProposer(ABC):
 
     @abstractmethod
     def observe(self, start: int, features: torch.Tensor, taps: torch.Tensor | None = None) -> None:
-        """The target's features (tail outputs) at newly committed fed positions start, start + 1, ...,
+        """The target's features (last-stage outputs) at newly committed fed positions start, start + 1, ...,
         and the tapped layers' outputs there when `taps` names some."""
 
     @property
@@ -119,7 +119,7 @@ class ScoredTreeProposer(ABC):
         ms, self.draft_ms = self.draft_ms, 0.0
         return ms
 
-    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Draft]:
+    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Candidate]:
         t0 = time.perf_counter()
         prepared, self.prepared = self.prepared, None
         self.adopted = False
@@ -130,33 +130,32 @@ class ScoredTreeProposer(ABC):
                 return []  # the committed positions wait: the next drafting step syncs them in one pass
             self.adopted = prepared is not None and self._adopt(prepared, history)
             if self.adopted:
-                return self._drafts()
+                return self._candidates()
             synced = self._sync(history)
             if synced is None:
                 return []
             self.tree_start = len(history)
             self._grow(*synced, budget)
-            return self._drafts()
+            return self._candidates()
         finally:
             self.cache.keep(list(range(self.cache.pending)))  # so the next crop finds every entry committed
             self.draft_ms += (time.perf_counter() - t0) * 1000
 
-    def prepare(self, history: Sequence[int], budget: SpecBudget, until: float) -> bool:
+    def prepare(self, history: Sequence[int], budget: SpecBudget, until: float) -> None:
         """Draft the tree after `history` (committed tokens plus the path the step in flight is expected
         to accept) one level deeper than `budget`, for the next `propose` to take if the step goes so;
         no depth is begun that would end after `until` (time.perf_counter()), when the step is expected
-        back. Learns nothing (the step's outcome is not known yet); whether a tree was prepared."""
+        back. Learns nothing (the step's outcome is not known yet); `prepared` holds the tree, if any."""
         if not self.prepares or not budget.max_nodes or not budget.depth:
-            return False
+            return
         tree, start = self.tree, self.tree_start  # the tree in flight, which the next propose resolves
         try:
             synced = self._sync(history)
             if synced is None:
-                return False
+                return
             self.tree = []
             self._grow(*synced, replace(budget, depth=budget.depth + 1), until)
             self.prepared = _Prepared(list(history), self.tree)
-            return True
         finally:
             self.cache.keep(list(range(self.cache.pending)))
             self.tree, self.tree_start = tree, start
@@ -260,15 +259,15 @@ class ScoredTreeProposer(ABC):
         ms = cost.step_ms + cost.node_ms * len(self.tree)
         return sum(self.tree[i].score for i in chosen) * ms / expected > self.pass_ms
 
-    def _drafts(self) -> list[Draft]:
-        drafts = []
+    def _candidates(self) -> list[Candidate]:
+        candidates = []
         for i, nd in enumerate(self.tree):
             path, a = [], i
             while a >= 0:
                 path.append(self.tree[a].token)
                 a = self.tree[a].parent
-            drafts.append(Draft(tuple(reversed(path)), self.name, nd.q, nd.score))
-        return drafts
+            candidates.append(Candidate(tuple(reversed(path)), self.name, nd.q, nd.score))
+        return candidates
 
     def _resolve(self, history: Sequence[int]) -> None:
         """Score the last tree's offers against the tokens committed since: every child of a node on

@@ -1,8 +1,8 @@
 """Drafters on disk: a folder of weights plus metadata, bound to one target model by its fingerprint.
 
 A drafter folder holds `drafter.safetensors` (fc, the decoder layer and the draft vocabulary; matrices in half
-precision, or int8 with one scale per row where a head must stay small) and `drafter.json` (what it was trained for, on what, how well it drafts, how to rebuild it).
-Heads shipped with the package live under `splitllm/drafting/drafters/<name>/` and are found by the
+precision, or int8 with one scale per row where a drafter must stay small) and `drafter.json` (what it was trained for, on what, how well it drafts, how to rebuild it).
+Drafters shipped with the package live under `splitllm/drafting/drafters/<name>/` and are found by the
 fingerprint of the loaded model, the way the default model is found without a training step.
 A drafter only ever proposes: a wrong one costs speed, never correctness, but one trained for other
 weights would only waste round trips, so it is refused.
@@ -30,7 +30,7 @@ _SCALE = ".int8_scale"  # suffix of the per-row scales of an int8 matrix stored 
 
 
 def shipped_drafters_root() -> Path:
-    """Where the package keeps its trained heads (one folder per target model)."""
+    """Where the package keeps its trained drafters (one folder per target model)."""
     return Path(str(package_files("splitllm.drafting") / "drafters"))
 
 
@@ -58,23 +58,23 @@ def _loaded(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def save_drafter(head: Drafter, folder: str | Path, metadata: dict[str, Any], weights: str = "float16") -> Path:
-    """Write `head` (matrices in `weights`: float16 or int8) and its metadata; metadata must name the
+def save_drafter(drafter: Drafter, folder: str | Path, metadata: dict[str, Any], weights: str = "float16") -> Path:
+    """Write `drafter` (matrices in `weights`: float16 or int8) and its metadata; metadata must name the
     target's fingerprint."""
     if not metadata.get(FINGERPRINT_KEY):
-        raise ValueError(f"head metadata needs the target model's fingerprint under {FINGERPRINT_KEY!r}")
+        raise ValueError(f"drafter metadata needs the target model's fingerprint under {FINGERPRINT_KEY!r}")
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"drafter weights are stored as one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(_stored(head.state_dict(), weights), folder / WEIGHTS, metadata={"format": "pt"})
+    save_file(_stored(drafter.state_dict(), weights), folder / WEIGHTS, metadata={"format": "pt"})
     meta = {
         **metadata,
-        "taps": list(head.taps),
-        "intermediate_size": head.cfg.intermediate_size,
-        "draft_vocab": int(head.vocab.numel()),
+        "taps": list(drafter.taps),
+        "intermediate_size": drafter.cfg.intermediate_size,
+        "draft_vocab": int(drafter.vocab.numel()),
         "weights_dtype": weights,
-        "parameters": sum(int(t.numel()) for name, t in head.state_dict().items() if name != "vocab"),
+        "parameters": sum(int(t.numel()) for name, t in drafter.state_dict().items() if name != "vocab"),
         "size_bytes": (folder / WEIGHTS).stat().st_size,
     }
     (folder / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
@@ -111,21 +111,21 @@ def _build(files: ModelFiles, folder: Path, meta: dict[str, Any], dtype: torch.d
         check_taps(taps if isinstance(taps, list) else [taps], files.config.num_layers)
     except ValueError as e:
         raise ValueError(f"{folder / METADATA}: {e}") from None
-    head = Drafter(cfg, vocab, dtype, taps)
+    drafter = Drafter(cfg, vocab, dtype, taps)
     try:
-        head.load_state_dict({k: v.long() if k == "vocab" else v for k, v in tensors.items()}, strict=True)
+        drafter.load_state_dict({k: v.long() if k == "vocab" else v for k, v in tensors.items()}, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{weights_path} does not fit a drafter for this model: {e}") from e
-    return head.eval()
+    return drafter.eval()
 
 
-def _packed(head: Drafter, meta: dict[str, Any]) -> Drafter:
-    quant = "int8" if meta.get("weights_dtype") == "int8" and head.dtype != torch.float32 else "none"
-    return head.packed(quant)
+def _packed(drafter: Drafter, meta: dict[str, Any]) -> Drafter:
+    quant = "int8" if meta.get("weights_dtype") == "int8" and drafter.dtype != torch.float32 else "none"
+    return drafter.packed(quant)
 
 
 def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
-    """The shipped head folder trained for the model with this fingerprint, if any."""
+    """The shipped drafter folder trained for the model with this fingerprint, if any."""
     root = root or shipped_drafters_root()
     if not root.is_dir():
         return None
@@ -138,7 +138,7 @@ def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
 def load_drafter(
     files: ModelFiles, path: str | Path | None = None, dtype: torch.dtype = torch.float32, packed: bool = True
 ) -> Drafter | None:
-    """`path` (a folder written by `splitllm draft train`) if given: refused with a clear ValueError when its
+    """`path` (a folder written by `splitllm drafter train`) if given: refused with a clear ValueError when its
     target fingerprint differs from files.fingerprint. Otherwise the drafter shipped in the package for this
     model (matched by fingerprint), or None when there is none. `packed`: for drafting (see
     `Drafter.packed`); else the plain modules, to train on."""
@@ -151,7 +151,7 @@ def load_drafter(
             f"the drafter in {folder} was trained for another model "
             f"({meta.get('model', 'unknown')}, fingerprint {meta[FINGERPRINT_KEY][:12]}...), not for "
             f"{files.path} (fingerprint {files.fingerprint[:12]}...): train one with "
-            f"`splitllm draft train --model <model> --out <folder>`"
+            f"`splitllm drafter train --model <model> --out <folder>`"
         )
-    head = _build(files, folder, meta, dtype)
-    return _packed(head, meta) if packed else head
+    drafter = _build(files, folder, meta, dtype)
+    return _packed(drafter, meta) if packed else drafter

@@ -1,4 +1,4 @@
-"""splitllm's CPU kernels (`kernels/`), compiled on first use where the CPU has AVX-512 BF16 and VBMI.
+"""splitllm's CPU kernels (`csrc/`), compiled on first use where the CPU has AVX-512 BF16 and VBMI.
 
 PyTorch's bfloat16 linear kernels read a one-row step's weights at about half this machine's memory
 bandwidth, and its attention spends most of a few-row step in overhead; these stream the weights and

@@ -1,4 +1,5 @@
-"""The lab: benchmarks, the privacy audit, draft-head training, the WAN emulator, launch helpers and the demo.
+"""The lab: benchmarks, the privacy audit, drafter training, the demo, and `splitllm netem` over the WAN
+proxy of `splitllm.testing`.
 
 It measures and trains the runtime from outside; the runtime never imports it (the import contracts in
 pyproject.toml, checked by the suite). `CHECKOUT` is the source tree the lab reads and publishes to

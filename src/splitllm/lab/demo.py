@@ -30,10 +30,10 @@ def run_demo(
     set_compute_threads(1)
     precision = precision or fastest()
     console.print("[bold]splitllm demo[/]: loading the client side of the default model (first run converts it once)")
-    client = SplitClient(None, head=2, tail=2, precision=precision)
+    client = SplitClient(None, first=2, last=2, precision=precision)
     runs: dict[str, Generation] = {}
-    with ServerProcess("--head", "2", "--tail", "2", *precision.serve_args()) as server:
-        start, end = client.local.middle_range
+    with ServerProcess("--first", "2", "--last", "2", *precision.serve_args()) as server:
+        start, end = client.client_model.middle_range
         console.print(f"server: layers [{start}, {end}) on {server.url}, both sides {precision.name}")
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"

@@ -7,19 +7,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.client.pipeline import Middle, SplitPipeline
 from splitllm.lab import rates
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 
 @torch.inference_mode()
-def log_probs(local: LocalModel, middle: Callable[[], Middle], windows: torch.Tensor) -> torch.Tensor:
+def log_probs(client_model: ClientModel, middle: Callable[[], Middle], windows: torch.Tensor) -> torch.Tensor:
     """(n, window, vocab) next-token log-probabilities of held-out windows through the split model."""
     out = []
     for tokens in windows:
         n = len(tokens)
-        logits, _ = SplitPipeline(local, middle(), n).score(tokens, torch.arange(n), Visibility.chain(n), [])
+        logits, _ = SplitPipeline(client_model, middle(), n).score(Step(tokens, torch.arange(n), Visibility.chain(n)))
         out.append(F.log_softmax(logits.float(), dim=-1))
     return torch.stack(out)
 

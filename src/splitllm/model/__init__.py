@@ -1,1 +1,2 @@
-"""Decoder model pieces shared by client and server: config, weights, blocks, stages."""
+"""The decoder math both sides run: config, layers, stages with their KV caches, visibility, precision,
+the kernel stage, and a model's ends (embedding, final norm, LM head)."""

@@ -1,7 +1,7 @@
 """How a layer attends: PyTorch's scaled-dot-product attention, or splitllm's CPU kernel in 16-bit settings.
 
 Both take queries (1, H, n, D) and a cache view (1, KV, L, D) with an additive mask (or None) and return
-(1, n, H * D). The kernel (`kernels/attention.cpp`) is faster for a few rows (docs/precision.md) and gives a row
+(1, n, H * D). The kernel (`kernels/csrc/attention.cpp`) is faster for a few rows (docs/precision.md) and gives a row
 the same bits alone, in a speculative tree or after its ancestors were committed. It serves every step
 of the 16-bit precisions on the CPU, prompts included: a first speculative step carries the prompt and
 a tree, so a prompt row must score the same in a step of any size (PyTorch's blocked attention is

@@ -94,13 +94,13 @@ class ModelConfig:
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
         )
 
-    def check_split(self, head: int, tail: int) -> None:
+    def check_split(self, first: int, last: int) -> None:
         """Refuse partitions that would leave a side without layers it must have."""
         n = self.num_layers
-        if head < 1 or tail < 0 or head + tail >= n:
+        if first < 1 or last < 0 or first + last >= n:
             raise ValueError(
-                f"invalid split head={head} tail={tail}: the model has {n} layers; need head >= 1, "
-                f"tail >= 0 and head + tail < {n} so the server keeps at least one layer"
+                f"invalid split first={first} last={last}: the model has {n} layers; need first >= 1, "
+                f"last >= 0 and first + last < {n} so the server keeps at least one layer"
             )
 
 

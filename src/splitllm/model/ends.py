@@ -21,7 +21,7 @@ ROW_BY_ROW = 8  # up to this many rows, the LM head runs row by row (see ModelEn
 class ModelEnds:
     """A model's embedding, final norm and LM head in `lm_head_precision`; reads none of its layers.
 
-    The split client holds them (`LocalModel`), and so does code that needs a model's vocabulary side
+    The split client holds them (`ClientModel`), and so does code that needs a model's vocabulary side
     without its layers: a whole draft model, a drafter's training targets.
     """
 
@@ -92,9 +92,9 @@ class ModelEnds:
         return self._softcap(out.to("cpu", torch.promote_types(out.dtype, torch.float32)))
 
     @torch.inference_mode()
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def approx_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Approximate logits (a 16-bit or quantized LM head) for guesses that are never committed unverified."""
-        return self._softcap(self._drafting_lm_head(self.normed(hidden)).float().cpu())
+        return self._softcap(self._approx_lm_head(self.normed(hidden)).float().cpu())
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcap
@@ -106,8 +106,8 @@ class ModelEnds:
         return rms_norm(hidden.to(hp.torch_device, hp.dtype), self.norm, self.cfg.rms_norm_eps)
 
     @cached_property
-    def _drafting_lm_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The LM head drafts read: a float32 one again as bfloat16; any other is cheap already."""
+    def _approx_lm_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The LM head `approx_logits` reads: a float32 one again as bfloat16; any other is cheap already."""
         if not self._row_by_row:
             return self.lm_head
         head = Linear(self.lm_head.weight.to(torch.bfloat16))

@@ -1,8 +1,8 @@
-"""A stage's whole step in one call to splitllm's CPU kernels (`kernels/decoder.cpp`).
+"""A stage's whole step in one call to splitllm's CPU kernels (`kernels/csrc/decoder.cpp`).
 
 Layer by layer, a one-position bfloat16 step makes ~40 PyTorch calls per layer around the weight
-reads; with the weights streamed at the memory bandwidth those calls cost more than the reads. The
-fused step runs the same layers (the same packed weights, the same attention kernel) with everything
+reads; with the weights streamed at the memory bandwidth those calls cost more than the reads. A
+kernel stage runs the same layers (the same packed weights, the same attention kernel) with everything
 in between as plain loops, and gives each row the same bits whatever else is in the step, so
 speculation stays exact. It runs where every linear of the stage is a `BlockedLinear` and attention is
 the kernel's, i.e. bfloat16 compute with bfloat16, int8 or int4 weights on a CPU with AVX-512 BF16 and VBMI; the
@@ -25,7 +25,7 @@ from splitllm.model.quant import BlockedLinear
 _ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}  # -> the kernel's `gelu` flag
 
 
-class FusedStep:
+class KernelStage:
     """The kernel's view of a stage's layers, built once from the loaded weights (no copies but the norms)."""
 
     def __init__(self, kernels: ModuleType, cfg: ModelConfig, layers: Sequence[DecoderLayer], kinds: Sequence[int]) -> None:

@@ -124,7 +124,7 @@ EXACT = Precision()
 def fastest(device: str = "cpu") -> Precision:
     """The fastest setting this machine runs well, what every command and `SplitClient` use unless told.
 
-    On a CPU where splitllm's kernels load: bfloat16 compute with int8 weights (`splitllm bench runtime`
+    On a CPU where splitllm's kernels load: bfloat16 compute with int8 weights (`splitllm bench speed`
     and `bench quality`: faster than bfloat16 weights for a one-row step at almost no cost in
     perplexity; figures in `docs/precision.md`). Elsewhere the exact mode:
     without the kernels a 16-bit row's bits depend on its batch, so speculation would no longer give

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -13,7 +13,7 @@ from splitllm.model.kv import KVCache
 from splitllm.kernels import cpu_kernels
 from splitllm.model.blocks import DecoderLayer, Rotary, Segment
 from splitllm.model.config import ModelConfig
-from splitllm.model.kernel_stage import FusedStep
+from splitllm.model.kernel_stage import KernelStage
 from splitllm.model.precision import Precision
 from splitllm.model.quant import on_huge_pages
 from splitllm.weights.conversions import StoredWeights
@@ -53,14 +53,34 @@ def read_norm(weights: StoredWeights, name: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class StepInput:
-    """One sequence's step: its cache, hidden states, positions, visibility and what to keep."""
+class Step:
+    """One sequence's step, as the client's stages, the middle and the server all take it.
 
-    cache: KVCache
-    hidden: torch.Tensor
+    `inputs`: token ids (n,) for the embedding, or hidden states (n, d) entering a stage; `positions`
+    (n,): their absolute positions; `vis`: which new entries each one sees; `keep`: the previous
+    step's entries to commit first, in order (the rest are dropped).
+    """
+
+    inputs: torch.Tensor
     positions: torch.Tensor
     vis: Visibility
-    keep: Sequence[int]
+    keep: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keep", tuple(self.keep))
+
+    @property
+    def n(self) -> int:
+        return self.positions.numel()
+
+    def with_inputs(self, inputs: torch.Tensor) -> Step:
+        """The same step carrying other inputs (what the previous stage made of them)."""
+        return replace(self, inputs=inputs)
+
+    def part(self, start: int, end: int, keep: Sequence[int]) -> Step:
+        """Entries [start, end) as a step of their own that commits `keep` first; exact where every
+        entry from `start` on sees every entry before it (`Visibility.cuts`)."""
+        return Step(self.inputs[start:end], self.positions[start:end], self.vis.part(start, end), keep)
 
 
 class Stage(nn.Module):
@@ -68,8 +88,8 @@ class Stage(nn.Module):
 
     Weights are shared; each session brings its own cache (`new_cache`). `precision` (or a bare
     dtype: dense weights on the CPU) fixes how the stage stores and computes, once. Where the CPU
-    kernels run this precision, a step goes through all layers in one call (`fused.py`);
-    `use_fused_step = False` runs it layer by layer instead (for comparison: the rounding differs slightly).
+    kernels run this precision, a step goes through all layers in one call (`KernelStage`);
+    `use_kernel_stage = False` runs it layer by layer instead (for comparison: the rounding differs slightly).
     """
 
     def __init__(self, cfg: ModelConfig, start: int, end: int, precision: Precision | torch.dtype) -> None:
@@ -86,7 +106,7 @@ class Stage(nn.Module):
         self.layer_kinds = [distinct.index(k) for k in kinds]
         self.windows = [w for w, _ in distinct]
         self.rotaries = [Rotary(rope) for _, rope in distinct]
-        self.use_fused_step = True
+        self.use_kernel_stage = True
 
     def new_cache(self, max_context: int) -> KVCache:
         cfg = self.cfg
@@ -110,65 +130,55 @@ class Stage(nn.Module):
         on_huge_pages(m for layer in stage.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         return stage
 
-    def check_step(
-        self, cache: KVCache, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int]
-    ) -> None:
+    def check_step(self, cache: KVCache, step: Step) -> None:
         """Validate a step before anything is mutated, so a bad request leaves the cache untouched."""
-        n = positions.numel()
-        if hidden.shape != (n, self.cfg.hidden_size) or positions.shape != (n,) or vis.n != n:
+        n, hidden, positions = step.n, step.inputs, step.positions
+        if hidden.shape != (n, self.cfg.hidden_size) or positions.shape != (n,) or step.vis.n != n:
             raise ValueError(
                 f"a step of {n} positions needs hidden states of shape ({n}, {self.cfg.hidden_size}) and an "
-                f"{n} x {n} visibility, got {tuple(hidden.shape)} and {vis.n} x {vis.n}"
+                f"{n} x {n} visibility, got {tuple(hidden.shape)} and {step.vis.n} x {step.vis.n}"
             )
-        cache.check_keep(keep)
-        if cache.length + len(keep) + n > cache.max_context:
+        cache.check_keep(step.keep)
+        if cache.length + len(step.keep) + n > cache.max_context:
             raise ValueError(
-                f"step of {n} positions over a context of {cache.length + len(keep)} exceeds the "
+                f"step of {n} positions over a context of {cache.length + len(step.keep)} exceeds the "
                 f"maximum context of {cache.max_context}"
             )
         if n and (int(positions.min()) < 0 or int(positions.max()) >= self.cfg.max_position):
             raise ValueError(f"positions must lie in [0, {self.cfg.max_position})")
 
-    def forward(
-        self,
-        cache: KVCache,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        vis: Visibility,
-        keep: Sequence[int],
-    ) -> torch.Tensor:
-        """hidden: (n, d) states entering layer `start`; returns (n, d) states leaving layer `end - 1`.
+    def forward(self, cache: KVCache, step: Step) -> torch.Tensor:
+        """step.inputs: (n, d) states entering layer `start`; returns (n, d) states leaving layer `end - 1`.
 
-        `keep` first commits the chosen entries of the previous step, then the n new positions are
-        appended as this step's pending entries.
+        `step.keep` first commits the chosen entries of the previous step, then the n new positions
+        are appended as this step's pending entries.
         """
-        return self.forward_many([StepInput(cache, hidden, positions, vis, keep)])[0]
+        return self.forward_many([(cache, step)])[0]
 
     @torch.inference_mode()
-    def forward_many(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
+    def forward_many(self, batch: Sequence[tuple[KVCache, Step]]) -> list[torch.Tensor]:
         """One step for each of several independent sequences (distinct caches) in one pass.
 
         The rows of all steps share every weight read; each attends only to its own cache and
         visibility. Every step is validated before any cache is touched.
         """
-        if len({id(s.cache) for s in steps}) != len(steps):
+        if len({id(cache) for cache, _ in batch}) != len(batch):
             raise ValueError("a batch holds at most one step per cache")
-        for s in steps:
-            self.check_step(s.cache, s.hidden, s.positions, s.vis, s.keep)
+        for cache, s in batch:
+            self.check_step(cache, s)
         segments: list[list[Segment]] = [[] for _ in self.windows]
         row = 0
-        for s in steps:
-            n = s.hidden.shape[0]
-            s.cache.keep(s.keep)
-            s.cache.stage_new(s.positions)
-            cache_pos = s.cache.positions[: s.cache.length]
+        for cache, s in batch:
+            cache.keep(s.keep)
+            cache.stage_new(s.positions)
+            cache_pos = cache.positions[: cache.length]
             masks = {w: self._mask(s.vis, cache_pos, s.positions, w) for w in set(self.windows)}
             for segs, w, rotary in zip(segments, self.windows, self.rotaries):
                 cos, sin = (t.to(self.device) for t in rotary(s.positions, self.precision.attention_dtype))
-                segs.append(Segment(slice(row, row + n), cos, sin, masks[w], s.cache.length))
-            row += n
-        x = self.run_layers(torch.cat([s.hidden.to(self.device, self.dtype) for s in steps]), [s.cache for s in steps], segments)
-        return list(x.split([s.hidden.shape[0] for s in steps]))
+                segs.append(Segment(slice(row, row + s.n), cos, sin, masks[w], cache.length))
+            row += s.n
+        x = self.run_layers(torch.cat([s.inputs.to(self.device, self.dtype) for _, s in batch]), [c for c, _ in batch], segments)
+        return list(x.split([s.n for _, s in batch]))
 
     @torch.inference_mode()
     def extend(self, cache: KVCache, hidden: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
@@ -202,9 +212,9 @@ class Stage(nn.Module):
         entries; segments[kind][i]: sequence i's rows, rotary and mask for layers of that kind. For
         callers that build their own masks (a drafter's tree sees entries no `Visibility` describes)."""
         x = hidden.to(self.device, self.dtype)
-        fused_step = self._active_fused_step()
-        if fused_step is not None:
-            return fused_step(x, caches, segments)
+        kernel_stage = self._active_kernel_stage()
+        if kernel_stage is not None:
+            return kernel_stage(x, caches, segments)
         x = x[None]
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
             kv = [c.layer(i, seg.rows.stop - seg.rows.start)[:2] for c, seg in zip(caches, segments[kind])]
@@ -212,22 +222,22 @@ class Stage(nn.Module):
         return x[0]
 
     @property
-    def runs_fused_step(self) -> bool:
-        """Whether a step runs as the kernels' fused step (else layer by layer)."""
-        return self._active_fused_step() is not None
+    def runs_kernel_stage(self) -> bool:
+        """Whether a step runs as one `KernelStage` call (else layer by layer)."""
+        return self._active_kernel_stage() is not None
 
-    def _active_fused_step(self) -> FusedStep | None:
-        return self._fused_step if self.use_fused_step else None
+    def _active_kernel_stage(self) -> KernelStage | None:
+        return self._kernel_stage if self.use_kernel_stage else None
 
     @cached_property
-    def _fused_step(self) -> FusedStep | None:
-        """The fused step, built on first use (weights load after __init__); None where it does not apply."""
+    def _kernel_stage(self) -> KernelStage | None:
+        """The kernel stage, built on first use (weights load after __init__); None where it does not apply."""
         if self.precision.exact or self.precision.torch_device.type != "cpu":
             return None  # the exact mode never compiles the kernels
         kernels = cpu_kernels.load()
-        if kernels is None or not FusedStep.supports(self.cfg, self.layers, self.dtype):
+        if kernels is None or not KernelStage.supports(self.cfg, self.layers, self.dtype):
             return None
-        return FusedStep(kernels, self.cfg, self.layers, self.layer_kinds)
+        return KernelStage(kernels, self.cfg, self.layers, self.layer_kinds)
 
     def _mask(
         self, vis: Visibility, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None

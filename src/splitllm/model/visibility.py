@@ -52,19 +52,19 @@ class Visibility:
             raise ValueError("every position must see itself")
         return cls(m)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> tuple[tuple[int, ...] | None, bytes | None]:
+        """(parents, None) for a forest, else (None, the matrix's packed bits): a step message's fields."""
         if self.parents is not None:
-            return {"parents": list(self.parents)}
-        return {"bits": np.packbits(self.matrix.numpy(), axis=None).tobytes()}
+            return self.parents, None
+        return None, np.packbits(self.matrix.numpy(), axis=None).tobytes()
 
     @classmethod
-    def from_wire(cls, fields: dict, n: int) -> Visibility:
-        if "parents" in fields:
-            parents = fields["parents"]
-            if not isinstance(parents, list) or len(parents) != n:
+    def from_wire(cls, parents: Sequence[int] | None, bits: bytes | None, n: int) -> Visibility:
+        """The visibility of n entries from a step message's fields; neither: a chain."""
+        if parents is not None:
+            if len(parents) != n:
                 raise ValueError(f"parents must be a list of {n} indices")
             return cls.from_parents(parents)
-        bits = fields.get("bits")
         if bits is None:
             return cls.chain(n)
         if not isinstance(bits, bytes) or len(bits) != (n * n + 7) // 8:

@@ -1,7 +1,7 @@
 """Frames of the client/server protocol: a small msgpack header plus raw tensor bytes.
 
 Layout of one WebSocket binary message: 4-byte big-endian header length, msgpack map, payload.
-Errors travel as frames too (`op: "error"` with a code), so a bad request never costs a connection.
+This module frames any header; `messages` gives each kind of message its fields and checks them.
 docs/protocol.md describes every field.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 2  # 2: the attestation handshake and sealed frames
 MAX_HEADER_BYTES = 1 << 20
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -95,9 +94,3 @@ def _tensor(header: dict[str, Any], payload: bytes) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape[0], shape[1])
 
-
-def error_frame(request_id: Any, code: str, message: str, retryable: bool = False) -> bytes:
-    """`retryable`: the request was fine but the server lacks room now; the same request may succeed later."""
-    rid = request_id if isinstance(request_id, (int, str)) else None
-    header = {"op": "error", "id": rid, "code": code, "message": message}
-    return encode({**header, "retryable": True} if retryable else header)

@@ -28,7 +28,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from splitllm.protocol import wire
+from splitllm.protocol import messages, wire
+from splitllm.protocol.messages import (
+    PROTOCOL_VERSION, CloseMessage, ClosedMessage, ErrorMessage, OpenedMessage, OpenMessage, RequestId,
+)
 from splitllm.attestation.evidence import load_attester
 from splitllm.attestation.handshake import answer
 from splitllm.attestation.sealing import SealedChannel, SealError
@@ -47,7 +50,7 @@ from splitllm.protocol.wire import ProtocolError
 
 
 class MiddleServer:
-    """The middle layers [head, N - tail) of one model and the sessions that use them.
+    """The middle layers [first, N - last) of one model and the sessions that use them.
 
     `tokens`: when set, every WebSocket handshake (and /metrics) needs a bearer token from it.
     """
@@ -57,10 +60,10 @@ class MiddleServer:
         self.compute = ComputeThread()  # every request's math runs here, so the weights load (or convert) here too
         self.files = self.compute.run(ModelFiles, model)
         cfg = self.files.config
-        cfg.check_split(settings.head, settings.tail)
+        cfg.check_split(settings.first, settings.last)
         self.settings = settings
         self.tokens = tokens
-        self.start, self.end = settings.head, cfg.num_layers - settings.tail
+        self.start, self.end = settings.first, cfg.num_layers - settings.last
         self.stage = self.compute.run(Stage.load, self.files, self.start, self.end, settings.precision)
         self.fingerprint = self.files.fingerprint
         shared = tokens is not None  # several principals: none may take the whole server by default
@@ -233,18 +236,17 @@ class MiddleServer:
     async def _attest(self, conn: int, principal: str, message: bytes) -> tuple[bytes, SealedChannel | None]:
         """The `evidence` for an `attest` request and the channel that seals the rest of the connection; an
         error frame for anything else."""
-        request_id = None
+        request_id: RequestId = None
         try:
-            frame = wire.decode(message)
-            request_id = frame.header.get("id")
+            frame = wire.decode(message)  # the handshake's messages are attestation.handshake's header maps
+            request_id = messages.request_id(frame)
             if frame.header["op"] != "attest":
                 raise ProtocolError("attestation_required", "this server runs in a confidential VM and serves sealed "
                                     "sessions only: attest it first (--attestation-policy)")
-            if frame.header.get("version") != wire.PROTOCOL_VERSION:
-                raise ProtocolError("version_mismatch", f"server speaks protocol {wire.PROTOCOL_VERSION}, got {frame.header.get('version')!r}")
+            messages.check_version(frame.header.get("version"))
             try:
                 evidence, channel = await asyncio.to_thread(
-                    answer, frame.header, self.attester, self.fingerprint, (self.start, self.end), wire.PROTOCOL_VERSION
+                    answer, frame.header, self.attester, self.fingerprint, (self.start, self.end), PROTOCOL_VERSION
                 )
             except ValueError as exc:
                 raise ProtocolError("bad_request", str(exc)) from None
@@ -269,87 +271,74 @@ class MiddleServer:
         return batcher is None or (batcher.idle and len(self.sessions) <= 1)
 
     def _reply(self, conn: int, principal: str, message: bytes, alone: bool = True) -> bytes | PreparedStep:
-        """The reply frame, or (`alone` false) a validated step for the batcher to run with others."""
-        request_id = None
+        """The reply frame, or (`alone` false) a checked step for the batcher to run with others."""
+        request_id: RequestId = None
         try:
             if len(message) > self.settings.max_frame_bytes:
                 raise ProtocolError("frame_too_large", f"frame exceeds {self.settings.max_frame_bytes} bytes")
             frame = wire.decode(message)
-            request_id = frame.header.get("id")
-            op = frame.header["op"]
-            if op == "open":
-                return self._open(conn, principal, frame)
-            if op == "step":
-                session = self.sessions.get(frame.header.get("session"), conn, principal)
-                prepared = self.steps.prepare(session, frame)
-                if not alone or (len(prepared.parts) > 1 and self._batcher is not None):
-                    return prepared  # a sliced step takes turns even when it is alone now
-                while (reply := self.steps.run([prepared])[0]) is None:
-                    pass
-                return reply
-            if op == "attest" and self.attester is None:
-                raise ProtocolError("attestation_unavailable", "this server runs without --attestation: it offers no "
-                                    "evidence, and its operator can read the hidden states")
-            if op == "attest":
-                raise ProtocolError("already_attested", "this connection is already attested and sealed")
-            if op == "close":
-                self.sessions.get(frame.header.get("session"), conn, principal)
-                self.sessions.close(frame.header["session"], "closed by client")
-                return wire.encode({"op": "closed", "id": request_id})
-            raise ProtocolError("unknown_op", f"unknown op {op!r}; expected attest, open, step or close")
+            request_id = messages.request_id(frame)
+            if frame.header["op"] == "attest":
+                raise self._misplaced_attest()
+            request = messages.parse(frame, messages.REQUESTS)
+            if isinstance(request, OpenMessage):
+                return self._open(conn, principal, request)
+            if isinstance(request, CloseMessage):
+                self.sessions.get(request.session, conn, principal)
+                self.sessions.close(request.session, "closed by client")
+                return messages.encode(ClosedMessage(request.id))
+            session = self.sessions.get(request.session, conn, principal)
+            prepared = self.steps.prepare(session, request)
+            if not alone or (len(prepared.parts) > 1 and self._batcher is not None):
+                return prepared  # a sliced step takes turns even when it is alone now
+            while (reply := self.steps.run([prepared])[0]) is None:
+                pass
+            return reply
         except ProtocolError as exc:
             return self._refused(conn, principal, request_id, exc)
         except Exception as exc:  # never let one request take the server down
             self.metrics.errors.labels("internal", principal).inc()
             log.exception("internal error", extra={"fields": {"connection": conn}})
-            return wire.error_frame(request_id, "internal", f"internal error: {type(exc).__name__}", retryable=True)
+            return messages.encode(ErrorMessage("internal", f"internal error: {type(exc).__name__}", True, request_id))
 
-    def _refused(self, conn: int, principal: str, request_id: Any, exc: ProtocolError) -> bytes:
+    def _misplaced_attest(self) -> ProtocolError:
+        """Why an `attest` is refused where the handshake cannot happen (it only ever opens a confidential
+        server's connection)."""
+        if self.attester is None:
+            return ProtocolError("attestation_unavailable", "this server runs without --attestation: it offers no "
+                                 "evidence, and its operator can read the hidden states")
+        return ProtocolError("already_attested", "this connection is already attested and sealed")
+
+    def _refused(self, conn: int, principal: str, request_id: RequestId, exc: ProtocolError) -> bytes:
         """The error frame of a refused request, counted and logged."""
         self.metrics.errors.labels(exc.code, principal).inc()
         event("request_refused", logging.DEBUG, connection=conn, code=exc.code)
-        return wire.error_frame(request_id, exc.code, exc.message, exc.code in RETRYABLE_CODES)
+        return messages.encode(ErrorMessage(exc.code, exc.message, exc.code in RETRYABLE_CODES, request_id))
 
-    def _open(self, conn: int, principal: str, frame: wire.Frame) -> bytes:
-        h = frame.header
-        if h.get("version") != wire.PROTOCOL_VERSION:
-            raise ProtocolError("version_mismatch", f"server speaks protocol {wire.PROTOCOL_VERSION}, got {h.get('version')!r}")
-        theirs = h.get("fingerprint")
-        if theirs != self.fingerprint:
+    def _open(self, conn: int, principal: str, request: OpenMessage) -> bytes:
+        """A session for a client of this protocol version (checked on receipt) with these weights and split."""
+        if request.fingerprint != self.fingerprint:
             raise ProtocolError(
                 "model_mismatch",
                 f"client and server weights differ: the server runs {self.files.path.name} (fingerprint "
-                f"{self.fingerprint[:16]}), the client's fingerprint is {str(theirs)[:16] if theirs else 'missing'}",
+                f"{self.fingerprint[:16]}), the client's fingerprint is {request.fingerprint[:16] or 'missing'}",
             )
-        asked = h.get("layers")
-        if asked != [self.start, self.end]:
-            shown = f"[{asked[0]}, {asked[1]})" if isinstance(asked, list) and len(asked) == 2 else repr(asked)
-            tail = self.files.config.num_layers - self.end
+        if request.layers != (self.start, self.end):
+            shown = f"[{request.layers[0]}, {request.layers[1]})"
+            last = self.files.config.num_layers - self.end
             raise ProtocolError(
                 "split_mismatch",
-                f"server runs layers [{self.start}, {self.end}) (a client with --head {self.start} --tail {tail}), "
+                f"server runs layers [{self.start}, {self.end}) (a client with --first {self.start} --last {last}), "
                 f"client asked for {shown}",
             )
-        dtype = h.get("dtype")
-        if not isinstance(dtype, str) or dtype not in wire.WIRE_DTYPES:
-            raise ProtocolError("bad_dtype", f"wire dtype must be one of {', '.join(wire.WIRE_DTYPES)}")
-        want = h.get("max_context", self.settings.max_context)
-        if not isinstance(want, int) or isinstance(want, bool) or want < 1:
-            raise ProtocolError("bad_request", "max_context must be a positive integer")
+        want = self.settings.max_context if request.max_context is None else request.max_context
         max_context = min(want, self.settings.max_context, self.files.config.max_position)
         session = self.sessions.open(
-            conn, principal, max_context * self._kv_bytes_per_position, lambda: self.stage.new_cache(max_context), dtype
+            conn, principal, max_context * self._kv_bytes_per_position, lambda: self.stage.new_cache(max_context),
+            request.dtype,
         )
         self.metrics.sessions_opened.labels(principal).inc()
-        return wire.encode(
-            {
-                "op": "opened",
-                "id": h.get("id"),
-                "session": session.id,
-                "max_context": max_context,
-                "max_nodes": self.settings.max_nodes_per_step,
-            }
-        )
+        return messages.encode(OpenedMessage(session.id, max_context, self.settings.max_nodes_per_step, request.id))
 
     async def reap(self) -> None:
         while True:

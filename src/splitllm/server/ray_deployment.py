@@ -126,7 +126,7 @@ def settings_from_args(args: dict[str, Any]) -> ServerSettings:
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """For `serve run splitllm.server.ray_deployment:app_builder model=default replicas=2 head=2 tail=2`.
+    """For `serve run splitllm.server.ray_deployment:app_builder model=default replicas=2 first=2 last=2`.
 
     Every ServerSettings field (max_sessions, max_kv_bytes, max_connections, max_connections_per_principal,
     operators, max_batch_rows, ...) is an argument of the same name.

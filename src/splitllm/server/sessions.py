@@ -120,11 +120,11 @@ class SessionStore:
                 "or ask for a shorter max_context",
             )
 
-    def get(self, session_id: object, connection: int, principal: str) -> Session:
+    def get(self, session_id: str, connection: int, principal: str) -> Session:
         with self._lock:
-            session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+            session = self._sessions.get(session_id)
             if session is None or session.connection != connection or session.principal != principal:
-                if isinstance(session_id, str) and self._expired.get(session_id) == (connection, principal):
+                if self._expired.get(session_id) == (connection, principal):
                     raise ProtocolError("session_expired", f"session expired after {self.ttl_s:g} s idle; open a new one")
                 raise ProtocolError("unknown_session", "no such session on this connection")
             session.last_used = time.monotonic()

@@ -3,44 +3,64 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from splitllm.model.precision import Precision
+from splitllm.options import SERVE, Split, option, options_of
+
+BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def fields_of(**options: Any) -> dict[str, Any]:
+    """The ServerSettings fields that `splitllm serve`'s options of the 'server' group give: each by its
+    own name, but a size the option takes in KiB, MiB or GiB held in bytes (--max-kv-gib: max_kv_bytes)."""
+    units = {o.name: o.unit for o in options_of(SERVE)}
+    return {
+        f"{name.rsplit('_', 1)[0]}_bytes" if units[name] in BYTES else name:
+            int(value * BYTES[units[name]]) if units[name] in BYTES else value
+        for name, value in options.items()
+    }
+
+
+_SERVE = MappingProxyType(fields_of(**{o.name: o.default for o in options_of(SERVE) if o.group == "server"}))
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerSettings:
-    """Everything a server is configured with, by name (`splitllm serve` maps its options here)."""
+    """Everything a server is configured with, by name; the defaults are `splitllm serve`'s (splitllm.options)."""
 
-    head: int = 2
-    tail: int = 2
-    dtype: torch.dtype = torch.float32
+    first: int = Split.first
+    last: int = Split.last
+    dtype: torch.dtype = torch.float32  # the exact mode; `serve` itself runs the fastest here unless told
     quant: str = "none"  # weight-only quantization of the middle layers: none, int8 or int4
-    device: str = "cpu"
-    max_context: int = 4096
-    max_sessions: int = 64
-    session_ttl_s: float = 600.0
-    max_nodes_per_step: int = 256  # announced to clients, which split longer prefills into steps this size
-    max_frame_bytes: int = 64 << 20
-    max_sessions_per_principal: int | None = None  # None: a quarter of max_sessions with tokens, else all
-    max_kv_bytes: int = 8 << 30  # KV caches are preallocated: this bounds the memory sessions can take
-    idle_timeout_s: float = 600.0  # a connection silent this long is closed
-    send_timeout_s: float = 30.0  # a reply the peer does not take within this ends its connection
-    max_connections: int = 256  # further WebSockets are closed with 1013, try again later (/health never is)
-    batch_window_ms: float = 2.0  # steps of different sessions this close together share a forward; 0: off
+    device: str = option(SERVE, "device").default
+    max_context: int = _SERVE["max_context"]
+    max_sessions: int = _SERVE["max_sessions"]
+    session_ttl_s: float = _SERVE["session_ttl_s"]
+    max_nodes_per_step: int = _SERVE["max_nodes_per_step"]  # announced to clients, which split longer prefills
+    max_frame_bytes: int = _SERVE["max_frame_bytes"]
+    # None: with a token table, a quarter of max_sessions; without one, all of them.
+    max_sessions_per_principal: int | None = _SERVE["max_sessions_per_principal"]
+    max_kv_bytes: int = _SERVE["max_kv_bytes"]  # KV caches are preallocated: this bounds the memory sessions can take
+    idle_timeout_s: float = _SERVE["idle_timeout_s"]  # a connection silent this long is closed
+    send_timeout_s: float = _SERVE["send_timeout_s"]  # a reply the peer does not take within this ends its connection
+    max_connections: int = _SERVE["max_connections"]  # further WebSockets are closed with 1013, try again later
+    batch_window_ms: float = _SERVE["batch_window_ms"]  # steps of different sessions this close share a forward; 0: off
     # None: with a token table, a quarter of max_connections / max_sessions; without one, all of them.
-    max_connections_per_principal: int | None = None
+    max_connections_per_principal: int | None = _SERVE["max_connections_per_principal"]
     operators: tuple[str, ...] = ()  # principals whose /health and /metrics show the whole server
-    max_batch_rows: int = 256  # positions in one shared forward; more waiting steps run in later forwards
-    slice_rows: int = 16  # a step longer than slice_above runs as forwards of this many positions, others' steps in between
-    slice_above: int = 64  # a step this long or shorter (a speculative tree) always runs in one forward
-    max_batch_bytes: int = 256 << 20  # estimated activation and mask bytes of one shared forward
-    handshake_timeout_s: float = 10.0  # a request head not complete this long after connecting is dropped
-    max_header_bytes: int = 16 << 10  # request line plus headers
+    max_batch_rows: int = _SERVE["max_batch_rows"]  # positions in one shared forward; more wait for later forwards
+    slice_rows: int = _SERVE["slice_rows"]  # a step longer than slice_above runs as forwards of this many positions
+    slice_above: int = _SERVE["slice_above"]  # a step this long or shorter (a speculative tree) runs in one forward
+    max_batch_bytes: int = _SERVE["max_batch_bytes"]  # estimated activation and mask bytes of one shared forward
+    handshake_timeout_s: float = _SERVE["handshake_timeout_s"]  # a request head not complete this long is dropped
+    max_header_bytes: int = _SERVE["max_header_bytes"]  # request line plus headers
     max_header_lines: int = 64
-    attestation: str = "none"  # evidence the server offers: none, sev-snp, tdx or simulated (docs/confidential.md)
-    attestation_sim: str | None = None  # the folder of `splitllm attest sim-init`, with attestation="simulated"
+    attestation: str = _SERVE["attestation"]  # none, sev-snp, tdx or simulated (docs/confidential.md)
+    attestation_sim: str | None = _SERVE["attestation_sim"]  # `splitllm attest sim-init`'s folder, for "simulated"
 
     def __post_init__(self) -> None:
         for name in ("max_nodes_per_step", "max_batch_rows", "slice_rows", "slice_above"):

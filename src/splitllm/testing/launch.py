@@ -117,7 +117,7 @@ def sides(layout: str = "halves") -> Sides:
     neither side ever waits for the other's cores). alternate: both sides on every core with a thread
     per core (two machines of this size). A split step's client and server compute in turn, each
     waiting for the other's message, so in `alternate` they share the cores without running at once.
-    What sharing costs shows in the server's reported step time (`bench runtime --model` compares it with in-process).
+    What sharing costs shows in the server's reported step time (`bench speed --model` compares it with in-process).
     """
     if layout not in CORE_LAYOUTS:
         raise ValueError(f"core layout must be one of {', '.join(CORE_LAYOUTS)}, not {layout!r}")

@@ -5,7 +5,7 @@ committed token, not yet cached); level 0 columns 1..W-1 sit at root + i; level 
 at root + j + i. Token (j, i) sees the root, level-0 columns 1..i and levels 1..j of its own column,
 so every column is a chain of guesses and the last level's greedy outputs extend it by one token.
 Each step harvests one n-gram per column (its N - 1 tokens plus the output), shifts the levels up
-and puts the outputs in the last level. Pool n-grams whose first token is the root become drafts.
+and puts the outputs in the last level. Pool n-grams whose first token is the root become candidates.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from splitllm.decoding.sizing.budget import SpecBudget
-from splitllm.decoding.proposers import Draft
+from splitllm.decoding.proposers import Candidate
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,13 @@ class LookaheadWindow:
         self.levels: list[list[int]] = []  # levels[0]: columns 1..W-1; levels[j >= 1]: columns 0..W-1
         self._rng = random.Random(seed)
 
-    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Draft]:
+    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Candidate]:
         grams = self.pool.get(history[-1]) if history else None
         if not grams or not budget.guesses:
             return []
         # Most recent first: the pool keeps insertion order and re-inserts a repeated n-gram.
         recent = list(reversed(grams))[: budget.guesses]
-        return [Draft(g[: budget.depth], self.name, 0.1) for g in recent if budget.depth]
+        return [Candidate(g[: budget.depth], self.name, 0.1) for g in recent if budget.depth]
 
     def layout(self, history: Sequence[int], budget: SpecBudget) -> WindowLayout:
         """This step's window (resized to the budget, new slots filled with tokens of the history)."""

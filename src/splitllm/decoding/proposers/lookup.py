@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from splitllm.decoding.sizing.budget import SpecBudget
-from splitllm.decoding.proposers import Draft
+from splitllm.decoding.proposers import Candidate
 
 
 class ContextLookup:
@@ -41,11 +41,11 @@ class ContextLookup:
         period = len(history) - start
         return tuple(history[start + i % period] for i in range(depth))
 
-    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Draft]:
+    def propose(self, history: Sequence[int], budget: SpecBudget) -> list[Candidate]:
         if not budget.guesses or not budget.depth:
             return []
         self._index(history)
-        drafts: list[Draft] = []
+        candidates: list[Candidate] = []
         seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
             for start in reversed(self._follows.get(tuple(history[-n:]), [])[-self.recent :]):
@@ -53,10 +53,10 @@ class ContextLookup:
                 if tokens in seen:
                     continue
                 seen.add(tokens)
-                drafts.append(Draft(tokens, self.name, confidence(n)))
-                if len(drafts) == budget.guesses:
-                    return drafts
-        return drafts
+                candidates.append(Candidate(tokens, self.name, confidence(n)))
+                if len(candidates) == budget.guesses:
+                    return candidates
+        return candidates
 
 
 def confidence(match: int) -> float:

@@ -1,6 +1,6 @@
 """What the adaptive policy starts from: a fitted latency profile and each candidate budget's measured yield.
 
-A bigger tree buys more tokens per step (measured per candidate: `Candidate.accepted`) and costs
+A bigger tree buys more tokens per step (measured per candidate budget: `BudgetYield.accepted`) and costs
 more compute and bytes (the fitted `LatencyProfile`); the round trip is paid either way. So the best
 budget depends on the link: small on a fast link to a CPU server, large over a slow WAN.
 """
@@ -30,7 +30,7 @@ CANDIDATE_BUDGETS = (
 
 
 @dataclass(frozen=True)
-class Candidate:
+class BudgetYield:
     """A budget the policy may pick and what it yields per decode step, as measured on a workload."""
 
     budget: SpecBudget
@@ -49,7 +49,7 @@ class AutoProfile:
     """A latency profile and the candidates' measured yields, saved as JSON."""
 
     latency: LatencyProfile
-    candidates: list[Candidate]
+    candidates: list[BudgetYield]
     decoder: str = "auto"
 
     def to_json(self) -> dict:
@@ -61,7 +61,7 @@ class AutoProfile:
 
     @classmethod
     def from_json(cls, data: dict) -> AutoProfile:
-        candidates = [Candidate(**{**c, "budget": SpecBudget(**c["budget"])}) for c in data["candidates"]]
+        candidates = [BudgetYield(**{**c, "budget": SpecBudget(**c["budget"])}) for c in data["candidates"]]
         return cls(LatencyProfile.from_json(data["latency"]), candidates, data.get("decoder", "auto"))
 
     def save(self, path: str | Path) -> None:
@@ -74,10 +74,10 @@ class AutoProfile:
             return cls.from_json(json.loads(resources.files(__package__).joinpath(DEFAULT_PROFILE).read_text()))
         return cls.from_json(json.loads(Path(path).read_text()))
 
-    def predict(self, candidate: Candidate, link: Link, context: float) -> Breakdown:
+    def predict(self, candidate: BudgetYield, link: Link, context: float) -> Breakdown:
         return self.latency.predict(candidate.shape(context), link, self.decoder)
 
-    def best(self, link: Link, context: float) -> tuple[Candidate, Breakdown]:
+    def best(self, link: Link, context: float) -> tuple[BudgetYield, Breakdown]:
         """The candidate a policy with no live corrections would pick on this link."""
         scored = [(c, self.predict(c, link, context)) for c in self.candidates]
         return max(scored, key=lambda cb: cb[1].tokens_per_second)

@@ -1,7 +1,7 @@
 """How much a speculative step may send, and what its tree nodes cost.
 
 A step's cost on a CPU server grows with its node count while the link adds a fixed round trip;
-the policies (policy.py) weigh the two and answer a `SpecBudget` per step.
+the policies (policies.py) weigh the two and answer a `SpecBudget` per step.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class NodeCost:
     """What verifying tree nodes costs at the current link, to size trees by value.
 
     step_ms: a step's time with no tree (round trip, server and client compute of the fixed part);
-    node_ms: what each tree node adds (client head and tail rows, server rows, bytes on the wire).
+    node_ms: what each tree node adds (client first- and last-stage rows, server rows, bytes on the wire).
     A node with an estimated acceptance chance s raises a step's expected tokens A by s and its
     time T by node_ms, which raises tokens per second A / T exactly when s * T / A > node_ms: its
     chance times what a token is worth at this link (T / A ms) must exceed what it costs.

@@ -1,11 +1,11 @@
 """How often drafted tokens turn out right, learned as the generation goes.
 
-A draft is judged against the tokens actually committed after it (whether or not the tree had room
+A candidate is judged against the tokens actually committed after it (whether or not the tree had room
 for it), so the estimates do not depend on earlier budgets. Every estimate is one `Calibration`:
-hits over trials per key, shrunk toward the proposer's own guess. The n-gram drafts keep two per
-kind (`DraftRates`): their first token is right (`first`, per source and proposer confidence) and,
+hits over trials per key, shrunk toward the proposer's own guess. The n-gram candidates keep two per
+kind (`CandidateRates`): their first token is right (`first`, per source and proposer confidence) and,
 given the tokens so far were right, the next one is too (`next`, per source); the tree ranks nodes
-by them, so a looping text earns lookup drafts deep branches while a proposer that keeps missing
+by them, so a looping text earns lookup candidates deep branches while a proposer that keeps missing
 loses its nodes. The drafter keeps one per bin of its own probability.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from splitllm.decoding.proposers import Draft
+from splitllm.decoding.proposers import Candidate
 
 K = TypeVar("K", bound=Hashable)
 
@@ -23,13 +23,13 @@ K = TypeVar("K", bound=Hashable)
 @dataclass(frozen=True)
 class CalibrationConfig:
     """prior_weight: pseudo-observations behind each rate's prior; prior_next: a source's prior chance
-    that a draft's next token is right given the earlier ones were; max_next keeps scores strictly
-    falling along a path; head_bins: bins of the drafter's probability, each calibrated apart."""
+    that a candidate's next token is right given the earlier ones were; max_next keeps scores strictly
+    falling along a path; drafter_bins: bins of the drafter's probability, each calibrated apart."""
 
     prior_weight: float = 4.0
     prior_next: float = 0.7
     max_next: float = 0.98
-    head_bins: int = 10
+    drafter_bins: int = 10
 
 
 class Calibration(Generic[K]):
@@ -49,34 +49,34 @@ class Calibration(Generic[K]):
         self._trials[key] = self._trials.get(key, 0.0) + trials
 
 
-class DraftRates:
-    """The (first, next) rates of each kind of n-gram draft, from the drafts' fates in the history."""
+class CandidateRates:
+    """The (first, next) rates of each kind of n-gram candidate, from the candidates' fates in the history."""
 
     def __init__(self, config: CalibrationConfig = CalibrationConfig()) -> None:
         self.config = config
         self._first: Calibration[tuple[str, float]] = Calibration(config.prior_weight)
         self._next: Calibration[str] = Calibration(config.prior_weight)
-        self._pending: list[tuple[int, Draft]] = []
+        self._pending: list[tuple[int, Candidate]] = []
 
-    def rates(self, draft: Draft) -> tuple[float, float]:
+    def rates(self, candidate: Candidate) -> tuple[float, float]:
         """(chance the first token is right, chance each next one is, given the earlier ones were)."""
-        first = self._first.rate((draft.source, draft.confidence), draft.confidence)
-        nxt = self._next.rate(draft.source, self.config.prior_next)
+        first = self._first.rate((candidate.source, candidate.confidence), candidate.confidence)
+        nxt = self._next.rate(candidate.source, self.config.prior_next)
         return max(first, 1e-3), min(nxt, self.config.max_next)
 
-    def track(self, drafts: Sequence[Draft], start: int) -> None:
-        """Remember drafts proposed to continue the history at index `start`."""
-        self._pending += [(start, d) for d in drafts]
+    def track(self, candidates: Sequence[Candidate], start: int) -> None:
+        """Remember candidates proposed to continue the history at index `start`."""
+        self._pending += [(start, d) for d in candidates]
 
     def resolve(self, history: Sequence[int]) -> None:
-        """Score every tracked draft whose fate the history now decides."""
+        """Score every tracked candidate whose fate the history now decides."""
         pending = []
-        for start, draft in self._pending:
-            known = list(history[start : start + len(draft.tokens)])
-            matched = next((i for i, (a, b) in enumerate(zip(draft.tokens, known)) if a != b), len(known))
-            if matched == len(known) < len(draft.tokens):
-                pending.append((start, draft))  # right so far, the rest is still to come
+        for start, candidate in self._pending:
+            known = list(history[start : start + len(candidate.tokens)])
+            matched = next((i for i, (a, b) in enumerate(zip(candidate.tokens, known)) if a != b), len(known))
+            if matched == len(known) < len(candidate.tokens):
+                pending.append((start, candidate))  # right so far, the rest is still to come
                 continue
-            self._first.record((draft.source, draft.confidence), matched >= 1, 1)
-            self._next.record(draft.source, max(matched - 1, 0), min(matched, len(draft.tokens) - 1))
+            self._first.record((candidate.source, candidate.confidence), matched >= 1, 1)
+            self._next.record(candidate.source, max(matched - 1, 0), min(matched, len(candidate.tokens) - 1))
         self._pending = pending

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitllm.decoding.sizing.budget import NodeCost
-from splitllm.stats import StepStats
+from splitllm.stats import StepSpeculation
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class DraftGate:
     back; each try that finds it still not paying waits twice as long for the next, since on a fast
     link a try costs a sizeable share of a step. The drafter catches up on the committed positions
     when it next drafts. Of several drafters that pay, the one that saves the most drafts (a big draft
-    model over a slow link, a small head over a fast one).
+    model over a slow link, a small learned drafter over a fast one).
     """
 
     def __init__(self, config: GateConfig = GateConfig()) -> None:
@@ -53,11 +53,11 @@ class DraftGate:
         self.interval = min(2 * self.interval, self.config.max_explore)
         return float("inf")
 
-    def observe(self, stats: StepStats, source: str, drafted_ms: float | None) -> None:
+    def observe(self, speculation: StepSpeculation, source: str, drafted_ms: float | None) -> None:
         """A step's yield; `source`: the drafter's name among the step's sources; `drafted_ms`: what it
         spent drafting the step (None: it did not draft)."""
         d = self.config.decay
-        self.tokens = d * self.tokens + (1 - d) * stats.accepted
+        self.tokens = d * self.tokens + (1 - d) * speculation.accepted
         if drafted_ms is not None:
-            self.gain = d * self.gain + (1 - d) * stats.sources.get(source, 0)
+            self.gain = d * self.gain + (1 - d) * speculation.sources.get(source, 0)
             self.ms = d * self.ms + (1 - d) * drafted_ms

@@ -2,7 +2,7 @@
 
 A step's wall time is split into parts that depend on different things:
 
-    local    = head + tail compute on the client        a + b*nodes + c*single + d*context
+    local    = first + last stages on the client        a + b*nodes + c*single + d*context
                                                         + e*nodes*context + f*accepted + g*windowed
     server   = middle compute, as the server reports it a + b*nodes + c*single + d*context + e*nodes*context
     overhead = client (de)serialization, bookkeeping    a + b*bytes + c*context
@@ -69,15 +69,16 @@ class StepShape:
         if not steps:
             raise ValueError("a step shape needs at least one step")
         n = len(steps)
+        times, specs = [s.timing for s in steps], [s.speculation for s in steps]
         return cls(
-            nodes=sum(s.nodes for s in steps) / n,
-            context=sum(s.context for s in steps) / n,
-            nodes_context=sum(s.nodes * s.context for s in steps) / n,
-            accepted=sum(s.accepted for s in steps) / n,
-            windowed=sum(s.window > 0 for s in steps) / n,
-            single=sum(s.nodes == 1 for s in steps) / n,
-            bytes_up=sum(s.bytes_up for s in steps) / n,
-            bytes_down=sum(s.bytes_down for s in steps) / n,
+            nodes=sum(t.nodes for t in times) / n,
+            context=sum(t.context for t in times) / n,
+            nodes_context=sum(t.nodes * t.context for t in times) / n,
+            accepted=sum(s.accepted for s in specs) / n,
+            windowed=sum(s.window > 0 for s in specs) / n,
+            single=sum(t.nodes == 1 for t in times) / n,
+            bytes_up=sum(t.bytes_up for t in times) / n,
+            bytes_down=sum(t.bytes_down for t in times) / n,
         )
 
     @classmethod
@@ -102,7 +103,7 @@ class StepShape:
 def step_features(s: StepStats) -> dict[str, float]:
     """A measured step's features, its bytes on the wire included."""
     x = StepShape.of([s]).features()
-    x["bytes"] = float(s.bytes_up + s.bytes_down)
+    x["bytes"] = float(s.timing.bytes_up + s.timing.bytes_down)
     return x
 
 
@@ -179,24 +180,22 @@ class LatencyProfile:
         """Fit every part from measured decode steps (prefill steps do not belong here)."""
         records = list(records)
         xs = [step_features(r.stats) for r in records]
+        times = [r.stats.timing for r in records]
         by_decoder: dict[str, list[int]] = {}
         for i, r in enumerate(records):
             by_decoder.setdefault(r.decoder, []).append(i)
         framing = [
-            r.stats.network_ms - r.link.rtt_ms - r.link.transfer_ms(r.stats.bytes_up + r.stats.bytes_down)
-            for r in records
+            t.network_ms - r.link.rtt_ms - r.link.transfer_ms(t.bytes_up + t.bytes_down) for r, t in zip(records, times)
         ]
         return cls(
-            local=LinearFit.fit(LOCAL, xs, [r.stats.head_ms + r.stats.tail_ms for r in records]),
-            server=LinearFit.fit(COMPUTE, xs, [r.stats.server_ms for r in records]),
-            overhead=LinearFit.fit(
-                OVERHEAD, xs, [r.stats.serialize_ms + r.stats.deserialize_ms + r.stats.other_ms for r in records]
-            ),
+            local=LinearFit.fit(LOCAL, xs, [t.first_ms + t.last_ms for t in times]),
+            server=LinearFit.fit(COMPUTE, xs, [t.server_ms for t in times]),
+            overhead=LinearFit.fit(OVERHEAD, xs, [t.serialize_ms + t.deserialize_ms + t.other_ms for t in times]),
             framing=LinearFit.fit(PER_BYTE, xs, framing),
-            wire_up=LinearFit.fit(STEP_SIZE, xs, [r.stats.bytes_up for r in records]),
-            wire_down=LinearFit.fit(STEP_SIZE, xs, [r.stats.bytes_down for r in records]),
+            wire_up=LinearFit.fit(STEP_SIZE, xs, [t.bytes_up for t in times]),
+            wire_down=LinearFit.fit(STEP_SIZE, xs, [t.bytes_down for t in times]),
             decode={
-                name: LinearFit.fit(STEP_SIZE, [xs[i] for i in idx], [records[i].stats.decode_ms for i in idx])
+                name: LinearFit.fit(STEP_SIZE, [xs[i] for i in idx], [times[i].decode_ms for i in idx])
                 for name, idx in by_decoder.items()
             },
         )
@@ -252,13 +251,13 @@ class LatencyProfile:
 def ideal_tokens_per_second(steps: Sequence[StepStats], link: Link) -> float:
     """The physical limit of measured steps: tokens over RTT + wire transfer + all compute, nothing else."""
     ms = sum(
-        link.rtt_ms + link.transfer_ms(s.bytes_up + s.bytes_down) + s.head_ms + s.tail_ms + s.server_ms + s.decode_ms
-        for s in steps
+        link.rtt_ms + link.transfer_ms(t.bytes_up + t.bytes_down) + t.first_ms + t.last_ms + t.server_ms + t.decode_ms
+        for t in (s.timing for s in steps)
     )
-    return sum(s.accepted for s in steps) / ms * 1000 if ms > 0 else 0.0
+    return sum(s.speculation.accepted for s in steps) / ms * 1000 if ms > 0 else 0.0
 
 
 def tokens_per_second(steps: Sequence[StepStats]) -> float:
     """Measured decode speed of steps: tokens over their wall time."""
-    ms = sum(s.total_ms for s in steps)
-    return sum(s.accepted for s in steps) / ms * 1000 if ms > 0 else 0.0
+    ms = sum(s.timing.total_ms for s in steps)
+    return sum(s.speculation.accepted for s in steps) / ms * 1000 if ms > 0 else 0.0

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from splitllm.decoding.sizing.auto_profile import AutoProfile, Candidate
+from splitllm.decoding.sizing.auto_profile import AutoProfile, BudgetYield
 from splitllm.decoding.sizing.budget import AUTO_BUDGET, VALUE_BUDGET, NodeCost, SpecBudget
 from splitllm.decoding.sizing.latency import Breakdown, LinearFit, Link, step_features
 from splitllm.stats import StepStats
@@ -66,6 +66,11 @@ class _Ratio:
     @property
     def value(self) -> float:
         return (self.prior * self.weight + self.num) / (self.weight + self.den)
+
+
+def _context_after(steps: Sequence[StepStats]) -> int:
+    """The context the next step is sized for: the last step's plus the tokens it emitted (0 before any step)."""
+    return steps[-1].timing.context + steps[-1].speculation.accepted if steps else 0
 
 
 ROW_FEATURES = ("nodes", "nodes*context", "accepted", "windowed")  # what grows with a step's rows
@@ -163,7 +168,7 @@ class _Estimates:
         self.client = _ComputeScale(slow)
         self.server = _ComputeScale(slow)
         self.gain = _Ratio(0.5 ** (1 / (4 * halflife_steps)), weight=4.0)  # one step says little: remember long
-        self.chosen: list[Candidate | None] = []  # chosen[i] sized step i (None: the offline budget did)
+        self.chosen: list[BudgetYield | None] = []  # chosen[i] sized step i (None: the offline budget did)
         self.seen = 0
         self.networked = False  # has any step crossed a network?
 
@@ -208,7 +213,7 @@ class AdaptivePolicy:
             if not est.networked:
                 est.chosen.append(None)
                 return self.offline
-            context = steps[-1].context + steps[-1].accepted if steps else 0
+            context = _context_after(steps)
             link = est.link.link()
             best = max(self.profile.candidates, key=lambda c: self._predict(est, link, c, context).tokens_per_second)
             est.chosen.append(best)
@@ -220,12 +225,12 @@ class AdaptivePolicy:
         with self._lock:
             return self._latest.link.link()
 
-    def predict(self, candidate: Candidate, context: float) -> Breakdown:
+    def predict(self, candidate: BudgetYield, context: float) -> Breakdown:
         """The next step's predicted time with this candidate, from the latest generation's estimates."""
         with self._lock:
             return self._predict(self._latest, self._latest.link.link(), candidate, context)
 
-    def _predict(self, est: _Estimates, link: Link, candidate: Candidate, context: float) -> Breakdown:
+    def _predict(self, est: _Estimates, link: Link, candidate: BudgetYield, context: float) -> Breakdown:
         shape = candidate.shape(context, est.gain.value)
         latency = self.profile.latency
         p = latency.predict(shape, link, self.profile.decoder)
@@ -244,21 +249,21 @@ class AdaptivePolicy:
         """Learn from the steps not seen yet."""
         latency = self.profile.latency
         for i in range(est.seen, len(steps)):
-            s = steps[i]
+            s, t = steps[i], steps[i].timing
             x = step_features(s)
-            if s.round_trip_ms > s.server_ms:  # over a network (in-process steps have none)
+            if t.round_trip_ms > t.server_ms:  # over a network (in-process steps have none)
                 est.networked = True
                 # The framing intercept fitted offline cannot be told apart from RTT live (it moves with
                 # load), so the live RTT absorbs it and only the per-byte part is taken off.
-                est.link.update(x["bytes"], s.network_ms - (latency.framing(x) - self._framing_intercept))
-            est.server.update(s.server_ms, *split_rows(latency.server, x))
-            est.client.update(s.head_ms + s.tail_ms, *split_rows(latency.local, x))
+                est.link.update(x["bytes"], t.network_ms - (latency.framing(x) - self._framing_intercept))
+            est.server.update(t.server_ms, *split_rows(latency.server, x))
+            est.client.update(t.first_ms + t.last_ms, *split_rows(latency.local, x))
             if i == 0 or i >= len(est.chosen):
                 continue  # the prefill sized no tree: it says nothing about acceptance
             chosen = est.chosen[i]
             expected = chosen.accepted - 1 if chosen else 0.0
             if expected > 0:
-                est.gain.update(s.accepted - 1, expected)
+                est.gain.update(s.speculation.accepted - 1, expected)
             else:
                 est.gain.fade()
         est.seen = len(steps)
@@ -279,10 +284,10 @@ class ValuePolicy:
 
     def choose(self, steps: Sequence[StepStats]) -> SpecBudget:
         self.adaptive.choose(steps)  # learn from the new steps
-        return replace(self.budget, cost=self.cost(steps[-1].context + steps[-1].accepted if steps else 0))
+        return replace(self.budget, cost=self.cost(_context_after(steps)))
 
     def cost(self, context: float) -> NodeCost:
         small, large = 8, 32
-        ms = [self.adaptive.predict(Candidate(self.budget, 1 + n, 1.0), context).total for n in (small, large)]
+        ms = [self.adaptive.predict(BudgetYield(self.budget, 1 + n, 1.0), context).total for n in (small, large)]
         node_ms = max((ms[1] - ms[0]) / (large - small), 1e-3)
         return NodeCost(max(ms[0] - small * node_ms, 0.0), node_ms)

@@ -28,6 +28,7 @@ from splitllm.lab.data.workload import workload
 from splitllm.testing.launch import ServerProcess, on_cores, sides
 from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.model.precision import fastest
+from splitllm.stats import SpeculationMetrics
 from splitllm.threads import compute_threads_pinned, set_compute_threads
 
 KINDS = ("plain", "sealed")
@@ -36,16 +37,17 @@ HANDSHAKES = 10
 
 def _decode_totals(gens: Sequence[Generation]) -> dict:
     steps = [s for g in gens for s in g.steps[1:]]
-    tokens = sum(s.accepted for s in steps)
-    ms = sum(s.total_ms for s in steps)
+    metrics = SpeculationMetrics.of(steps)
+    times = [s.timing for s in steps]
+    ms = sum(t.total_ms for t in times)
     return {
-        "tokens": tokens,
-        "steps": len(steps),
-        "tokens_per_second": tokens / ms * 1000 if ms else 0.0,
-        "tokens_per_step": tokens / len(steps) if steps else 0.0,
-        "mean_step_ms": ms / len(steps) if steps else 0.0,
-        "bytes_up_per_step": sum(s.bytes_up for s in steps) / len(steps) if steps else 0.0,
-        "bytes_down_per_step": sum(s.bytes_down for s in steps) / len(steps) if steps else 0.0,
+        "tokens": metrics.tokens,
+        "steps": metrics.steps,
+        "tokens_per_second": metrics.tokens / ms * 1000 if ms else 0.0,
+        "tokens_per_step": metrics.tokens_per_step,
+        "mean_step_ms": ms / len(times) if times else 0.0,
+        "bytes_up_per_step": sum(t.bytes_up for t in times) / len(times) if times else 0.0,
+        "bytes_down_per_step": sum(t.bytes_down for t in times) / len(times) if times else 0.0,
     }
 
 
@@ -67,7 +69,7 @@ def _handshake_ms(client: SplitClient, url: str, options: ConnectionOptions) -> 
     times = []
     for _ in range(HANDSHAKES):
         t0 = time.perf_counter()
-        middle = RemoteMiddle(url, client.files.fingerprint, client.local.middle_range, client.wire_dtype, 512, options)
+        middle = RemoteMiddle(url, client.files.fingerprint, client.client_model.middle_range, client.wire_dtype, 512, options)
         times.append((time.perf_counter() - t0) * 1000)
         middle.close()
     return statistics.median(times)

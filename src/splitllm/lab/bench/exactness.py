@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from splitllm.lab.data.workload import workload
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.client import SplitClient
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES as MODES
 from splitllm.model.precision import Precision
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.threads import set_compute_threads
 from splitllm.model.visibility import Visibility
 
@@ -75,12 +75,12 @@ class ExactnessReport:
         return "\n".join(lines) + "\n"
 
 
-def top2_gap(local: LocalModel, middle: Stage, ids: Sequence[int]) -> float:
+def top2_gap(client_model: ClientModel, middle: Stage, ids: Sequence[int]) -> float:
     """The model's top-2 logit gap after `ids`, from a fresh prefill."""
     n = len(ids)
-    pipeline = SplitPipeline(local, LocalMiddle(middle, n), n)
+    pipeline = SplitPipeline(client_model, InProcessMiddle(middle, n), n)
     tokens, last = torch.tensor(list(ids)), torch.tensor([n - 1])
-    logits, _ = pipeline.score(tokens, torch.arange(n), Visibility.chain(n), [], rows=last)
+    logits, _ = pipeline.score(Step(tokens, torch.arange(n), Visibility.chain(n)), rows=last)
     top = logits[0].topk(2).values
     return float(top[0] - top[1])
 
@@ -95,12 +95,12 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 def check_exactness(
     client: SplitClient, prompts: Sequence[str], max_new_tokens: int, modes: Sequence[str] | None = None
 ) -> ExactnessReport:
-    """Every mode (default: all speculative modes, `draft` only when the model has a drafter)."""
+    """Every mode (default: all speculative modes, `drafter` only when the model has a drafter)."""
     if modes is None:
-        drafts = client.local.drafter is not None or client.local.draft_model is not None
-        modes = [m for m in MODES if m != "draft" or drafts]
+        drafts = client.client_model.drafter is not None or client.client_model.draft_model is not None
+        modes = [m for m in MODES if m != "drafter" or drafts]
     report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes}, precision=client.precision.name)
-    middle = Stage.load(client.files, *client.local.middle_range, client.precision)
+    middle = Stage.load(client.files, *client.client_model.middle_range, client.precision)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)
         expected = client.generate(ids, max_new_tokens, "sequential").ids
@@ -112,7 +112,7 @@ def check_exactness(
                 continue
             seq_tok = expected[i] if i < len(expected) else -1
             spec_tok = got[i] if i < len(got) else -1
-            gap = top2_gap(client.local, middle, ids + expected[:i])
+            gap = top2_gap(client.client_model, middle, ids + expected[:i])
             report.divergences.append(Divergence(p, mode, i, seq_tok, spec_tok, gap))
     return report
 

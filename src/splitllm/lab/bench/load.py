@@ -2,11 +2,11 @@
 
 Servers: one `splitllm serve` process per batching window, and a Ray Serve deployment per replica
 count (`serve --engine ray`); each runs every client count in turn. Clients are threads of this
-process sharing one LocalModel (each with its own SplitPipeline and server session), so N of them
+process sharing one ClientModel (each with its own SplitPipeline and server session), so N of them
 cost one copy of the client's weights. The WAN emulator (`splitllm netem`) runs as its own process.
 
-Clients either compute here ("real": every client's head, tail and LM head on this machine's few
-cores, so at 16+ clients they queue for CPU as no real deployment would), or run on emulated
+Clients either compute here ("real": every client's first and last stages and LM head on this
+machine's few cores, so at 16+ clients they queue for CPU as no real deployment would), or run on emulated
 devices ("device", the default): each replays the steps of its prompt's solo run, pausing for the
 client compute that run measured, as a client on its own device would.
 
@@ -27,6 +27,7 @@ both runs and their ratio, the prefill's time, and whether every reply matched i
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
@@ -34,7 +35,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from typing import Any
 
 from splitllm.client.connection import ConnectionOptions
 from splitllm.client.client import SplitClient
-from splitllm.lab.bench.load_clients import ClientRun, Solo, decode, replay, solo_runs
+from splitllm.lab.bench.load_clients import Call, ClientRun, Solo, decode, replay, solo_runs
 from splitllm.lab.bench.load_report import markdown, plot, prefill_markdown, scaling, summary
 from splitllm.lab.data.workload import workload
 from splitllm.testing.launch import ServerProcess, free_port
@@ -136,8 +138,8 @@ class LoadSettings:
     prompts: int = 8
     context: int = 256
     max_kv_gib: float = 1.0
-    head: int = 2
-    tail: int = 2
+    first: int = 2
+    last: int = 2
     wire_dtype: str = "float16"
     # "device": each client replays its solo run's steps, its own compute a pause (as on its own
     # device); "real": every client computes here, all on this machine's cores.
@@ -202,7 +204,7 @@ def _load_server(
 ) -> list[dict[str, Any]]:
     """Start one server of `kind`, take the solo runs, then each client count through the proxy."""
     serve_args = [
-        "--head", str(s.head), "--tail", str(s.tail), "--max-context", str(s.context),
+        "--first", str(s.first), "--last", str(s.last), "--max-context", str(s.context),
         "--max-sessions", str(max(client_counts)), "--max-kv-gib", str(s.max_kv_gib), "--threads", "1", *kind.args(),
     ]
     rows = []
@@ -230,6 +232,14 @@ def _load_server(
     return rows
 
 
+def _client_and_prompts(s: LoadSettings, context: int) -> tuple[SplitClient, list[list[int]]]:
+    """The client model every load client shares (holding `context` positions) and the prompts' ids."""
+    client = SplitClient(
+        None, None, s.first, s.last, s.wire_dtype, context, connection=ConnectionOptions(deadline_s=120.0)
+    )
+    return client, [client.encode_prompt(p.text) for p in workload()][: s.prompts]
+
+
 def run_load(
     client_counts: list[int],
     kinds: list[ServerKind],
@@ -241,10 +251,7 @@ def run_load(
     """Every server kind at every client count; writes load.json, load.md and load.png into `out`."""
     set_compute_threads(1)
     s = settings
-    client = SplitClient(
-        None, None, s.head, s.tail, s.wire_dtype, s.context, connection=ConnectionOptions(deadline_s=120.0)
-    )
-    prompt_ids = [client.encode_prompt(p.text) for p in workload()][: s.prompts]
+    client, prompt_ids = _client_and_prompts(s, s.context)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -288,15 +295,12 @@ def run_prefill(
     set_compute_threads(1)
     s = settings
     long_context = prefill + s.max_new_tokens + 8
-    client = SplitClient(
-        None, None, s.head, s.tail, s.wire_dtype, long_context, connection=ConnectionOptions(deadline_s=120.0)
-    )
-    prompt_ids = [client.encode_prompt(p.text) for p in workload()][: s.prompts]
+    client, prompt_ids = _client_and_prompts(s, long_context)
     long_ids = _long_prompt(prompt_ids, prefill)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     args = [
-        "--head", str(s.head), "--tail", str(s.tail), "--max-context", str(long_context),
+        "--first", str(s.first), "--last", str(s.last), "--max-context", str(long_context),
         "--max-sessions", str(decoders + 1), "--max-kv-gib", str(s.max_kv_gib), "--threads", "1",
         "--batch-window-ms", str(batch_window_ms), *serve_args,
     ]
@@ -304,30 +308,19 @@ def run_prefill(
         progress(f"server up; solo runs of {len(prompt_ids)} prompts and of the {prefill}-position prompt")
         solo = solo_runs(client, server.url, prompt_ids, s.max_new_tokens, s.context)
         long_run, long_calls = decode(client, server.url, long_ids, 2, long_context, ClientRun(-1), record=True)
+        pid = server.proc.pid if server.proc else None
         netem = _Netem(server.port, s.rtt_ms)
+        load = functools.partial(_load_once, client, netem.port, prompt_ids, solo, decoders, s)
         try:
             progress(f"{decoders} decoders alone")
-            with _Watch(server.port, server.proc.pid if server.proc else None) as watch:
-                alone = _load_once(client, netem.port, prompt_ids, solo, decoders, s, watch)
+            with _Watch(server.port, pid) as watch:
+                alone = load(watch)
             progress("  " + summary(alone))
             progress(f"{decoders} decoders and one {prefill}-position prefill")
-            prefill_run = ClientRun(-1)
-            url = f"ws://127.0.0.1:{netem.port}"
-
-            def long_prompt() -> None:
-                time.sleep(2 * s.rtt_ms / 1000 + 0.5)  # land among the decoders' steps, not before them
-                t0 = time.perf_counter()
-                try:
-                    replay(client, url, long_calls[:1], long_context, prefill_run)
-                except Exception as exc:  # reported, and counted as a failure
-                    prefill_run.error = f"{type(exc).__name__}: {exc}"
-                prefill_run.step_ms = [(time.perf_counter() - t0) * 1000]
-
-            thread = threading.Thread(target=long_prompt)
-            thread.start()
-            with _Watch(server.port, server.proc.pid if server.proc else None) as watch:
-                disturbed = _load_once(client, netem.port, prompt_ids, solo, decoders, s, watch)
-            thread.join()
+            delay_s = 2 * s.rtt_ms / 1000 + 0.5  # land among the decoders' steps, not before them
+            with _long_prefill(client, netem.port, long_calls[:1], long_context, delay_s) as prefill_run:
+                with _Watch(server.port, pid) as watch:
+                    disturbed = load(watch)
             progress("  " + summary(disturbed))
         finally:
             netem.close()
@@ -347,4 +340,29 @@ def run_prefill(
     (folder / "prefill.json").write_text(json.dumps(result, indent=2) + "\n")
     (folder / "prefill.md").write_text(prefill_markdown(result))
     return result
+
+
+@contextmanager
+def _long_prefill(
+    client: SplitClient, netem_port: int, calls: list[Call], context: int, delay_s: float
+) -> Iterator[ClientRun]:
+    """One more client, in its own thread, sending the long prompt's steps after `delay_s`; its run (the
+    prefill's time as its one step) once the block is done."""
+    run = ClientRun(-1)
+
+    def send() -> None:
+        time.sleep(delay_s)
+        t0 = time.perf_counter()
+        try:
+            replay(client, f"ws://127.0.0.1:{netem_port}", calls, context, run)
+        except Exception as exc:  # reported, and counted as a failure
+            run.error = f"{type(exc).__name__}: {exc}"
+        run.step_ms = [(time.perf_counter() - t0) * 1000]
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        yield run
+    finally:
+        thread.join()
 

@@ -1,14 +1,14 @@
 """The clients of `splitllm bench load`: real ones computing here, and replays of their solo runs.
 
-A real client runs its head, tail and LM head on this machine; a replayed one stands for a client on
-its own device, sending the steps its prompt's solo run recorded and pausing for the client compute
+A real client runs its first and last stages and LM head on this machine; a replayed one stands
+for a client on its own device, sending the steps its prompt's solo run recorded and pausing for the client compute
 that run measured.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +17,8 @@ from splitllm.client.pipeline import SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.client import SplitClient
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.stats import StepStats
-from splitllm.model.visibility import Visibility
+from splitllm.stats import StepTiming
+from splitllm.model.stage import Step
 
 
 @dataclass
@@ -39,10 +39,7 @@ class Call:
     """One middle step of a solo run: what went out, what came back, and the client's compute before it."""
 
     client_ms: float
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    vis: Visibility
-    keep: tuple[int, ...]
+    step: Step
     reply: torch.Tensor
 
 
@@ -55,36 +52,34 @@ class _Recorder:
         self._last = time.perf_counter()
         self.max_context, self.max_nodes, self.overlaps = inner.max_context, inner.max_nodes, inner.overlaps
 
-    def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
-        while_waiting: Iterator[object] | None = None,
-    ) -> torch.Tensor:
+    def step(self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
         client_ms = (time.perf_counter() - self._last) * 1000
-        out = self.inner.step(hidden, positions, vis, keep, stats, while_waiting)
-        self.calls.append(Call(client_ms, hidden.clone(), positions.clone(), vis, tuple(keep), out.clone()))
+        out = self.inner.step(step, timing, while_waiting)
+        sent = Step(step.inputs.clone(), step.positions.clone(), step.vis, step.keep)
+        self.calls.append(Call(client_ms, sent, out.clone()))
         self._last = time.perf_counter()
         return out
 
 
 def _middle(client: SplitClient, url: str, context: int) -> RemoteMiddle:
     files = client.files
-    return RemoteMiddle(url, files.fingerprint, client.local.middle_range, client.wire_dtype, context, client.connection)
+    return RemoteMiddle(url, files.fingerprint, client.client_model.middle_range, client.wire_dtype, context, client.connection)
 
 
 def decode(
     client: SplitClient, url: str, prompt: list[int], n: int, context: int, run: ClientRun, record: bool = False
 ) -> tuple[ClientRun, list[Call]]:
-    """A real client: head, tail and LM head computed here. `record` keeps its steps for replays."""
+    """A real client: first and last stages and LM head computed here. `record` keeps its steps for replays."""
     middle = _middle(client, url, context)
     recorder = _Recorder(middle) if record else None
     try:
-        pipeline = SplitPipeline(client.local, recorder or middle, context)
+        pipeline = SplitPipeline(client.client_model, recorder or middle, context)
         last = time.perf_counter()
         for out in decode_sequential(pipeline, prompt, n, frozenset()):
             now = time.perf_counter()
             run.ids.extend(out.tokens)
             run.step_ms.append((now - last) * 1000)
-            run.server_ms.append(out.stats.server_ms)
+            run.server_ms.append(out.stats.timing.server_ms)
             last = now
         run.reconnects = middle.reconnects
     finally:
@@ -103,11 +98,11 @@ def replay(client: SplitClient, url: str, calls: list[Call], context: int, run: 
         last = time.perf_counter()
         for call in calls:
             time.sleep(call.client_ms / 1000)
-            stats = StepStats()
-            out = middle.step(call.hidden, call.positions, call.vis, call.keep, stats)
+            timing = StepTiming()
+            out = middle.step(call.step, timing)
             now = time.perf_counter()
             run.step_ms.append((now - last) * 1000)
-            run.server_ms.append(stats.server_ms)
+            run.server_ms.append(timing.server_ms)
             run.matches_solo &= torch.allclose(out, call.reply, rtol=2e-3, atol=1e-3)
             last = now
         run.reconnects = middle.reconnects

@@ -18,7 +18,7 @@ import torch
 
 from splitllm.lab.bench.exactness import first_difference
 from splitllm.lab.data.workload import workload
-from splitllm.client.pipeline import LocalMiddle
+from splitllm.client.pipeline import InProcessMiddle
 from splitllm.client.client import SplitClient
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
@@ -48,9 +48,9 @@ def run_quality(
         precision = Precision.from_name(name)
         client = SplitClient(None, None, 2, 2, precision=precision)
         ids = [client.generate(client.encode_prompt(p), max_new_tokens, "sequential").ids for p in prompts]
-        middle = Stage.load(client.files, *client.local.middle_range, precision)
+        middle = Stage.load(client.files, *client.client_model.middle_range, precision)
         windows = build_corpus(client.tokenizer, test_positions=ppl_positions, train_positions=0).test
-        lp = log_probs(client.local, lambda: LocalMiddle(middle, windows.shape[1]), windows)
+        lp = log_probs(client.client_model, lambda: InProcessMiddle(middle, windows.shape[1]), windows)
         reference_lp = lp if reference_lp is None else reference_lp
         cost = quality(windows, reference_lp, lp)
         ppl = cost["perplexity"]

@@ -8,7 +8,7 @@ measured in the same run. Decode-phase numbers exclude the prefill step, as `Gen
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -18,30 +18,32 @@ from splitllm.lab.data.workload import CATEGORIES, workload
 from splitllm.client.client import SplitClient
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.sizing.budget import SpecBudget
+from splitllm.decoding.sizing.latency import tokens_per_second
 from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.drafting.draft_model import DraftModel
 from splitllm.drafting.drafter import Drafter
 from splitllm.lab import peers
-from splitllm.testing.launch import ServerProcess, on_cores, sides
+from splitllm.testing.launch import ServerProcess, Sides, on_cores, sides
 from splitllm.kernels import cpu_kernels
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
 from splitllm.testing.netem import LinkProfile, ProxyThread
+from splitllm.stats import SpeculationMetrics, StepStats
 from splitllm.threads import compute_threads_pinned, set_compute_threads
 
-MODES = ("sequential", "lookup", "lookahead", "draft", "auto", "auto-static")
+MODES = ("sequential", "lookup", "lookahead", "drafter", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
-# adaptive policy, to show what adapting to the link adds; `draft` with trees of about the size EAGLE-2
+# adaptive policy, to show what adapting to the link adds; `drafter` with trees of about the size EAGLE-2
 # verifies (64 nodes, 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what
 # width buys and costs; `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6; and
 # `auto` drafting only between steps (no tree prepared while one is in flight), to show what that hides.
 WIDE = TreeShape(top_k=8, beam=8)
 EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
     "auto-static": lambda: SpeculativeDecoder(SpeculationConfig()),
-    "draft-wide": lambda: SpeculativeDecoder(
-        SpeculationConfig(Mode.DRAFT, drafter_budget=SpecBudget(max_nodes=64, guesses=3, depth=10), tree=WIDE)
+    "drafter-wide": lambda: SpeculativeDecoder(
+        SpeculationConfig(Mode.DRAFTER, drafter_budget=SpecBudget(max_nodes=64, guesses=3, depth=10), tree=WIDE)
     ),
     "auto-wide": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, tree=WIDE)),
     "auto-serial": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, prepare=False)),
@@ -50,78 +52,58 @@ EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
 
 @dataclass
 class Tally:
-    """Decode-phase totals of one mode over some prompts."""
+    """The decode-phase steps of one mode over some prompts (a run's steps as `measure` records them)."""
 
     prompts: int = 0
     identical: int = 0
-    tokens: int = 0
-    steps: int = 0
-    ms: float = 0.0
-    nodes: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    won: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> steps its draft won
-    drafted: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # proposer -> draft tokens accepted
-    sources: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # node sources -> draft tokens accepted
-    draft_ms: float = 0.0  # the drafter's time (part of the client's critical path)
-    server_ms: float = 0.0  # the server's compute, as it reports it
-    overlap_ms: float = 0.0  # client work done while steps were in flight
-    prepared: int = 0  # steps during whose flight the next tree was prepared
-    adopted: int = 0  # steps that took the tree prepared during the last one
-    first_ms: float = 0.0  # the prefill steps' time: the first token's wait, the prompt read by every side
+    first_step_ms: float = 0.0  # the prefill steps' time: the first token's wait, the prompt read by every side
+    steps: list[StepStats] = field(default_factory=list)
 
     def add(self, run: dict, identical: bool) -> None:
+        steps = [StepStats.from_flat(s) for s in run["steps"]]
         self.prompts += 1
         self.identical += identical
-        self.first_ms += run["steps"][0]["total_ms"] if run["steps"] else 0.0
-        for s in run["steps"][1:]:
-            self.tokens += s["accepted"]
-            self.steps += 1
-            self.ms += s["total_ms"]
-            self.nodes += s["nodes"]
-            self.bytes_up += s["bytes_up"]
-            self.bytes_down += s["bytes_down"]
-            if s["proposer"]:
-                self.won[s["proposer"]] += 1
-                self.drafted[s["proposer"]] += s["accepted"] - 1
-            for source, n in s.get("sources", {}).items():
-                self.sources[source] += n
-            self.draft_ms += s.get("draft_ms", 0.0)
-            self.server_ms += s["server_ms"]
-            self.overlap_ms += s.get("overlap_ms", 0.0)
-            self.prepared += s.get("prepared", 0)
-            self.adopted += s.get("adopted", 0)
+        self.first_step_ms += steps[0].timing.total_ms if steps else 0.0
+        self.steps += steps[1:]
 
     def summary(self, sequential: Tally | None) -> dict:
-        tps = self.tokens / self.ms * 1000 if self.ms else 0.0
-        base = sequential.tokens / sequential.ms * 1000 if sequential and sequential.ms else 0.0
-        per_step = lambda x: x / self.steps if self.steps else 0.0  # noqa: E731
+        metrics = SpeculationMetrics.of(self.steps)
+        times, specs = [s.timing for s in self.steps], [s.speculation for s in self.steps]
+        ms = sum(t.total_ms for t in times)
+        server_ms = sum(t.server_ms for t in times)
+        tps = tokens_per_second(self.steps)
+        base = tokens_per_second(sequential.steps) if sequential else 0.0
+        per_step = lambda x: x / metrics.steps if metrics.steps else 0.0  # noqa: E731
+        won = Counter(s.proposer for s in specs if s.proposer)  # proposer -> steps its draft won
+        accepted_drafts: Counter[str] = Counter()  # proposer -> its draft tokens emitted (a stop may clip them)
+        for s in specs:
+            if s.proposer:
+                accepted_drafts[s.proposer] += s.accepted - 1
+        prepared, adopted = sum(s.prepared for s in specs), sum(s.adopted for s in specs)
         return {
             "prompts": self.prompts,
             "identical": self.identical,
-            "tokens": self.tokens,
-            "steps": self.steps,
-            "tokens_per_step": per_step(self.tokens),
+            "tokens": metrics.tokens,
+            "steps": metrics.steps,
+            "tokens_per_step": metrics.tokens_per_step,
             "tokens_per_second": tps,
             "speedup": tps / base if base else 0.0,
-            "mean_step_ms": per_step(self.ms),
-            "nodes_per_step": per_step(self.nodes),
-            "bytes_up_per_step": per_step(self.bytes_up),
-            "bytes_down_per_step": per_step(self.bytes_down),
-            "draft_ms_per_step": per_step(self.draft_ms),
-            "server_ms_per_step": per_step(self.server_ms),
-            "server_busy": self.server_ms / self.ms if self.ms else 0.0,  # of the decode's wall time
-            "hidden_ms_per_step": per_step(self.overlap_ms),  # client work done while a step was in flight
-            "prepared_share": per_step(self.prepared),  # steps whose flight prepared the next tree
-            "adopted_share": self.adopted / self.prepared if self.prepared else 0.0,  # prepared trees used
-            "first_step_ms": self.first_ms / self.prompts if self.prompts else 0.0,
-            "proposers": {
-                p: {"steps_won": self.won[p], "draft_tokens_accepted": self.drafted[p]} for p in sorted(self.won)
-            },
+            "mean_step_ms": per_step(ms),
+            "nodes_per_step": per_step(sum(t.nodes for t in times)),
+            "bytes_up_per_step": per_step(sum(t.bytes_up for t in times)),
+            "bytes_down_per_step": per_step(sum(t.bytes_down for t in times)),
+            "draft_ms_per_step": per_step(sum(t.draft_ms for t in times)),  # the drafter, on the critical path
+            "server_ms_per_step": per_step(server_ms),
+            "server_busy": server_ms / ms if ms else 0.0,  # of the decode's wall time
+            "hidden_ms_per_step": per_step(sum(t.overlap_ms for t in times)),  # client work while steps were in flight
+            "prepared_share": per_step(prepared),  # steps whose flight prepared the next tree
+            "adopted_share": adopted / prepared if prepared else 0.0,  # prepared trees used
+            "first_step_ms": self.first_step_ms / self.prompts if self.prompts else 0.0,
+            "proposers": {p: {"steps_won": won[p], "draft_tokens_accepted": accepted_drafts[p]} for p in sorted(won)},
             # share of all emitted tokens that were draft tokens of nodes with these sources ("a+b": both)
             "sources": {
-                src: {"draft_tokens_accepted": n, "share": n / self.tokens if self.tokens else 0.0}
-                for src, n in sorted(self.sources.items())
+                src: {"draft_tokens_accepted": n, "share": n / metrics.tokens if metrics.tokens else 0.0}
+                for src, n in sorted(metrics.sources.items())
             },
         }
 
@@ -146,7 +128,7 @@ def measure(
 def divergences(client: SplitClient, prompts: Sequence[tuple[str, str]], runs: Sequence[dict]) -> list[dict]:
     """Where each run that differs from sequential first differs, with the model's top-2 logit gap there
     (recomputed in float32 without the wire): near-ties are rounding, anything else would be a bug."""
-    middle = Stage.load(client.files, *client.local.middle_range, client.precision)
+    middle = Stage.load(client.files, *client.client_model.middle_range, client.precision)
     reference = {r["prompt"]: r["ids"] for r in runs if r["mode"] == "sequential"}
     found = []
     for r in runs:
@@ -154,7 +136,7 @@ def divergences(client: SplitClient, prompts: Sequence[tuple[str, str]], runs: S
         if i is not None:
             prefix = client.encode_prompt(prompts[r["prompt"]][1]) + reference[r["prompt"]][:i]
             found.append({"prompt": r["prompt"], "mode": r["mode"], "index": i,
-                          "gap": top2_gap(client.local, middle, prefix)})
+                          "gap": top2_gap(client.client_model, middle, prefix)})
     return found
 
 
@@ -177,16 +159,16 @@ def _cores(cores: dict) -> str:
     return f"{threads}, each side pinned to its own cores"
 
 
-def _drafting(head: Drafter | None, draft_model: DraftModel | None, folder: str | None) -> str:
-    """What drafts, for the report: the draft model's folder name and the head's folder ("shipped": the package's)."""
+def _drafting(drafter: Drafter | None, draft_model: DraftModel | None, folder: str | None) -> str:
+    """What drafts, for the report: the draft model's folder name and the drafter's folder ("shipped": the package's)."""
     names = [f"draft model {draft_model.files.path.name}"] if draft_model is not None else []
-    return ", ".join(names + ([f"head {folder or 'shipped'}"] if head is not None else []))
+    return ", ".join(names + ([f"drafter {folder or 'shipped'}"] if drafter is not None else []))
 
 
 def markdown(summary: dict, settings: dict) -> str:
     lines = [
         f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, {settings.get('model', 'default')} model split "
-        f"{settings['head']}+{settings['tail']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
+        f"{settings['first']}+{settings['last']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
         f"{settings['prompts_per_category']} prompts per category, {_cores(settings['cores'])}, "
         f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
         f"{', drafting with ' + settings['drafter'] if settings.get('drafter') else ''}.",
@@ -230,69 +212,101 @@ def markdown(summary: dict, settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_speculation(
-    prompts_per_category: int = 3,
-    max_new_tokens: int = 200,
-    rtt_ms: float = 80.0,
-    modes: Sequence[str] = MODES,
-    out: str | Path = "results",
-    head: int = 2,
-    tail: int = 2,
-    progress: Callable[[str], None] = lambda _: None,
-    sampling: SamplingParams | None = None,
-    wire_dtype: str = "float32",
-    drafter: str | None = None,
-    precision: Precision | None = None,
-    model: str = "default",
-    core_layout: str = "halves",
-    draft_model: str | None = None,
-) -> dict:
-    """The benchmark end to end, both sides in `precision`, on the cores `core_layout` names (launch.sides);
-    writes OUT/speculation.json and OUT/speculation.md.
+@dataclass(frozen=True)
+class SpeculationBench:
+    """What `run_speculation` measures: the workload, the link, the split, the precision and what drafts.
 
-    `drafter`: a head folder (default: the one shipped for the model); without any head the
-    `draft` mode is left out and `auto` drafts with n-gram sources only. `draft_model`: a smaller model
-    with the same tokenizer drafting instead of a head (default: the model's packaged one, if any;
-    "none": none), as `SplitClient` takes them.
+    `drafter`: a drafter folder (default: the one shipped for the model); without any drafter the
+    `drafter` mode is left out and `auto` drafts with n-gram sources only. `draft_model`: a smaller model
+    with the same tokenizer drafting instead of a drafter (default: the model's packaged one, if any;
+    "none": none), as `SplitClient` takes them. `core_layout` names the cores of each side (launch.sides).
     """
-    if "sequential" not in modes:
-        modes = ("sequential", *modes)
-    cores = sides(core_layout)
+
+    prompts_per_category: int = 3
+    max_new_tokens: int = 200
+    rtt_ms: float = 80.0
+    modes: tuple[str, ...] = MODES
+    out: str | Path = "results"
+    first: int = 2
+    last: int = 2
+    sampling: SamplingParams | None = None
+    wire_dtype: str = "float32"
+    drafter: str | None = None
+    precision: Precision | None = None  # None: the fastest setting here
+    model: str = "default"
+    core_layout: str = "halves"
+    draft_model: str | None = None
+
+
+def run_speculation(bench: SpeculationBench = SpeculationBench(), progress: Callable[[str], None] = lambda _: None) -> dict:
+    """The benchmark end to end, both sides in the bench's precision; writes OUT/speculation.json and
+    OUT/speculation.md."""
+    modes = bench.modes if "sequential" in bench.modes else ("sequential", *bench.modes)
+    bench = replace(bench, modes=modes, precision=bench.precision or fastest())
+    cores = sides(bench.core_layout)
     set_compute_threads(cores.threads)
-    precision = precision or fastest()
-    client = SplitClient(model, head=head, tail=tail, wire_dtype=wire_dtype, precision=precision, drafter=drafter,
-                         draft_model=draft_model)
-    needs_drafter = [m for m in modes if m in ("draft", "draft-wide")]
-    if client.local.drafter is None and client.local.draft_model is None and needs_drafter:
-        progress(f"no drafter for this model: {', '.join(needs_drafter)} left out")
-        modes = tuple(m for m in modes if m not in needs_drafter)
-    prompts = [(p.category, p.text) for p in workload(prompts_per_category)]
-    settings = {"model": model, "rtt_ms": rtt_ms, "max_new_tokens": max_new_tokens,
-                "prompts_per_category": prompts_per_category,
-                "head": head, "tail": tail, "modes": list(modes), "sampling": asdict(sampling or SamplingParams()),
-                "wire_dtype": wire_dtype, "drafter": _drafting(client.local.drafter, client.local.draft_model, drafter),
-                "precision": precision.name, "linear_kernels": cpu_kernels.linear_path()}
-    settings["cores"] = {"layout": cores.layout, "threads": cores.threads,
-                         "server": sorted(cores.server), "client": sorted(cores.client)}
-    serve = ("--model", model, "--head", str(head), "--tail", str(tail), "--threads", str(cores.threads),
-             *precision.serve_args())
-    with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
-        with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) as proxy:
-            client.server = f"ws://127.0.0.1:{proxy.port}"
-            with compute_threads_pinned():  # as the client commands do (the server pins its own); the proxy stays free
-                client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
-                runs = measure(client, prompts, max_new_tokens, modes, progress, sampling)
-    summary = summarize(runs, modes)
-    # llama.cpp's RPC backend over the same emulated link and cores
-    rpc = lambda gguf: peers.rpc(gguf, cores.threads, rtt_ms, max_new_tokens, cores.server, cores.client)  # noqa: E731
-    peer = peers.measured(model, rpc, progress)
-    diverged = divergences(client, prompts, runs) if not (sampling and sampling.do_sample) else []
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
+    client = SplitClient(bench.model, first=bench.first, last=bench.last, wire_dtype=bench.wire_dtype,
+                         precision=bench.precision, drafter=bench.drafter, draft_model=bench.draft_model)
+    bench = replace(bench, modes=_draftable(client, bench.modes, progress))
+    prompts = [(p.category, p.text) for p in workload(bench.prompts_per_category)]
+    settings = _settings(bench, client, cores)
+    runs = _measure_over_link(bench, client, cores, prompts, progress)
+    summary = summarize(runs, bench.modes)
+    peer = _rpc_peer(bench, cores, progress)
+    diverged = divergences(client, prompts, runs) if not (bench.sampling and bench.sampling.do_sample) else []
     data = {"settings": settings, "summary": summary, "divergences": diverged, "llama_cpp_rpc": peer}
+    folder = Path(bench.out)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "speculation.json").write_text(json.dumps({**data, "runs": runs}))
     (folder / "speculation.md").write_text(report(data))
     return data
+
+
+def _draftable(client: SplitClient, modes: tuple[str, ...], progress: Callable[[str], None]) -> tuple[str, ...]:
+    """`modes` less those that need a drafter or a draft model, when the client has neither."""
+    needs_drafter = [m for m in modes if m in ("drafter", "drafter-wide")]
+    if client.client_model.drafter is None and client.client_model.draft_model is None and needs_drafter:
+        progress(f"no drafter for this model: {', '.join(needs_drafter)} left out")
+        return tuple(m for m in modes if m not in needs_drafter)
+    return modes
+
+
+def _settings(bench: SpeculationBench, client: SplitClient, cores: Sides) -> dict:
+    """What the report says it measured."""
+    assert bench.precision is not None
+    return {
+        "model": bench.model, "rtt_ms": bench.rtt_ms, "max_new_tokens": bench.max_new_tokens,
+        "prompts_per_category": bench.prompts_per_category, "first": bench.first, "last": bench.last,
+        "modes": list(bench.modes), "sampling": asdict(bench.sampling or SamplingParams()), "wire_dtype": bench.wire_dtype,
+        "drafter": _drafting(client.client_model.drafter, client.client_model.draft_model, bench.drafter),
+        "precision": bench.precision.name, "linear_kernels": cpu_kernels.linear_path(),
+        "cores": {"layout": cores.layout, "threads": cores.threads,
+                  "server": sorted(cores.server), "client": sorted(cores.client)},
+    }
+
+
+def _measure_over_link(
+    bench: SpeculationBench, client: SplitClient, cores: Sides, prompts: Sequence[tuple[str, str]],
+    progress: Callable[[str], None],
+) -> list[dict]:
+    """A server process on its cores behind the WAN proxy; the client, warmed up, measures every mode on its own."""
+    assert bench.precision is not None
+    serve = ("--model", bench.model, "--first", str(bench.first), "--last", str(bench.last), "--threads", str(cores.threads),
+             *bench.precision.serve_args())
+    with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
+        with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=bench.rtt_ms)) as proxy:
+            client.server = f"ws://127.0.0.1:{proxy.port}"
+            with compute_threads_pinned():  # as the client commands do (the server pins its own); the proxy stays free
+                client.generate(prompts[0][1], 4)  # warm up both sides (allocations, the first WebSocket)
+                return measure(client, prompts, bench.max_new_tokens, bench.modes, progress, bench.sampling)
+
+
+def _rpc_peer(bench: SpeculationBench, cores: Sides, progress: Callable[[str], None]) -> dict:
+    """llama.cpp's RPC backend over the same emulated link and cores."""
+    def rpc(gguf: Path) -> peers.PeerResult:
+        return peers.rpc(gguf, cores.threads, bench.rtt_ms, bench.max_new_tokens, cores.server, cores.client)
+
+    return peers.measured(bench.model, rpc, progress)
 
 
 def report(data: dict) -> str:

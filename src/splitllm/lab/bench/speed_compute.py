@@ -1,4 +1,4 @@
-"""`splitllm bench runtime` in this process: memory bandwidth, the server's forward against the floor its
+"""`splitllm bench speed` in this process: memory bandwidth, the server's forward against the floor its
 weight bytes set, and the client's compute for one token.
 
 Timed sections first wait (boundedly) for the rest of the machine to calm down and record the cores
@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.lab.bench.quiet import OtherLoad, wait_quiet
 from splitllm.model.precision import Precision
 from splitllm.weights.sources import ModelFiles
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
+from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 FORWARD_TOKENS = (1, 8, 32)
@@ -84,8 +85,8 @@ def weight_bytes_of(module: torch.nn.Module) -> int:
 
 def server_forward(
     model: str | None,
-    head: int,
-    tail: int,
+    first: int,
+    last: int,
     bandwidth_gb_s: float,
     precision: Precision = Precision(),
     context: int = CONTEXT,
@@ -94,37 +95,36 @@ def server_forward(
 
     Each timed step drops the previous one's entries (keep=[]), so every step sees the same context.
     Two floors: the weight bytes read once at the measured bandwidth, and those plus the KV cache a
-    one-position step's attention reads. Where the stage runs fused (`model/fused.py`), the one-position
+    one-position step's attention reads. Where the stage runs as a `KernelStage`, the one-position
     step is also timed layer by layer, for the ratio.
     """
-    server = MiddleServer(model, ServerSettings(head=head, tail=tail, dtype=precision.dtype, quant=precision.quant))
+    server = MiddleServer(model, ServerSettings(first=first, last=last, dtype=precision.dtype, quant=precision.quant))
     stage = server.stage
     weight_bytes = weight_bytes_of(stage)
     d = stage.cfg.hidden_size
     gen = torch.Generator().manual_seed(0)
     cache = stage.new_cache(context + max(FORWARD_TOKENS))
-    stage(cache, torch.randn(context, d, generator=gen), torch.arange(context), Visibility.chain(context), [])
-    stage(cache, torch.randn(1, d, generator=gen), torch.tensor([context]), Visibility.chain(1), list(range(context)))
+    stage(cache, Step(torch.randn(context, d, generator=gen), torch.arange(context), Visibility.chain(context)))
+    stage(cache, Step(torch.randn(1, d, generator=gen), torch.tensor([context]), Visibility.chain(1), range(context)))
     cache_bytes = cache.nbytes * (context + 1) // cache.max_context  # keys and values of every layer
     floor_ms = weight_bytes / bandwidth_gb_s / 1e6
     cache_floor_ms = (weight_bytes + cache_bytes) / bandwidth_gb_s / 1e6
     rows = {}
     wait_quiet([os.getpid()], QUIET_CORES, timeout_s=QUIET_WAIT_S)
     for n in FORWARD_TOKENS:
-        hidden, positions = torch.randn(n, d, generator=gen), torch.arange(context, context + n)
-        vis = Visibility.chain(n)
+        timed = Step(torch.randn(n, d, generator=gen), torch.arange(context, context + n), Visibility.chain(n))
 
         def step() -> None:
-            stage(cache, hidden, positions, vis, [])
+            stage(cache, timed)
 
         with OtherLoad([os.getpid()]) as others:
             timing = median_ms(step, repeats=max(12, 60 // n))
             if n == 1:
                 timing["idle"] = idle_cost(step)
-                if stage.runs_fused_step:
-                    stage.use_fused_step = False
+                if stage.runs_kernel_stage:
+                    stage.use_kernel_stage = False
                     timing["layered_ms"] = median_ms(step, repeats=12)["median_ms"]
-                    stage.use_fused_step = True
+                    stage.use_kernel_stage = True
         rows[str(n)] = {
             **timing, "floor_ms": floor_ms, "floor_ratio": timing["median_ms"] / floor_ms, "others_cores": others.cores
         }
@@ -142,32 +142,33 @@ def server_forward(
 
 
 def client_step(
-    head: int, tail: int, precision: Precision, context: int = CONTEXT, model: str | None = None
+    first: int, last: int, precision: Precision, context: int = CONTEXT, model: str | None = None
 ) -> dict[str, Any]:
-    """The client's compute for one new token over `context`: embedding, head layers, tail layers, LM head."""
-    local = LocalModel(ModelFiles(model), head, tail, precision)
-    caches = local.new_caches(context + 1)
+    """The client's compute for one new token over `context`: embedding, first stage, last stage, LM head."""
+    client_model = ClientModel(ModelFiles(model), first, last, precision)
+    caches = client_model.new_caches(context + 1)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, local.cfg.vocab_size, (context,), generator=gen)
-    chain = Visibility.chain(context)
-    local.run_tail(caches, local.run_head(caches, tokens, torch.arange(context), chain, []), torch.arange(context), chain, [])
+    tokens = torch.randint(0, client_model.cfg.vocab_size, (context,), generator=gen)
+    prefill = Step(tokens, torch.arange(context), Visibility.chain(context))
+    client_model.run_last(caches, prefill.with_inputs(client_model.run_first(caches, prefill)))
     keep = list(range(context))
     token, position, one = tokens[:1], torch.tensor([context]), Visibility.chain(1)
 
     def step() -> None:
-        hidden = local.run_head(caches, token, position, one, keep)
-        local.logits(local.run_tail(caches, hidden, position, one, keep))
+        one_token = Step(token, position, one, keep)
+        hidden = client_model.run_first(caches, one_token)
+        client_model.logits(client_model.run_last(caches, one_token.with_inputs(hidden)))
         keep.clear()
 
     wait_quiet([os.getpid()], QUIET_CORES, timeout_s=QUIET_WAIT_S)
     with OtherLoad([os.getpid()]) as others:
         timing = median_ms(step, repeats=30)
     return {
-        **timing, "precision": precision.name, "weight_bytes": _local_weight_bytes(local),
-        "lm_head_bytes": weight_bytes_of(local.lm_head), "others_cores": others.cores,
+        **timing, "precision": precision.name, "weight_bytes": _client_weight_bytes(client_model),
+        "lm_head_bytes": weight_bytes_of(client_model.lm_head), "others_cores": others.cores,
     }
 
 
-def _local_weight_bytes(local: LocalModel) -> int:
-    stages = [local.head, local.tail] if local.tail else [local.head]
-    return sum(weight_bytes_of(s) for s in stages) + weight_bytes_of(local.lm_head) + local.norm.nbytes
+def _client_weight_bytes(client_model: ClientModel) -> int:
+    stages = [client_model.first, client_model.last] if client_model.last else [client_model.first]
+    return sum(weight_bytes_of(s) for s in stages) + weight_bytes_of(client_model.lm_head) + client_model.norm.nbytes

@@ -1,4 +1,4 @@
-"""`splitllm bench runtime`'s loads and memory, each in a fresh process so neither caches nor earlier
+"""`splitllm bench speed`'s loads and memory, each in a fresh process so neither caches nor earlier
 allocations flatter them: load time (cold, GGUF conversion into an empty cache, and cached) and the
 peak RSS of a process holding the server's layers against the whole model's.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.lab.bench.speed_compute import MIB, weight_bytes_of
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
@@ -41,12 +41,12 @@ def _rss_mib() -> dict[str, float]:
     }
 
 
-def child(kind: str, head: int | str, tail: int | str, setting: str = "float32-none") -> dict[str, float]:
+def child(kind: str, first: int | str, last: int | str, setting: str = "float32-none") -> dict[str, float]:
     """One measurement in this (fresh) process: 'load', 'server_rss' or 'full_rss'."""
     set_compute_threads(1)
-    head, tail = int(head), int(tail)
+    first, last = int(first), int(last)
     precision = Precision.from_name(setting)
-    settings = ServerSettings(head=head, tail=tail, dtype=precision.dtype, quant=precision.quant)
+    settings = ServerSettings(first=first, last=last, dtype=precision.dtype, quant=precision.quant)
     baseline = _rss_mib()["now"]
     t0 = time.perf_counter()
     if kind == "load":
@@ -54,7 +54,7 @@ def child(kind: str, head: int | str, tail: int | str, setting: str = "float32-n
         t1 = time.perf_counter()
         server = MiddleServer(None, settings)  # fingerprint + middle layers
         t2 = time.perf_counter()
-        LocalModel(files, head, tail, precision)
+        ClientModel(files, first, last, precision)
         t3 = time.perf_counter()
         assert server.fingerprint == files.fingerprint
         return {"resolve_s": t1 - t0, "server_s": t2 - t1, "client_s": t3 - t2, "total_s": t3 - t0}
@@ -81,28 +81,28 @@ def child(kind: str, head: int | str, tail: int | str, setting: str = "float32-n
 
 
 def _in_subprocess(
-    kind: str, head: int, tail: int, setting: str = "float32-none", env: dict[str, str] | None = None
+    kind: str, first: int, last: int, setting: str = "float32-none", env: dict[str, str] | None = None
 ) -> dict[str, float]:
     code = "import json, sys; from splitllm.lab.bench.speed_loading import child; print(json.dumps(child(*sys.argv[1:])))"
-    command = [sys.executable, "-c", code, kind, str(head), str(tail), setting]
+    command = [sys.executable, "-c", code, kind, str(first), str(last), setting]
     proc = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"measurement {kind} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def load_times(head: int, tail: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
+def load_times(first: int, last: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
     """Cold: GGUF conversion into an empty cache (exact mode); then each setting's first (converting) and cached load."""
     with tempfile.TemporaryDirectory(prefix="splitllm-cold-") as empty:
-        out = {"cold": _in_subprocess("load", head, tail, env={"SPLITLLM_CACHE": empty})}
+        out = {"cold": _in_subprocess("load", first, last, env={"SPLITLLM_CACHE": empty})}
         for setting in settings:
             if setting != "float32-none":
-                out[f"first {setting}"] = _in_subprocess("load", head, tail, setting, {"SPLITLLM_CACHE": empty})
+                out[f"first {setting}"] = _in_subprocess("load", first, last, setting, {"SPLITLLM_CACHE": empty})
     for setting in settings:
-        out[f"cached {setting}"] = _in_subprocess("load", head, tail, setting)
+        out[f"cached {setting}"] = _in_subprocess("load", first, last, setting)
     return out
 
 
-def peak_rss(head: int, tail: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
-    out = {f"server {s}": _in_subprocess("server_rss", head, tail, s) for s in settings}
-    return {**out, "full_model float32-none": _in_subprocess("full_rss", head, tail)}
+def peak_rss(first: int, last: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
+    out = {f"server {s}": _in_subprocess("server_rss", first, last, s) for s in settings}
+    return {**out, "full_model float32-none": _in_subprocess("full_rss", first, last)}

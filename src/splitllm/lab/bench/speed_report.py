@@ -1,4 +1,4 @@
-"""`splitllm bench runtime`'s report: the targets each figure is held to, and the Markdown tables."""
+"""`splitllm bench speed`'s report: the targets each figure is held to, and the Markdown tables."""
 
 from __future__ import annotations
 
@@ -57,20 +57,30 @@ def _or_dash(value: float | None, spec: str) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The report as Markdown tables (what `bench runtime` prints and writes next to the JSON)."""
+    """The report as Markdown tables (what `bench speed` prints and writes next to the JSON)."""
     split = result["split"]
-    lines = [f"# Runtime, default model split {split[0]}+{split[1]}", "", "## Memory read bandwidth", "",
-             "| threads | read GB/s | copy GB/s (read + write) |", "| --- | --- | --- |"]
-    lines += [f"| {n} | {bw['read_gb_s']:.2f} | {bw['copy_gb_s']:.2f} |" for n, bw in result["bandwidth"].items()]
+    sections = (_bandwidth, _server_forward, _client_step, _loading, _decoding, _wire_dtypes, _targets)
+    lines = [f"# Runtime, default model split {split[0]}+{split[1]}"]
+    for section in sections:
+        lines += section(result)
+    return "\n".join(lines) + "\n"
+
+
+def _bandwidth(result: dict[str, Any]) -> list[str]:
+    lines = ["", "## Memory read bandwidth", "", "| threads | read GB/s | copy GB/s (read + write) |", "| --- | --- | --- |"]
+    return lines + [f"| {n} | {bw['read_gb_s']:.2f} | {bw['copy_gb_s']:.2f} |" for n, bw in result["bandwidth"].items()]
+
+
+def _server_forward(result: dict[str, Any]) -> list[str]:
     some = next(iter(result["server_forward"].values()))
     start, end = some["layers"]
-    lines += ["", f"## Server forward, layers [{start}, {end}), context {some['context']}", "",
-              "Floor: the stage's weight bytes read once at the read bandwidth of the same thread count; "
-              "with cache: plus the keys and values a one-position step attends to. Layer by layer: the same "
-              "step without the fused kernel (where the setting runs it).", "",
-              "| setting | threads | weights MiB | floor ms | 1 position ms (x floor) | floor with cache ms (x) | "
-              "layer by layer ms | 8 positions ms | 32 positions ms | others' cores |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["", f"## Server forward, layers [{start}, {end}), context {some['context']}", "",
+             "Floor: the stage's weight bytes read once at the read bandwidth of the same thread count; "
+             "with cache: plus the keys and values a one-position step attends to. Layer by layer: the same "
+             "step without the kernel stage (where the setting runs one).", "",
+             "| setting | threads | weights MiB | floor ms | 1 position ms (x floor) | floor with cache ms (x) | "
+             "layer by layer ms | 8 positions ms | 32 positions ms | others' cores |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, fwd in result["server_forward"].items():
         setting, threads = key.split()
         t = fwd["tokens"]
@@ -81,8 +91,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_or_dash(t['1'].get('layered_ms'), '.1f')} | {t['8']['median_ms']:.1f} | "
             f"{t['32']['median_ms']:.1f} | {max(r['others_cores'] for r in t.values()):.2f} |"
         )
-    lines += ["", "## Client compute for one token (embedding, head and tail layers, LM head)", "",
-              "| setting | threads | weights MiB | median ms | others' cores |", "| --- | --- | --- | --- | --- |"]
+    return lines
+
+
+def _client_step(result: dict[str, Any]) -> list[str]:
+    lines = ["", "## Client compute for one token (embedding, first and last stages, LM head)", "",
+             "| setting | threads | weights MiB | median ms | others' cores |", "| --- | --- | --- | --- | --- |"]
     for key, c in result["client_step"].items():
         setting, threads = key.split()
         lines.append(f"| {setting} | {threads.removesuffix('t')} | {c['weight_bytes'] / MIB:.0f} | "
@@ -93,31 +107,47 @@ def markdown(result: dict[str, Any]) -> str:
                   "| setting | weights MiB | LM head MiB | median ms | others' cores |", "| --- | --- | --- | --- | --- |"]
         lines += [f"| {setting} | {c['weight_bytes'] / MIB:.0f} | {c['lm_head_bytes'] / MIB:.0f} | {c['median_ms']:.2f} | "
                   f"{c['others_cores']:.2f} |" for setting, c in gemma.items()]
-    lines += ["", "## Load time and peak memory", "", "| load | total s | resolve s | server s | client s |",
-              "| --- | --- | --- | --- | --- |"]
+    return lines
+
+
+def _loading(result: dict[str, Any]) -> list[str]:
+    lines = ["", "## Load time and peak memory", "", "| load | total s | resolve s | server s | client s |",
+             "| --- | --- | --- | --- | --- |"]
     lines += [f"| {k} | {v['total_s']:.2f} | {v['resolve_s']:.2f} | {v['server_s']:.2f} | {v['client_s']:.2f} |"
               for k, v in result["load"].items()]
     lines += ["", "| process | peak RSS MiB | above imports MiB | weights MiB |", "| --- | --- | --- | --- |"]
-    lines += [f"| {k} | {m['peak_mib']:.0f} | {m['peak_mib'] - m['baseline_mib']:.0f} | {m['weights_mib']:.0f} |"
-              for k, m in result["memory"].items()]
-    lines += ["", f"## Decoding through `splitllm serve` ({result['decoding_wire_dtype']} wire, one thread per side)", "",
-              "| setting | decoding | RTT ms | tok/s | tokens/step | step ms | head | server | network | tail | "
-              "others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    return lines + [f"| {k} | {m['peak_mib']:.0f} | {m['peak_mib'] - m['baseline_mib']:.0f} | {m['weights_mib']:.0f} |"
+                    for k, m in result["memory"].items()]
+
+
+def _decoding(result: dict[str, Any]) -> list[str]:
+    lines = ["", f"## Decoding through `splitllm serve` ({result['decoding_wire_dtype']} wire, one thread per side)", "",
+             "| setting | decoding | RTT ms | tok/s | tokens/step | step ms | first stage | server | network | last stage | "
+             "others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting, runs in result["decoding"].items():
         for decode, by_rtt in runs.items():
             for run in by_rtt.values():
                 m = run["mean_step_ms"]
                 lines.append(
                     f"| {setting} | {decode} | {run['rtt_ms']:g} | {run['tok_s']:.2f} | {run['tokens_per_step']:.2f} | "
-                    f"{m['total_ms']:.1f} | {m['head_ms']:.1f} | {m['server_ms']:.1f} | {m['network_ms']:.1f} | "
-                    f"{m['tail_ms']:.1f} | {run['others_cores']:.2f} |"
+                    f"{m['total_ms']:.1f} | {m['first_ms']:.1f} | {m['server_ms']:.1f} | {m['network_ms']:.1f} | "
+                    f"{m['last_ms']:.1f} | {run['others_cores']:.2f} |"
                 )
+    return lines
+
+
+def _wire_dtypes(result: dict[str, Any]) -> list[str]:
     wd = result.get("wire_dtypes")
-    if wd:
-        lines += ["", "## Wire dtypes (float32 compute)", ""]
-        lines += [f"- {d} wire: {wd[d]['identical']}/{wd['prompts']} generations of {wd['new_tokens']} tokens identical "
-                  f"to a float32 wire (first differences: {wd[d]['first_difference']})" for d in ("float16", "bfloat16")]
-    lines += ["", "## Targets", "", "| target | value | met |", "| --- | --- | --- |"]
+    if not wd:
+        return []
+    return ["", "## Wire dtypes (float32 compute)", ""] + [
+        f"- {d} wire: {wd[d]['identical']}/{wd['prompts']} generations of {wd['new_tokens']} tokens identical "
+        f"to a float32 wire (first differences: {wd[d]['first_difference']})" for d in ("float16", "bfloat16")
+    ]
+
+
+def _targets(result: dict[str, Any]) -> list[str]:
     verdict = {True: "met", False: "MISSED", None: "not measured"}
-    lines += [f"| {k} | {v:g} | {verdict[result['met'][k]]} |" for k, v in result["targets"].items()]
-    return "\n".join(lines) + "\n"
+    return ["", "## Targets", "", "| target | value | met |", "| --- | --- | --- |"] + [
+        f"| {k} | {v:g} | {verdict[result['met'][k]]} |" for k, v in result["targets"].items()
+    ]

@@ -28,10 +28,10 @@ def _ms(values: list[float]) -> dict[str, float]:
 def run_streaming(out: str, tokens: int = 2000, window: int = 100, decode: str = "sequential") -> dict:
     """Measure, write `out`/streaming.json and streaming.md, return the result."""
     set_compute_threads(1)
-    client = SplitClient(None, None, head=2, tail=2, max_context=tokens + 256)
+    client = SplitClient(None, None, first=2, last=2, max_context=tokens + 256)
     client.stop_ids = frozenset()  # run to the token budget
     gen = client.generate(PROMPT, tokens, decode, stop=[NEVER])
-    other = [s.other_ms for s in gen.steps[1:]]  # the prefill's step is not a streaming step
+    other = [s.timing.other_ms for s in gen.steps[1:]]  # the prefill's step is not a streaming step
     redecode = []
     for n in (*range(1, window + 1), *range(len(gen.ids) - window + 1, len(gen.ids) + 1)):
         t0 = time.perf_counter()

@@ -17,9 +17,10 @@ import os
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from websockets.sync.client import connect
@@ -27,7 +28,7 @@ from websockets.sync.client import connect
 from splitllm.lab.bench.quiet import OtherLoad, wait_quiet
 from splitllm.lab.data.workload import CATEGORIES, Prompt, workload
 from splitllm.client.client import SplitClient
-from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, Candidate
+from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, BudgetYield
 from splitllm.decoding.sizing.budget import LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig
 from splitllm.decoding.sizing.policies import AdaptivePolicy, StaticPolicy
@@ -41,6 +42,7 @@ from splitllm.stats import StepStats
 from splitllm.threads import set_compute_threads
 
 ADAPTIVE = "auto"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,24 @@ class _Bench:
             steps = self.client.generate(prompt, max_new_tokens, decode=decoder).steps
         return steps, load.cores
 
+    def undisturbed(
+        self, tasks: Iterable[T], attempt: Callable[[T], tuple[list[StepStats], float]],
+        later: Callable[[T, float], None] = lambda *_: None,
+    ) -> Iterator[tuple[T, list[StepStats], float]]:
+        """Each task with the steps of its `attempt` that counts, and the cores others used meanwhile: a
+        disturbed one goes to the back of the queue (`later` is told), at most `quiet.retries` times."""
+        queue = deque(tasks)
+        tries: Counter = Counter()
+        while queue:
+            task = queue.popleft()
+            steps, others = attempt(task)
+            if self.disturbed(others) and tries[task] < self.quiet.retries:
+                tries[task] += 1
+                queue.append(task)
+                later(task, others)
+                continue
+            yield task, steps, others
+
 
 def calibrate(
     bench: _Bench, url: str, prompts: Sequence[Prompt], max_new_tokens: int, progress: Callable[[str], None]
@@ -194,24 +214,22 @@ def calibrate(
     rtt = statistics.median(ping_times(url, 15))
     records: list[StepRecord] = []
     yields: dict[SpecBudget, list[StepStats]] = {b: [] for b in CANDIDATE_BUDGETS}
-    tasks = deque((prompt, budget) for prompt in prompts for budget in CANDIDATE_BUDGETS)
-    tries: Counter = Counter()
-    while tasks:
-        prompt, budget = task = tasks.popleft()
+
+    def attempt(task: tuple[Prompt, SpecBudget]) -> tuple[list[StepStats], float]:
+        prompt, budget = task
         bench.wait()
         decoder = SpeculativeDecoder(SpeculationConfig(Mode.AUTO, StaticPolicy(budget)))
-        steps, others = bench.generate(url, prompt.text, max_new_tokens, decoder)
-        if bench.disturbed(others) and tries[task] < bench.quiet.retries:
-            tries[task] += 1
-            tasks.append(task)
-            continue
+        return bench.generate(url, prompt.text, max_new_tokens, decoder)
+
+    tasks = [(prompt, budget) for prompt in prompts for budget in CANDIDATE_BUDGETS]
+    for (prompt, budget), steps, others in bench.undisturbed(tasks, attempt):
         yields[budget] += steps[1:]
         records += [StepRecord(s, Link(rtt), "auto") for s in steps[1:]]
         progress(f"calibration {candidate_label(budget)} ({prompt.category}): others {others:.2f} cores")
     candidates = []
     for budget, steps in yields.items():
         shape = StepShape.of(steps)
-        candidates.append(Candidate(budget, shape.nodes, shape.accepted, shape.windowed, shape.single))
+        candidates.append(BudgetYield(budget, shape.nodes, shape.accepted, shape.windowed, shape.single))
     return AutoProfile(LatencyProfile.fit(records), candidates)
 
 
@@ -236,54 +254,77 @@ def run_sweep(
     prompts = workload(per_category)
     held_out = [Prompt(c, workload(8, (c,))[-1].text) for c in CATEGORIES]  # never in a measured run
     configs = [*fixed_configs(), Config(ADAPTIVE, "auto")]
-    client = SplitClient(None, head=2, tail=2, precision=precision)
-    tasks = deque((prompt, point, config) for prompt in prompts for point in points for config in configs)
-    total = len(tasks) + (0 if profile else len(held_out) * len(CANDIDATE_BUDGETS))
+    client = SplitClient(None, first=2, last=2, precision=precision)
+    total = len(prompts) * len(points) * len(configs) + (0 if profile else len(held_out) * len(CANDIDATE_BUDGETS))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with ExitStack() as stack:
-        server = stack.enter_context(ServerProcess("--head", "2", "--tail", "2", "--threads", "1", *precision.serve_args(), log_path=log_path))
-        bar = stack.enter_context(Progress(*columns))
+        server = stack.enter_context(ServerProcess("--first", "2", "--last", "2", "--threads", "1", *precision.serve_args(), log_path=log_path))
+        bar = _Bar(stack.enter_context(Progress(*columns)), total)
         assert server.proc is not None
         bench = _Bench(client, server.proc.pid, quiet)
-        task = bar.add_task("warming up", total=total)
-
-        def done(line: str) -> None:
-            bar.console.print(line)
-            bar.advance(task)
-
         bench.generate(server.url, prompts[0].text, 16, decode_sequential)  # warm up both sides
         if profile is None:
-            bar.update(task, description="calibrating auto")
-            profile = calibrate(bench, server.url, held_out, max_new_tokens, done)
-        urls, pings = {}, {}
+            bar.describe("calibrating auto")
+            profile = calibrate(bench, server.url, held_out, max_new_tokens, bar.done)
+        urls: dict[Point, str] = {}
         for point in points:
             link = LinkProfile(rtt_ms=point.rtt_ms, bandwidth_mbit=point.bandwidth_mbit)
             urls[point] = f"ws://127.0.0.1:{stack.enter_context(ProxyThread('127.0.0.1', server.port, link)).port}"
-            pings[point] = []
-        runs = {(p, c.label): Run(p, c, 0.0) for p in points for c in configs}
-        decoders = {(p, c.label): c.make(profile) for p in points for c in configs}  # a policy per link
-        tries: Counter = Counter()
-        while tasks:
-            prompt, point, config = item = tasks.popleft()
-            bar.update(task, description=f"{point.label}: {config.label} ({prompt.category})")
-            bench.wait()
-            if len(pings[point]) < 20:
-                pings[point] += ping_times(urls[point], 5)
-            steps, others = bench.generate(urls[point], prompt.text, max_new_tokens, decoders[point, config.label])
-            if bench.disturbed(others) and tries[item] < quiet.retries:
-                tries[item] += 1
-                tasks.append(item)
-                bar.console.print(f"{point.label} {config.label} ({prompt.category}): others used {others:.2f} cores, later")
-                continue
-            run = runs[point, config.label]
-            run.prefills.append(steps[0])
-            run.steps += steps[1:]
-            run.other_cores.append(others)
-            done(f"{point.label} {config.label} ({prompt.category}): {tokens_per_second(steps[1:]):.2f} tok/s, "
+        runs = _measure(bench, prompts, urls, configs, profile, max_new_tokens, bar)
+    return runs, profile
+
+
+class _Bar:
+    """The sweep's progress bar: what runs now, and a line per generation."""
+
+    def __init__(self, progress: Progress, total: int) -> None:
+        self.progress, self.task = progress, progress.add_task("warming up", total=total)
+
+    def describe(self, text: str) -> None:
+        self.progress.update(self.task, description=text)
+
+    def note(self, line: str) -> None:
+        self.progress.console.print(line)
+
+    def done(self, line: str) -> None:
+        """A generation that counts."""
+        self.note(line)
+        self.progress.advance(self.task)
+
+
+def _measure(
+    bench: _Bench, prompts: Sequence[Prompt], urls: dict[Point, str], configs: Sequence[Config], profile: AutoProfile,
+    max_new_tokens: int, bar: _Bar,
+) -> list[Run]:
+    """Every prompt at every link (its proxy's URL) with every config, interleaved; each link's RTT from
+    pings taken before its first runs."""
+    runs = {(p, c.label): Run(p, c, 0.0) for p in urls for c in configs}
+    decoders = {(p, c.label): c.make(profile) for p in urls for c in configs}  # a policy per link
+    pings: dict[Point, list[float]] = {p: [] for p in urls}
+
+    def attempt(task: tuple[Prompt, Point, Config]) -> tuple[list[StepStats], float]:
+        prompt, point, config = task
+        bar.describe(f"{point.label}: {config.label} ({prompt.category})")
+        bench.wait()
+        if len(pings[point]) < 20:
+            pings[point] += ping_times(urls[point], 5)
+        return bench.generate(urls[point], prompt.text, max_new_tokens, decoders[point, config.label])
+
+    def later(task: tuple[Prompt, Point, Config], others: float) -> None:
+        prompt, point, config = task
+        bar.note(f"{point.label} {config.label} ({prompt.category}): others used {others:.2f} cores, later")
+
+    tasks = [(prompt, point, config) for prompt in prompts for point in urls for config in configs]
+    for (prompt, point, config), steps, others in bench.undisturbed(tasks, attempt, later):
+        run = runs[point, config.label]
+        run.prefills.append(steps[0])
+        run.steps += steps[1:]
+        run.other_cores.append(others)
+        bar.done(f"{point.label} {config.label} ({prompt.category}): {tokens_per_second(steps[1:]):.2f} tok/s, "
                  f"others {others:.2f} cores")
     for run in runs.values():
         run.rtt_ms = statistics.median(pings[run.point])
-    return list(runs.values()), profile
+    return list(runs.values())
 
 
 def records(runs: Iterable[Run]) -> list[StepRecord]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 from splitllm.lab.bench.sweep import (
@@ -25,11 +25,11 @@ from splitllm.decoding.sizing.auto_profile import AutoProfile
 from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.sizing.latency import LatencyProfile, Link, StepShape
 from splitllm.model.precision import Precision
-from splitllm.stats import StepStats, mean_stats
+from splitllm.stats import SpeculationMetrics, StepStats, mean_stats
 
-PARTS = {  # stacked-bar segments: label -> StepStats fields summed
-    "head": ("head_ms",),
-    "tail + LM head": ("tail_ms",),
+PARTS = {  # stacked-bar segments: label -> mean step timings summed
+    "first stage": ("first_ms",),
+    "last stage + LM head": ("last_ms",),
     "decoder": ("decode_ms",),
     "(de)serialize + other": ("serialize_ms", "deserialize_ms", "other_ms"),
     "server": ("server_ms",),
@@ -38,16 +38,13 @@ PARTS = {  # stacked-bar segments: label -> StepStats fields summed
 
 
 def save_runs(runs: Sequence[Run], path: Path) -> None:
-    def step(s: StepStats) -> dict:
-        return asdict(s)
-
     data = [
         {
             "point": asdict(r.point),
             "config": {**asdict(r.config), "budget": asdict(r.config.budget) if r.config.budget else None},
             "rtt_ms": r.rtt_ms,
-            "steps": [step(s) for s in r.steps],
-            "prefills": [step(s) for s in r.prefills],
+            "steps": [s.flat() for s in r.steps],
+            "prefills": [s.flat() for s in r.prefills],
             "other_cores": r.other_cores,
         }
         for r in runs
@@ -56,18 +53,13 @@ def save_runs(runs: Sequence[Run], path: Path) -> None:
 
 
 def load_runs(path: Path) -> list[Run]:
-    names = {f.name for f in fields(StepStats)}
-
-    def step(d: dict) -> StepStats:
-        return StepStats(**{k: v for k, v in d.items() if k in names})
-
     runs = []
     for d in json.loads(path.read_text()):
         c = d["config"]
         config = Config(c["label"], c["decoder"], SpecBudget(**c["budget"]) if c["budget"] else None)
         run = Run(Point(**d["point"]), config, d["rtt_ms"])
-        run.steps = [step(s) for s in d["steps"]]
-        run.prefills = [step(s) for s in d["prefills"]]
+        run.steps = [StepStats.from_flat(s) for s in d["steps"]]
+        run.prefills = [StepStats.from_flat(s) for s in d["prefills"]]
         run.other_cores = d.get("other_cores", [])
         runs.append(run)
     return runs
@@ -91,7 +83,7 @@ def summarize(runs: Sequence[Run]) -> dict:
                 "config": r.config.label,
                 "decoder": r.config.decoder,
                 "steps": len(r.steps),
-                "tokens": sum(s.accepted for s in r.steps),
+                "tokens": SpeculationMetrics.of(r.steps).tokens,
                 "tokens_per_second": measured,
                 "predicted_cv": cv[i],
                 "error_cv": (cv[i] - measured) / measured,

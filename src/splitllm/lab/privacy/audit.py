@@ -21,11 +21,11 @@ from splitllm.lab.privacy.audit_config import AuditConfig
 from splitllm.lab.data.corpus import Corpus, build_corpus
 from splitllm.lab.privacy.defense_sweep import defense_sweep
 from splitllm.lab.privacy.checks import quick_checks
-from splitllm.lab.privacy.private_head import private_head_sweep
+from splitllm.lab.privacy.private_first_stage import private_first_stage_sweep
 from splitllm.lab.privacy.report import write_report
 from splitllm.lab import CHECKOUT, rates
 from splitllm.lab.privacy.states import TEMPERATURES, PublicModel
-from splitllm.lab.privacy.depth_sweep import Context, head_ms, input_side, log, output_side
+from splitllm.lab.privacy.depth_sweep import Context, first_ms, input_side, log, output_side
 from splitllm.threads import set_compute_threads
 
 
@@ -61,51 +61,52 @@ def provenance(files: ModelFiles, corpus: Corpus, seed: int) -> dict:
     }
 
 
-def prepare(cfg: AuditConfig, heads: tuple[int, ...]) -> Context:
+def prepare(cfg: AuditConfig, first_depths: tuple[int, ...]) -> Context:
     """The corpus, the public model cut at every audited depth, and the states of every window."""
     set_compute_threads(cfg.threads)
     files = ModelFiles(cfg.model)
     n = files.config.num_layers
-    for k in heads + (cfg.defense_head,):
+    for k in first_depths + (cfg.defense_first,):
         files.config.check_split(k, 0)
-    for m in cfg.tails + (cfg.defense_tail,):
+    for m in cfg.last_depths + (cfg.defense_last,):
         if not 0 <= m < n:
-            raise ValueError(f"tail depth {m} must lie in [0, {n})")
-    files.config.check_split(cfg.defense_head, cfg.defense_tail)
+            raise ValueError(f"last-stage depth {m} must lie in [0, {n})")
+    files.config.check_split(cfg.defense_first, cfg.defense_last)
     tokenizer = AutoTokenizer.from_pretrained(files.path)
     corpus = build_corpus(
         tokenizer, cfg.window, cfg.train_positions, cfg.test_positions, cfg.long_window, cfg.long_windows, seed=cfg.seed
     )
-    cuts = sorted(set(heads) | {cfg.defense_head} | {n - m for m in cfg.tails} | {n - cfg.defense_tail, n})
+    cuts = sorted(set(first_depths) | {cfg.defense_first} | {n - m for m in cfg.last_depths} | {n - cfg.defense_last, n})
     origin = provenance(files, corpus, cfg.seed)  # before anything runs: the code as it was started
     model = PublicModel(files, cuts)
     t0 = time.perf_counter()
     train, test = model.window_states(corpus.train, cuts), model.window_states(corpus.test, cuts)
-    long = model.window_states(corpus.long, heads) if corpus.long.numel() else None
+    long = model.window_states(corpus.long, first_depths) if corpus.long.numel() else None
     ctx = Context(cfg, files, corpus, model, train, test, long, {"states": time.perf_counter() - t0}, origin)
     log.info("corpus %s; states in %.0f s", corpus.describe(), ctx.timings["states"])
     return ctx
 
 
-def run_private_head(cfg: AuditConfig) -> dict:
-    """Only the private-head experiment (its own attackers included): private_head.json under cfg.out_dir."""
+def run_private_first_stage(cfg: AuditConfig) -> dict:
+    """Only the private-first-stage experiment (its own attackers included): private_first_stage.json
+    under cfg.out_dir."""
     start = time.perf_counter()
-    ctx = prepare(cfg, cfg.private_heads)
+    ctx = prepare(cfg, cfg.private_first_depths)
     out = {
         "provenance": ctx.provenance,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-        "private_head": private_head_sweep(ctx, {}),
+        "private_first_stage": private_first_stage_sweep(ctx, {}),
         "seconds": time.perf_counter() - start,
     }
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.out_dir) / "private_head.json").write_text(json.dumps(out, indent=2))
+    (Path(cfg.out_dir) / "private_first_stage.json").write_text(json.dumps(out, indent=2))
     return out
 
 
 def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
     """Run the whole audit and write report.json, report.md and leakage.png under cfg.out_dir."""
     start = time.perf_counter()
-    ctx = prepare(cfg, tuple(sorted(set(cfg.heads) | set(cfg.private_heads))))
+    ctx = prepare(cfg, tuple(sorted(set(cfg.first_depths) | set(cfg.private_first_depths))))
     files, corpus, n = ctx.files, ctx.corpus, ctx.n_layers
     train, test = ctx.train, ctx.test
     input_rows, attackers = input_side(ctx)
@@ -134,11 +135,11 @@ def run_audit(cfg: AuditConfig, quick: bool = False) -> dict:
             for t in TEMPERATURES
         ],
         "defenses": defense,
-        "full_model_ms_per_step": head_ms(ctx, n),
+        "full_model_ms_per_step": first_ms(ctx, n),
         "seconds": {**ctx.timings, "total": time.perf_counter() - start},
     }
-    if cfg.private_heads:
-        report["private_head"] = private_head_sweep(ctx, attackers)
+    if cfg.private_first_depths:
+        report["private_first_stage"] = private_first_stage_sweep(ctx, attackers)
         report["seconds"]["total"] = time.perf_counter() - start
     report["checks"] = quick_checks(report) if quick else []
     write_report(report, cfg.out_dir)

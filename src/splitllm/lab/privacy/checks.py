@@ -29,7 +29,7 @@ def quick_checks(report: dict) -> list[str]:
         if lo < base_out + MARGIN:
             failures.append(f"M={row['M']}: output probe {lo:.3f} (lower bound) does not beat baseline {base_out:.3f}")
         if row["whitebox_agreement"]["rate"] < 0.99:
-            failures.append(f"M={row['M']}: the public tail no longer reproduces the next token")
+            failures.append(f"M={row['M']}: the public last stage no longer reproduces the next token")
     control = report["defenses"]["rotation"]
     for key in ("public_weights_whitebox_recovery", "public_weights_mlp_top1"):
         if control[key]["ci95"][0] > base_in + MARGIN:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle, SplitPipeline
-from splitllm.model.stage import Stage
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
+from splitllm.model.stage import Stage, Step
 from splitllm.lab import heldout
 from splitllm.lab import rates
 from splitllm.lab.privacy import defenses
@@ -30,7 +30,7 @@ from splitllm.lab.privacy.depth_sweep import (
     Target,
     flat,
     fmt,
-    head_states,
+    first_stage_states,
     learned_attacks,
     log,
     whitebox_attack,
@@ -44,26 +44,26 @@ class Quality:
 
     def __init__(self, ctx: Context) -> None:
         cfg = ctx.cfg
-        self.local = LocalModel(ctx.files, cfg.defense_head, cfg.defense_tail)
+        self.client_model = ClientModel(ctx.files, cfg.defense_first, cfg.defense_last)
         n = ctx.n_layers
-        self.middle = Stage.load(ctx.files, cfg.defense_head, n - cfg.defense_tail, torch.float32)
+        self.middle = Stage.load(ctx.files, cfg.defense_first, n - cfg.defense_last, torch.float32)
         self.windows = ctx.corpus.test[ctx.spread_windows(cfg.perplexity_windows)]
-        self.reference = heldout.log_probs(self.local, self.plain(), self.windows)
+        self.reference = heldout.log_probs(self.client_model, self.plain(), self.windows)
         self.base = heldout.quality(self.windows, self.reference, self.reference)
 
-    def plain(self, middle: Stage | None = None) -> Callable[[], LocalMiddle]:
+    def plain(self, middle: Stage | None = None) -> Callable[[], InProcessMiddle]:
         stage = middle or self.middle
-        return lambda: LocalMiddle(stage, self.windows.shape[1])
+        return lambda: InProcessMiddle(stage, self.windows.shape[1])
 
-    def measure(self, local: LocalModel, middle: Callable) -> dict:
-        return heldout.quality(self.windows, self.reference, heldout.log_probs(local, middle, self.windows))
+    def measure(self, client_model: ClientModel, middle: Callable) -> dict:
+        return heldout.quality(self.windows, self.reference, heldout.log_probs(client_model, middle, self.windows))
 
 
 def map_attack(ctx: Context, targets: list[Target], proposer: Attacker, noise: defenses.GaussianNoise) -> dict:
     """MAP decoding of the noised white-box targets, with the white-box search's candidate cap: by
     the likelihood alone (one hypothesis: the most likely token at each position given the
     recovered prefix) and with the LM prior and a beam."""
-    cfg, k = ctx.cfg, ctx.cfg.defense_head
+    cfg, k = ctx.cfg, ctx.cfg.defense_first
     cap = cfg.whitebox_max_candidates or ctx.files.config.vocab_size
     hits: dict[str, list[bool]] = {"map_likelihood": [], "map_beam": []}
     seconds = 0.0
@@ -83,7 +83,7 @@ def noise_row(
     ctx: Context, quality: Quality, noise: defenses.GaussianNoise, row: dict, tolerance: float, seed: int
 ) -> dict:
     """Attackers that know the noise and train on noised states, and the noise's cost."""
-    k, labels = ctx.cfg.defense_head, (ctx.corpus.train, ctx.corpus.test)
+    k, labels = ctx.cfg.defense_first, (ctx.corpus.train, ctx.corpus.test)
     gen = torch.Generator().manual_seed(seed)
     train, test = noise(ctx.train.states[k], gen), noise(ctx.test.states[k], gen)
     learned, mlp = learned_attacks(ctx, k, train, test, labels, ctx.model.embed, sequence=True)
@@ -91,14 +91,14 @@ def noise_row(
     targets = whitebox_targets(ctx, test)
     row.update(whitebox_attack(ctx, k, targets, mlp, tolerance=tolerance, certify=False))
     row.update(map_attack(ctx, targets, mlp, noise))
-    row.update(quality.measure(quality.local, lambda: defenses.NoisyMiddle(quality.plain()(), noise, seed)))
+    row.update(quality.measure(quality.client_model, lambda: defenses.NoisyMiddle(quality.plain()(), noise, seed)))
     log.info("noise %s", fmt(row))
     return row
 
 
 def noise_defenses(ctx: Context, quality: Quality) -> tuple[list[dict], list[dict]]:
     """The rows of relative noise (per sigma) and of DP noise (per epsilon)."""
-    cfg, k = ctx.cfg, ctx.cfg.defense_head
+    cfg, k = ctx.cfg, ctx.cfg.defense_first
     relative = [
         noise_row(
             ctx,
@@ -120,8 +120,8 @@ def noise_defenses(ctx: Context, quality: Quality) -> tuple[list[dict], list[dic
 
 
 def defense_sweep(ctx: Context, attackers: dict[int, Attacker]) -> dict:
-    """Every defense at the defense split; `attackers`: MLPs trained on public states, by head depth."""
-    cfg, k = ctx.cfg, ctx.cfg.defense_head
+    """Every defense at the defense split; `attackers`: MLPs trained on public states, by first-stage depth."""
+    cfg, k = ctx.cfg, ctx.cfg.defense_first
     t0 = time.perf_counter()
     quality = Quality(ctx)
     labels = (ctx.corpus.train, ctx.corpus.test)
@@ -130,7 +130,7 @@ def defense_sweep(ctx: Context, attackers: dict[int, Attacker]) -> dict:
         or learned_attacks(ctx, k, ctx.train.states[k], ctx.test.states[k], labels, ctx.model.embed, sequence=False)[1]
     )
     out: dict = {
-        "split": {"head": k, "tail": cfg.defense_tail},
+        "split": {"first": k, "last": cfg.defense_last},
         "undefended": {"perplexity": quality.base["perplexity"]},
         "quality_positions": int(quality.windows.numel()),
     }
@@ -147,11 +147,11 @@ def _prefixed(prefix: str, row: dict) -> dict:
 
 def rotation(ctx: Context, quality: Quality, public_mlp: Attacker) -> dict:
     """A secret rotation: leakage without the key, the key's recovery, leakage with it, and the cost."""
-    cfg, k = ctx.cfg, ctx.cfg.defense_head
+    cfg, k = ctx.cfg, ctx.cfg.defense_first
     q = defenses.random_rotation(ctx.files.config.hidden_size, cfg.seed + 7)
-    local = defenses.rotate_local(quality.local, q)
+    client_model = defenses.rotate_client_model(quality.client_model, q)
     middle = defenses.rotate_stage(quality.middle, q)
-    test = head_states(local.head, local.input_table(), ctx.corpus.test)
+    test = first_stage_states(client_model.first, client_model.input_table(), ctx.corpus.test)
     labels = ctx.corpus.test.flatten()
     row: dict = {"public_weights_mlp_top1": recovery(top_k(public_mlp, flat(test)), labels)[0]}
     targets = whitebox_targets(ctx, test)
@@ -168,7 +168,7 @@ def rotation(ctx: Context, quality: Quality, public_mlp: Attacker) -> dict:
     # With the key the states are the undefended ones again: the certified search applies.
     targets = whitebox_targets(ctx, recovered)
     row.update(_prefixed("recovered_key", whitebox_attack(ctx, k, targets, public_mlp)))
-    row.update(quality.measure(local, quality.plain(middle)))
+    row.update(quality.measure(client_model, quality.plain(middle)))
     log.info("rotation: %s", fmt(row))
     return row
 
@@ -179,13 +179,13 @@ def lowrank(ctx: Context, quality: Quality, public_mlp: Attacker) -> list[dict]:
     Adaptive attacker: with known plaintext it fits a linear map from the defended states back to the
     public ones (least squares on `known_pairs` pairs) and runs its public-weight attacks through it.
     """
-    cfg, k, n = ctx.cfg, ctx.cfg.defense_head, ctx.n_layers
+    cfg, k, n = ctx.cfg, ctx.cfg.defense_first, ctx.n_layers
     rows = []
     labels = (ctx.corpus.train, ctx.corpus.test)
     for i, scale in enumerate(cfg.lowrank_scales):
-        local = defenses.perturb_local(quality.local, cfg.seed + 1000 + i, cfg.lowrank_rank, scale)
-        train = head_states(local.head, local.input_table(), ctx.corpus.train)
-        test = head_states(local.head, local.input_table(), ctx.corpus.test)
+        client_model = defenses.perturb_client_model(quality.client_model, cfg.seed + 1000 + i, cfg.lowrank_rank, scale)
+        train = first_stage_states(client_model.first, client_model.input_table(), ctx.corpus.train)
+        test = first_stage_states(client_model.first, client_model.input_table(), ctx.corpus.test)
         row: dict = {"scale": scale, "rank": cfg.lowrank_rank}
         row["public_weights_mlp_top1"] = recovery(top_k(public_mlp, flat(test)), labels[1].flatten())[0]
         targets = whitebox_targets(ctx, test)
@@ -197,37 +197,35 @@ def lowrank(ctx: Context, quality: Quality, public_mlp: Attacker) -> list[dict]:
         row["fitted_map_mlp_top1"] = recovery(top_k(public_mlp, flat(mapped)), labels[1].flatten())[0]
         mapped_wb = whitebox_attack(ctx, k, whitebox_targets(ctx, mapped), public_mlp, certify=False)
         row.update(_prefixed("fitted_map", mapped_wb))
-        # Output side: the server runs the public tail on what it returns; the client's tail is private.
+        # Output side: the server runs the public last stage on what it returns; the client's is private.
         windows = quality.windows
-        client_next = client_next_tokens(local, quality.middle, windows)
-        returned = middle_out(local, quality.middle, windows)
-        public_next = whitebox_next_tokens(ctx.model, ctx.model.stack.between(n - cfg.defense_tail, n), returned)
+        client_next = client_next_tokens(client_model, quality.middle, windows)
+        returned = middle_out(client_model, quality.middle, windows)
+        public_next = whitebox_next_tokens(ctx.model, ctx.model.stack.between(n - cfg.defense_last, n), returned)
         row["output_whitebox_agreement"] = rates.of(public_next == client_next)
-        row.update(quality.measure(local, quality.plain()))
+        row.update(quality.measure(client_model, quality.plain()))
         rows.append(row)
         log.info("low-rank scale=%g: %s", scale, fmt(row))
     return rows
 
 
 @torch.inference_mode()
-def middle_out(local: LocalModel, middle: Stage, windows: torch.Tensor) -> torch.Tensor:
-    """What the server computes and returns for each window under a private head."""
-    heads = head_states(local.head, local.input_table(), windows)
+def middle_out(client_model: ClientModel, middle: Stage, windows: torch.Tensor) -> torch.Tensor:
+    """What the server computes and returns for each window under a private first stage."""
+    sent = first_stage_states(client_model.first, client_model.input_table(), windows)
     length = windows.shape[1]
-    out = torch.empty_like(heads)
-    for i, h in enumerate(heads):
-        out[i] = middle(middle.new_cache(length), h.float(), torch.arange(length), Visibility.chain(length), []).to(
-            WIRE_DTYPE
-        )
+    out = torch.empty_like(sent)
+    for i, h in enumerate(sent):
+        out[i] = middle(middle.new_cache(length), Step(h.float(), torch.arange(length), Visibility.chain(length))).to(WIRE_DTYPE)
     return out
 
 
 @torch.inference_mode()
-def client_next_tokens(local: LocalModel, middle: Stage, windows: torch.Tensor) -> torch.Tensor:
+def client_next_tokens(client_model: ClientModel, middle: Stage, windows: torch.Tensor) -> torch.Tensor:
     """The tokens the (defended) client would generate next at every position of each window."""
     length = windows.shape[1]
     out = torch.empty(windows.shape, dtype=torch.long)
     for i, tokens in enumerate(windows):
-        pipeline = SplitPipeline(local, LocalMiddle(middle, length), length)
-        out[i] = pipeline.score(tokens, torch.arange(length), Visibility.chain(length), [])[0].argmax(-1)
+        pipeline = SplitPipeline(client_model, InProcessMiddle(middle, length), length)
+        out[i] = pipeline.score(Step(tokens, torch.arange(length), Visibility.chain(length)))[0].argmax(-1)
     return out

@@ -3,7 +3,7 @@
 - Deeper splits: more layers on the client; cost = client compute per decoding step (`step_ms`).
 - Gaussian noise on the states the client sends (`NoisyMiddle`, `add_noise`), or noise calibrated to
   a per-token differential-privacy budget after clipping (`DPNoise`); cost = output quality.
-- Private local weights: the client's head (and tail) differ from the public weights by a secret.
+- Private client weights: the client's first stage (and last stage) differs from the public weights by a secret.
   `rotate_*` is function-preserving (an orthogonal change of basis of the residual stream, norms
   folded in) but the server must then run rotated middle weights too, and it recovers the rotation
   from those weights or a few known state pairs by orthogonal Procrustes (`procrustes`).
@@ -17,17 +17,17 @@ import copy
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.client.pipeline import Middle
 from splitllm.model.quant import Linear
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.lab.privacy.states import StageStack
-from splitllm.stats import StepStats
+from splitllm.stats import StepTiming
 from splitllm.model.visibility import Visibility
 
 
@@ -94,11 +94,8 @@ class NoisyMiddle:
     def overlaps(self) -> bool:
         return self.inner.overlaps
 
-    def step(
-        self, hidden: torch.Tensor, positions: torch.Tensor, vis: Visibility, keep: Sequence[int], stats: StepStats,
-        while_waiting: Iterator[object] | None = None,
-    ) -> torch.Tensor:
-        return self.inner.step(self.noise(hidden, self.gen), positions, vis, keep, stats, while_waiting)
+    def step(self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
+        return self.inner.step(step.with_inputs(self.noise(step.inputs, self.gen)), timing, while_waiting)
 
 
 def random_rotation(d: int, seed: int) -> torch.Tensor:
@@ -123,15 +120,15 @@ def rotate_stage(stage: Stage, q: torch.Tensor) -> Stage:
     return out
 
 
-def rotate_local(local: LocalModel, q: torch.Tensor) -> LocalModel:
-    """The client's embedding, head, tail and LM head in the rotated basis (same outputs)."""
-    out = copy.copy(local)
-    q = q.to(local.dtype)
-    out.embed_weight = local.embed_weight @ q
-    out.lm_head = Linear((local.lm_head.weight * local.norm) @ q)
-    out.norm = torch.ones_like(local.norm)
-    out.head = rotate_stage(local.head, q)
-    out.tail = rotate_stage(local.tail, q) if local.tail else None
+def rotate_client_model(client_model: ClientModel, q: torch.Tensor) -> ClientModel:
+    """The client's embedding, first and last stages and LM head in the rotated basis (same outputs)."""
+    out = copy.copy(client_model)
+    q = q.to(client_model.dtype)
+    out.embed_weight = client_model.embed_weight @ q
+    out.lm_head = Linear((client_model.lm_head.weight * client_model.norm) @ q)
+    out.norm = torch.ones_like(client_model.norm)
+    out.first = rotate_stage(client_model.first, q)
+    out.last = rotate_stage(client_model.last, q) if client_model.last else None
     return out
 
 
@@ -165,35 +162,35 @@ def perturb_stage(stage: Stage, key: int, rank: int, scale: float) -> Stage:
     return out
 
 
-def perturb_local(local: LocalModel, key: int, rank: int, scale: float) -> LocalModel:
-    out = copy.copy(local)
-    out.head = perturb_stage(local.head, key, rank, scale)
-    out.tail = perturb_stage(local.tail, key + 1, rank, scale) if local.tail else None
+def perturb_client_model(client_model: ClientModel, key: int, rank: int, scale: float) -> ClientModel:
+    out = copy.copy(client_model)
+    out.first = perturb_stage(client_model.first, key, rank, scale)
+    out.last = perturb_stage(client_model.last, key + 1, rank, scale) if client_model.last else None
     return out
 
 
 @torch.inference_mode()
 def step_ms(
     stack: StageStack,
-    first: Callable[[torch.Tensor], torch.Tensor],
-    last: Callable[[torch.Tensor], torch.Tensor],
+    start: Callable[[torch.Tensor], torch.Tensor],
+    finish: Callable[[torch.Tensor], torch.Tensor],
     context: int = 128,
     steps: int = 24,
 ) -> float:
     """Fastest of `steps` one-token decoding steps through a stack after a `context`-token prefill, in
     ms: on a shared machine the minimum is the stable measure of the compute itself.
 
-    `first` turns token ids into the stack's input (embedding lookup, or nothing for a tail) and
-    `last` finishes the step (LM head for a tail); an empty stack times just those.
+    `start` turns token ids into the stack's input (embedding lookup, or nothing for a last stage) and
+    `finish` finishes the step (LM head for a last stage); an empty stack times just those.
     """
     caches = stack.new_caches(context + steps)
     tokens = torch.arange(context) % 1000
 
     def run(ids: torch.Tensor, positions: torch.Tensor, keep: list[int]) -> None:
-        hidden = first(ids)
+        hidden = start(ids)
         if stack.stages:
             hidden = stack.forward(caches, hidden, positions, Visibility.chain(len(ids)), keep)[stack.cuts[-1]]
-        last(hidden)
+        finish(hidden)
 
     run(tokens, torch.arange(context), [])
     times, keep = [], list(range(context))

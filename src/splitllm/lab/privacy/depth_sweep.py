@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.lab import rates
 from splitllm.lab.privacy import defenses
@@ -89,47 +89,47 @@ def learned_attacks(
     return out, mlp
 
 
-def small_mlp(ctx: Context, head: int) -> dict:
+def small_mlp(ctx: Context, first: int) -> dict:
     """The per-position attacker trained on as few pairs as the published design, evenly spread."""
     cfg = ctx.cfg
-    states, labels = flat(ctx.train.states[head]), ctx.corpus.train.flatten()
+    states, labels = flat(ctx.train.states[first]), ctx.corpus.train.flatten()
     pick = torch.linspace(0, len(labels) - 1, cfg.small_train_pairs).long()
     epochs = cfg.mlp_epochs * max(1, len(labels) // cfg.small_train_pairs)  # the same number of steps
-    mlp = mlp_attacker(states[pick], labels[pick], ctx.model.embed, epochs=epochs, seed=cfg.seed + head)
-    return recovery(top_k(mlp, flat(ctx.test.states[head])), ctx.corpus.test.flatten())[0]
+    mlp = mlp_attacker(states[pick], labels[pick], ctx.model.embed, epochs=epochs, seed=cfg.seed + first)
+    return recovery(top_k(mlp, flat(ctx.test.states[first])), ctx.corpus.test.flatten())[0]
 
 
 Target = tuple[torch.Tensor, list[int], str]  # (P, d) wire states, their true tokens, the kind of text
 
 
-def whitebox_targets(ctx: Context, states: torch.Tensor, head: int | None = None) -> list[Target]:
-    """What the white-box search inverts. Undefended (`head` given): whole test windows spread over
+def whitebox_targets(ctx: Context, states: torch.Tensor, first: int | None = None) -> list[Target]:
+    """What the white-box search inverts. Undefended (`first` given): whole test windows spread over
     the kinds plus the long contexts; defended: the first positions of fewer windows (searches there
     run to the candidate cap, so they are kept short)."""
     cfg, corpus = ctx.cfg, ctx.corpus
-    if head is None:
+    if first is None:
         picks, length = ctx.spread_windows(cfg.defense_whitebox_windows), cfg.defense_whitebox_positions
     else:
         picks, length = ctx.spread_windows(cfg.whitebox_windows), corpus.test.shape[1]
     out = [(states[w, :length], corpus.test[w, :length].tolist(), corpus.test_kinds[w]) for w in picks]
-    if head is not None and ctx.long is not None:
-        out += [(ctx.long.states[head][i], corpus.long[i].tolist(), k) for i, k in enumerate(corpus.long_kinds)]
+    if first is not None and ctx.long is not None:
+        out += [(ctx.long.states[first][i], corpus.long[i].tolist(), k) for i, k in enumerate(corpus.long_kinds)]
     return out
 
 
 def whitebox_attack(
     ctx: Context,
-    head: int,
+    first: int,
     targets: list[Target],
     proposer: Attacker,
     tolerance: float = WIRE_TOLERANCE,
     certify: bool = True,
     exhaustive: int = 0,
 ) -> dict:
-    """Invert each target left to right with the public first `head` layers; rates per position. The
+    """Invert each target left to right with the public layers [0, `first`); rates per position. The
     first `exhaustive` positions of the first target are searched over the whole vocabulary."""
     cfg, model = ctx.cfg, ctx.model
-    stack = model.stack.upto(head)
+    stack = model.stack.upto(first)
     hits, certified, kinds, positions = [], [], [], []
     seconds, tried, collisions, searched_all = 0.0, 0, 0, 0
     checks = set(range(exhaustive))
@@ -179,23 +179,23 @@ def whitebox_attack(
     return out
 
 
-def head_ms(ctx: Context, head: int) -> float:
-    return defenses.step_ms(ctx.model.stack.upto(head), lambda ids: ctx.model.embed[ids], lambda h: h)
+def first_ms(ctx: Context, first: int) -> float:
+    return defenses.step_ms(ctx.model.stack.upto(first), lambda ids: ctx.model.embed[ids], lambda h: h)
 
 
-def tail_ms(ctx: Context, tail: int) -> float:
+def last_ms(ctx: Context, last: int) -> float:
     n = ctx.n_layers
-    stack = ctx.model.stack.between(n - tail, n)
+    stack = ctx.model.stack.between(n - last, n)
     return defenses.step_ms(stack, lambda ids: ctx.model.embed[ids], ctx.model.logits)
 
 
 def input_side(ctx: Context) -> tuple[list[dict], dict[int, Attacker]]:
-    """One row per head depth K; also returns each depth's trained MLP (the defenses reuse it)."""
+    """One row per first-stage depth K; also returns each depth's trained MLP (the defenses reuse it)."""
     rows, attackers = [], {}
     labels = (ctx.corpus.train, ctx.corpus.test)
-    for k in ctx.cfg.heads:
+    for k in ctx.cfg.first_depths:
         t0 = time.perf_counter()
-        row: dict = {"K": k, "client_ms_per_step": head_ms(ctx, k)}
+        row: dict = {"K": k, "client_ms_per_step": first_ms(ctx, k)}
         learned, mlp = learned_attacks(
             ctx, k, ctx.train.states[k], ctx.test.states[k], labels, ctx.model.embed, sequence=True
         )
@@ -211,14 +211,14 @@ def input_side(ctx: Context) -> tuple[list[dict], dict[int, Attacker]]:
 
 
 def output_side(ctx: Context) -> list[dict]:
-    """One row per tail depth M: learned probe and public-tail predictions of the next token."""
+    """One row per last-stage depth M: learned probe and public-last-stage predictions of the next token."""
     rows, n = [], ctx.n_layers
-    table = ctx.model.local.lm_head.weight
+    table = ctx.model.client_model.lm_head.weight
     labels = (ctx.train.greedy, ctx.test.greedy)
-    for m in ctx.cfg.tails:
+    for m in ctx.cfg.last_depths:
         t0 = time.perf_counter()
         cut = n - m
-        row: dict = {"M": m, "client_ms_per_step": tail_ms(ctx, m)}
+        row: dict = {"M": m, "client_ms_per_step": last_ms(ctx, m)}
         learned, _ = learned_attacks(
             ctx, cut, ctx.train.states[cut], ctx.test.states[cut], labels, table, sequence=False
         )
@@ -232,12 +232,12 @@ def output_side(ctx: Context) -> list[dict]:
 
 
 @torch.inference_mode()
-def head_states(stage: Stage, embed: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-    """Wire states of windows through a (defended) client head."""
+def first_stage_states(stage: Stage, embed: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Wire states of windows through a (defended) client first stage."""
     n, length = windows.shape
     out = torch.empty(n, length, stage.cfg.hidden_size, dtype=WIRE_DTYPE)
     for i in range(n):
-        h = stage(stage.new_cache(length), embed[windows[i]], torch.arange(length), Visibility.chain(length), [])
+        h = stage(stage.new_cache(length), Step(embed[windows[i]], torch.arange(length), Visibility.chain(length)))
         out[i] = h.to(WIRE_DTYPE)
     return out
 

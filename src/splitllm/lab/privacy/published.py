@@ -35,13 +35,14 @@ def render_docs(r: dict, text: str) -> str:
 
 
 def load(report_json: Path) -> dict:
-    """A report, with the private-head run beside it (private_head.json, run separately) merged in."""
+    """A report, with the private-first-stage run beside it (private_first_stage.json, run separately)
+    merged in."""
     r = json.loads(report_json.read_text())
-    extra = report_json.parent / "private_head.json"
-    if "private_head" not in r and extra.is_file():
+    extra = report_json.parent / "private_first_stage.json"
+    if "private_first_stage" not in r and extra.is_file():
         side = json.loads(extra.read_text())
-        r["private_head"] = side["private_head"]
-        r["private_head_provenance"] = side["provenance"]
+        r["private_first_stage"] = side["private_first_stage"]
+        r["private_first_stage_provenance"] = side["provenance"]
     return r
 
 

@@ -39,7 +39,7 @@ def plot(r: dict, path: Path) -> None:
     out = r["output_side"]
     ms = [x["M"] for x in out]
     ax.plot(ms, [100 * x["probe_top1"]["rate"] for x in out], marker="o", label="learned probe top-1")
-    ax.plot(ms, [100 * x["whitebox_agreement"]["rate"] for x in out], marker="s", label="white-box (public tail)")
+    ax.plot(ms, [100 * x["whitebox_agreement"]["rate"] for x in out], marker="s", label="white-box (public last stage)")
     ax.axhline(100 * r["baselines"]["output"]["most_frequent_top1"], ls="--", c="gray", label="most frequent")
     _frame(ax, "M (layers on the client after receiving)", "next token predicted (%)", "Output side")
 
@@ -65,7 +65,7 @@ def plot(r: dict, path: Path) -> None:
         ls="",
         label="output side (M), white-box",
     )
-    _frame(ax, "client compute per decoding step (ms, head K or tail M)", "leakage (%)", "Leakage vs client compute",
+    _frame(ax, "client compute per decoding step (ms, first stage K or last stage M)", "leakage (%)", "Leakage vs client compute",
            loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,5 +1,5 @@
 """The audit's report as Markdown: a table per attack and defense, the results section docs/privacy.md
-carries, its summary by head depth, and report.md."""
+carries, its summary by first-stage depth, and report.md."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def kind_table(r: dict) -> str:
 
 def output_table(r: dict) -> str:
     return _table(
-        ["M", "client ms/step", "probe top-1", "probe top-5", "white-box (public tail)"],
+        ["M", "client ms/step", "probe top-1", "probe top-5", "white-box (public last stage)"],
         [
             [
                 str(x["M"]),
@@ -155,7 +155,7 @@ def lowrank_table(rows: list[dict]) -> str:
 
 
 def summary_table(r: dict) -> str:
-    """The summary table (docs/privacy.md): leakage by head depth K, with 95% intervals."""
+    """The summary table (docs/privacy.md): leakage by first-stage depth K, with 95% intervals."""
     rows = r["input_side"]
     return _table(
         ["client layers before sending (K)"] + [str(x["K"]) for x in rows],
@@ -184,9 +184,16 @@ def _provenance_line(r: dict) -> str:
 
 def results(r: dict) -> str:
     """Every results table, as docs/privacy.md carries them."""
-    base_in, base_out = r["baselines"]["input"], r["baselines"]["output"]
-    c, d = r["corpus"], r["defenses"]
     parts = [
+        _corpus_text(r), *_input_side(r), *_output_side(r), *_defenses(r["defenses"], r["config"]), *_private_first_stage(r),
+    ]
+    return "\n\n".join(p for p in parts if p)
+
+
+def _corpus_text(r: dict) -> str:
+    """The model and the positions every rate is measured on."""
+    c = r["corpus"]
+    return (
         f"Model: `{Path(r['model']['path']).name}` ({r['model']['layers']} layers, hidden {r['model']['hidden']}, "
         f"vocabulary {r['model']['vocab']}). {c['train_positions']} training and {c['test_positions']} test "
         f"positions in {c['window']}-token windows (test windows by kind: "
@@ -199,7 +206,13 @@ def results(r: dict) -> str:
         )
         + f". {c['dedup']['test_windows_dropped']} of {c['dedup']['test_windows_considered']} candidate test "
         f"windows were dropped for sharing a {c['dedup']['ngram']}-token sequence with a training document. "
-        "Every rate: 95% Clopper-Pearson interval in brackets (per position; n = positions).",
+        "Every rate: 95% Clopper-Pearson interval in brackets (per position; n = positions)."
+    )
+
+
+def _input_side(r: dict) -> list[str]:
+    base_in = r["baselines"]["input"]
+    return [
         "### Input side: tokens recovered from the state after layer K",
         input_table(r),
         f"Baselines: uniform guess {_pct(base_in['uniform_top1'])}; most frequent token "
@@ -213,6 +226,12 @@ def results(r: dict) -> str:
         + f". The full model takes {r['full_model_ms_per_step']:.1f} ms per step on this machine.",
         "### Input side by kind of text (top-1)",
         kind_table(r),
+    ]
+
+
+def _output_side(r: dict) -> list[str]:
+    base_out = r["baselines"]["output"]
+    parts = [
         "### Output side: the client's next token from the state before the last M layers",
         output_table(r),
         f"Baselines: uniform {_pct(base_out['uniform_top1'])}; most frequent next token "
@@ -223,18 +242,22 @@ def results(r: dict) -> str:
             "### Output side under sampling: the server sees the distribution, not the draw",
             sampling_table(r),
         ]
-    parts += [
-        f"### Defenses at head K={d['split']['head']}, tail M={d['split']['tail']}",
+    return parts
+
+
+def _defenses(d: dict, config: dict) -> list[str]:
+    return [
+        f"### Defenses at first stage K={d['split']['first']}, last stage M={d['split']['last']}",
         f"Cost on {d['quality_positions']} held-out positions, teacher-forced, against the undefended split "
         f"(perplexity {d['undefended']['perplexity']:.2f}): perplexity, KL from the undefended next-token "
         "distribution, share of positions whose most likely next token is unchanged.",
         "Gaussian noise, std = sigma x the state's RMS (attackers know sigma and train on noised states):",
-        noise_table(d["noise"], "sigma", lambda x: f"{x['sigma']:g}", r["config"]),
+        noise_table(d["noise"], "sigma", lambda x: f"{x['sigma']:g}", config),
         "Differential privacy per token: states clipped to the median training-state norm "
         f"({d['dp_noise'][0]['clip']:.1f}) then the Gaussian mechanism (delta {d['dp_noise'][0]['delta']:g}):"
         if d["dp_noise"]
         else "",
-        noise_table(d["dp_noise"], "epsilon (noise std)", lambda x: f"{x['epsilon']:g} ({x['sigma']:.1f})", r["config"])
+        noise_table(d["dp_noise"], "epsilon (noise std)", lambda x: f"{x['epsilon']:g} ({x['sigma']:.1f})", config)
         if d["dp_noise"]
         else "",
         "Secret rotation of the residual stream (function-preserving; the server runs rotated middle weights):",
@@ -242,21 +265,24 @@ def results(r: dict) -> str:
         "Secret low-rank perturbation of the client's layers (fitted map: least squares from known plaintext):",
         lowrank_table(d["lowrank"]),
     ]
-    if r.get("private_head"):
-        p = r.get("private_head_provenance", r["provenance"])
-        x = r["private_head"][0]
-        parts += [
-            "### Private head: the client's first K layers fine-tuned with a secret seed",
-            f"Secret LoRA adapters (rank {x['rank']}) on every matrix of the first K layers, {x['steps']} steps, "
-            f"KL budget {x['kl_budget']:g} nats/token (commit `{p['git_commit'][:10]}`). Cost measured as above, "
-            "against the undefended split at the same K; 'state moved': mean relative distance of the sent "
-            "state from the public one.",
-            private_head_table(r["private_head"]),
-        ]
-    return "\n\n".join(p for p in parts if p)
 
 
-def private_head_table(rows: list[dict]) -> str:
+def _private_first_stage(r: dict) -> list[str]:
+    if not r.get("private_first_stage"):
+        return []
+    p = r.get("private_first_stage_provenance", r["provenance"])
+    x = r["private_first_stage"][0]
+    return [
+        "### Private first stage: the client's first K layers fine-tuned with a secret seed",
+        f"Secret LoRA adapters (rank {x['rank']}) on every matrix of the first K layers, {x['steps']} steps, "
+        f"KL budget {x['kl_budget']:g} nats/token (commit `{p['git_commit'][:10]}`). Cost measured as above, "
+        "against the undefended split at the same K; 'state moved': mean relative distance of the sent "
+        "state from the public one.",
+        private_first_stage_table(r["private_first_stage"]),
+    ]
+
+
+def private_first_stage_table(rows: list[dict]) -> str:
     return _table(
         ["K", "KL budget"] + COST
         + ["state moved", "white-box (public weights)", "MLP (public states)", "MLP (aligned)", "white-box (aligned)",

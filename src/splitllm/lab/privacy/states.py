@@ -2,7 +2,7 @@
 
 `StageStack` runs consecutive `Stage`s as one, each with its own cache, and can hand back the
 residual stream at every cut: one pass over a window yields the state the server would see for
-every head depth K (after layer K) and every tail depth M (before the last M layers).
+every first-stage depth K (after layer K) and every last-stage depth M (before the last M layers).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from splitllm.client.client_model import LocalModel
+from splitllm.client.client_model import ClientModel
 from splitllm.model.kv import KVCache
-from splitllm.model.stage import Stage
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -47,7 +47,7 @@ class StageStack:
         """{cut: (n, d) state after that layer} for one step through every stage."""
         out = {}
         for stage, cache in zip(self.stages, caches):
-            hidden = stage(cache, hidden, positions, vis, keep)
+            hidden = stage(cache, Step(hidden, positions, vis, keep))
             out[stage.end] = hidden
         return out
 
@@ -74,15 +74,15 @@ class PublicModel:
         cuts = sorted(set(cuts) | {n})
         if cuts[0] < 1:
             raise ValueError("cuts must lie in [1, num_layers]")
-        # LocalModel reads the embedding, norm and LM head; its one-stage head is our first stage.
-        self.local = LocalModel(files, cuts[0], 0, dtype)
-        stages = [self.local.head] + [Stage.load(files, a, b, dtype) for a, b in zip(cuts, cuts[1:])]
+        # ClientModel reads the embedding, norm and LM head; its first stage is the stack's first.
+        self.client_model = ClientModel(files, cuts[0], 0, dtype)
+        stages = [self.client_model.first] + [Stage.load(files, a, b, dtype) for a, b in zip(cuts, cuts[1:])]
         self.stack = StageStack(stages)
         self.files, self.cfg, self.dtype = files, files.config, dtype
-        self.embed = self.local.input_table()
+        self.embed = self.client_model.input_table()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.local.logits(hidden)
+        return self.client_model.logits(hidden)
 
     @torch.inference_mode()
     def window_states(self, windows: torch.Tensor, cuts: Sequence[int], seed: int = 0) -> WindowStates:

@@ -1,4 +1,4 @@
-"""`splitllm draft train` end to end: data, features, training, validation, a drafter folder with metadata.
+"""`splitllm drafter train` end to end: data, features, training, validation, a drafter folder with metadata.
 
 The expensive intermediate products (the target's answers, the features) are kept in a work folder
 keyed by what produced them, so a rerun with other training settings skips straight to training.
@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -24,6 +25,7 @@ from splitllm.client.stopping import stop_ids
 from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
+from splitllm.drafting.drafter import Drafter
 from splitllm.drafting.store import FINGERPRINT_KEY, WEIGHT_FORMATS, find_shipped, load_drafter, read_metadata, save_drafter
 from splitllm.model.ends import ModelEnds
 from splitllm.weights.sources import ModelFiles, cache_root
@@ -38,7 +40,7 @@ class DataSettings:
     text_length: int = 256
     generate_batch: int = 32
     dtype: str = "bfloat16"  # the target's precision while answering and taking features
-    taps: tuple[int, ...] = ()  # layer counts whose outputs are taken beside the top feature (a fused drafter's)
+    taps: tuple[int, ...] = ()  # layer counts whose outputs are taken beside the top feature (a tapped drafter's)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -164,7 +166,31 @@ def _split(seqs: list[train.Sequence_], share: float, seed: int) -> tuple[list[t
     return [s for i, s in enumerate(seqs) if i not in val], [s for i, s in enumerate(seqs) if i in val]
 
 
-def build_head(
+@dataclass(frozen=True)
+class _Build:
+    """One build's target, settings, work folder (answers and features cached there) and progress bars."""
+
+    files: ModelFiles
+    data_settings: DataSettings
+    train_settings: train.TrainSettings
+    work: Path
+    bar: Bar
+
+
+@dataclass(frozen=True)
+class _Products:
+    """What a build made, as its metadata reports it."""
+
+    conversations: list[instructions.Instruction]
+    feats: dict[str, data.Features]  # by source: each kind of conversation, and "text"
+    splits: dict[str, tuple[list[train.Sequence_], list[train.Sequence_]]]  # by source: training, validation
+    overlap: dict[str, Any]  # by source: what sharing n-grams with the evaluation prompts dropped
+    validation: dict[str, dict]
+    history: dict
+    seconds: dict[str, float]  # by phase
+
+
+def build_drafter(
     model: str | None,
     out: str | Path,
     data_settings: DataSettings = DataSettings(),
@@ -177,111 +203,158 @@ def build_head(
 ) -> dict:
     """Build the data, train a drafter for `model`, validate it and write it to `out`; returns the metadata.
 
-    The head reads the layers `data_settings.taps` names beside the top feature. `init` ("shipped" or a
-    drafter folder): start from that head (its vocabulary and width) rather than from the target's last layer."""
+    The drafter reads the layers `data_settings.taps` names beside the top feature. `init` ("shipped" or a
+    drafter folder): start from that drafter (its vocabulary and width) rather than from the target's last layer."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
     files = ModelFiles(model)
-    init_folder = None if init is None else find_shipped(files.fingerprint) if init == "shipped" else Path(init)
-    if init is not None and init_folder is None:
-        raise ValueError(f"{files.path.name} ships no drafter to start from")
+    init_folder = _init_folder(files, init)
     start = None if init_folder is None else load_drafter(files, init_folder, packed=False)
     work = Path(work) if work else cache_root() / "draft-data" / files.fingerprint[:16]
     (work / "features").mkdir(parents=True, exist_ok=True)  # answers and their features
     tok = data.load_tokenizer(files)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, disable=not show_progress) as progress:
-        bar = Bar(progress)
-        t0 = time.perf_counter()
-        capture = feature_capture(files, tok, data_settings)
-        conversations = instructions.build(data_settings.prompts, follow_up_share=data_settings.follow_ups, seed=data_settings.seed)
-        answers, answer_seconds = answer_conversations(capture, files, tok, conversations, data_settings, work, bar)
-        sources = {kind: [a for a, c in zip(answers, conversations) if c.kind == kind] for kind in instructions.KINDS}
-        sources["text"] = data.text_sequences(tok, data_settings.texts, data_settings.text_length)
-        evaluation = data.evaluation_prompts(tok)
-        overlap = {}
-        for name, seqs in sources.items():
-            sources[name], overlap[name] = data.drop_overlapping(seqs, evaluation)
-        t1 = time.perf_counter()
-        feats = {name: cached_features(capture, files, seqs, data_settings, work, bar, name) for name, seqs in sources.items() if seqs}
-        t2 = time.perf_counter()
-        local = ModelEnds(files)
-        target = train.Target(local)
-        splits = {
-            name: _split(train.prepare(f), train_settings.validation_share, train_settings.seed)
-            for name, f in feats.items()
-        }
-        splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name, (tr, val) in splits.items()}
-        train_seqs = [s for tr, _ in splits.values() for s in tr]
-        vocab = train.draft_vocabulary(train_seqs, train_settings.vocab, files.config.vocab_size)
-        head = train.new_head(local, vocab, train_settings.intermediate, data_settings.taps, start)
-        total = train_settings.epochs * sum(int(s.ids.numel()) for s in train_seqs)
-        with bar.phase("training", total) as advance:
-            started = [] if start is None else [_digest(start.state_dict()["fc.weight"][:8].tolist())]  # which head it continues
-            checkpoint = work / f"training-{_digest([files.fingerprint, asdict(data_settings), asdict(train_settings), *started])}.pt"
-            history = train.train(head, target, train_seqs, train_settings, advance, checkpoint)
-        t3 = time.perf_counter()
-        validation = {
-            name: asdict(train.validate(head, target, val, train_settings.validation_depth))
-            for name, (_, val) in splits.items()
-            if val
-        }
-        t4 = time.perf_counter()
-    cfg = files.config
-    meta = {
+        build = _Build(files, data_settings, train_settings, work, Bar(progress))
+        drafter, products = _phases(build, tok, start)
+    save_drafter(drafter, out, _metadata(build, products, init_folder, command), weights)
+    return json.loads((Path(out) / "drafter.json").read_text())
+
+
+def _init_folder(files: ModelFiles, init: str | None) -> Path | None:
+    """The drafter folder `init` names ("shipped": the one the package ships for the model), if any."""
+    if init is None:
+        return None
+    folder = find_shipped(files.fingerprint) if init == "shipped" else Path(init)
+    if folder is None:
+        raise ValueError(f"{files.path.name} ships no drafter to start from")
+    return folder
+
+
+def _phases(build: _Build, tok, start: Drafter | None) -> tuple[Drafter, _Products]:
+    """Every phase, timed: the data and its features (cached), then the drafter trained and validated."""
+    t0 = time.perf_counter()
+    capture = feature_capture(build.files, tok, build.data_settings)
+    conversations, answer_seconds, sources, overlap = _sources(build, capture, tok)
+    t1 = time.perf_counter()
+    feats = {
+        name: cached_features(capture, build.files, seqs, build.data_settings, build.work, build.bar, name)
+        for name, seqs in sources.items()
+        if seqs
+    }
+    t2 = time.perf_counter()
+    ends = ModelEnds(build.files)
+    target = train.Target(ends)
+    ts = build.train_settings
+    splits = {name: _split(train.prepare(f), ts.validation_share, ts.seed) for name, f in feats.items()}
+    splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name, (tr, val) in splits.items()}
+    drafter, history = _train(build, ends, target, [s for tr, _ in splits.values() for s in tr], start)
+    t3 = time.perf_counter()
+    validation = {
+        name: asdict(train.validate(drafter, target, val, ts.validation_depth)) for name, (_, val) in splits.items() if val
+    }
+    t4 = time.perf_counter()
+    seconds = {
+        "answering": round(answer_seconds, 1),  # when the work folder's answers were generated
+        "data": round(t1 - t0, 1),
+        "features": round(t2 - t1, 1),
+        "training": round(t3 - t2, 1),
+        "validation": round(t4 - t3, 1),
+    }
+    return drafter, _Products(conversations, feats, splits, overlap, validation, history, seconds)
+
+
+def _sources(
+    build: _Build, capture: Callable[[], FeatureCapture], tok
+) -> tuple[list[instructions.Instruction], float, dict[str, list[list[int]]], dict[str, Any]]:
+    """The conversations, the seconds their answers took, the training sequences by source (the answers
+    by kind of conversation, and passages of text), and what sharing n-grams with the evaluation
+    prompts dropped from each."""
+    s = build.data_settings
+    conversations = instructions.build(s.prompts, follow_up_share=s.follow_ups, seed=s.seed)
+    answers, answer_seconds = answer_conversations(capture, build.files, tok, conversations, s, build.work, build.bar)
+    sources = {kind: [a for a, c in zip(answers, conversations) if c.kind == kind] for kind in instructions.KINDS}
+    sources["text"] = data.text_sequences(tok, s.texts, s.text_length)
+    evaluation = data.evaluation_prompts(tok)
+    overlap = {}
+    for name, seqs in sources.items():
+        sources[name], overlap[name] = data.drop_overlapping(seqs, evaluation)
+    return conversations, answer_seconds, sources, overlap
+
+
+def _train(
+    build: _Build, ends: ModelEnds, target: train.Target, train_seqs: list[train.Sequence_], start: Drafter | None
+) -> tuple[Drafter, dict]:
+    """A new drafter (or `start`, continued) trained on `train_seqs`, checkpointed in the work folder."""
+    ts = build.train_settings
+    vocab = train.draft_vocabulary(train_seqs, ts.vocab, build.files.config.vocab_size)
+    drafter = train.new_drafter(ends, vocab, ts.intermediate, build.data_settings.taps, start)
+    total = ts.epochs * sum(int(s.ids.numel()) for s in train_seqs)
+    with build.bar.phase("training", total) as advance:
+        started = [] if start is None else [_digest(start.state_dict()["fc.weight"][:8].tolist())]  # which drafter it continues
+        key = _digest([build.files.fingerprint, asdict(build.data_settings), asdict(ts), *started])
+        history = train.train(drafter, target, train_seqs, ts, advance, build.work / f"training-{key}.pt")
+    return drafter, history
+
+
+def _metadata(build: _Build, products: _Products, init_folder: Path | None, command: Sequence[str] | None) -> dict:
+    """drafter.json: what the drafter is, what it learned from, how it validated, how to build it again."""
+    files = build.files
+    return {
         FINGERPRINT_KEY: files.fingerprint,
         "model": files.path.name,
-        "architecture": {
-            "kind": "EAGLE-style: fc([feature, next embedding]) + one decoder layer of the target's shape"
-            + (", the feature fused from the tapped layers' outputs and the top one (EAGLE-3)" if data_settings.taps else ""),
-            "target_model_type": cfg.model_type,
-            "hidden_size": cfg.hidden_size,
-            "num_heads": cfg.num_heads,
-            "num_kv_heads": cfg.num_kv_heads,
-            "feature": "output of the target's last decoder layer, before the final norm",
-            "taps": "outputs of these layer counts, fused with the feature at committed positions: the split "
-            "client's head and the middle's return for the split they match" if data_settings.taps else None,
-            "logits": "client's final norm and LM head rows of the draft vocabulary",
-        },
-        "training_data": {
-            "description": (
-                f"the target's own greedy answers (unsplit model in {data_settings.dtype}, batched, features taken "
-                f"in the same pass) to conversations built offline from {len(instructions.TRAINING.subjects)} "
-                f"subjects, {len(instructions.TRAINING.tasks)} programming tasks in {len(instructions.LANGUAGES)} "
-                f"languages, {len(instructions.TRAINING.activities)} everyday activities and "
-                f"{len(instructions.TRAINING.concepts)} programming concepts through template families (explanation, "
-                "advice, facts, comparison, creative writing, role play, arithmetic reasoning, rewriting, extraction "
-                "and quizzes over library passages, letters, planning; implementing, explaining, reviewing and "
-                "testing code, shell, SQL, data formats), a share with a follow-up user turn answered in context; "
-                "plus chat-templated passages of "
-                f"{data.corpus.SOURCE} from the privacy corpus' training documents only ({data.corpus.LICENCE}); "
-                "labels are the target's own features and next-token distributions"
-            ),
-            **asdict(data_settings),
-            "conversations": instructions.describe(conversations),
-            "sequences": {name: len(f.ids) for name, f in feats.items()},
-            "tokens": {name: f.tokens for name, f in feats.items()},
-            "validation_sequences": {name: len(val) for name, (_, val) in splits.items()},
-        },
+        "architecture": _architecture(files, build.data_settings.taps),
+        "training_data": _training_data(build.data_settings, products),
         "evaluation_overlap": {
             "check": f"every training sequence against every evaluation prompt by shared {data.EVAL_NGRAM}-grams "
             "of tokens; sequences sharing one are dropped",
-            **overlap,
+            **products.overlap,
         },
-        "validation": validation,
-        "training": history,
+        "validation": products.validation,
+        "training": products.history,
         "continued_from": None if init_folder is None else read_metadata(init_folder).get("reproduce"),
-        "seconds": {
-            "answering": round(answer_seconds, 1),  # when the work folder's answers were generated
-            "data": round(t1 - t0, 1),
-            "features": round(t2 - t1, 1),
-            "training": round(t3 - t2, 1),
-            "validation": round(t4 - t3, 1),
-        },
+        "seconds": products.seconds,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "reproduce": shlex.join(command) if command else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    save_drafter(head, out, meta, weights)
-    return json.loads((Path(out) / "drafter.json").read_text())
+
+
+def _architecture(files: ModelFiles, taps: tuple[int, ...]) -> dict[str, Any]:
+    cfg = files.config
+    return {
+        "kind": "EAGLE-style: fc([feature, next embedding]) + one decoder layer of the target's shape"
+        + (", the feature fused from the tapped layers' outputs and the top one (EAGLE-3)" if taps else ""),
+        "target_model_type": cfg.model_type,
+        "hidden_size": cfg.hidden_size,
+        "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads,
+        "feature": "output of the target's last decoder layer, before the final norm",
+        "taps": "outputs of these layer counts, fused with the feature at committed positions: the split "
+        "client's first-stage output and the middle's return for the split they match" if taps else None,
+        "logits": "client's final norm and LM head rows of the draft vocabulary",
+    }
+
+
+def _training_data(data_settings: DataSettings, products: _Products) -> dict[str, Any]:
+    return {
+        "description": (
+            f"the target's own greedy answers (unsplit model in {data_settings.dtype}, batched, features taken "
+            f"in the same pass) to conversations built offline from {len(instructions.TRAINING.subjects)} "
+            f"subjects, {len(instructions.TRAINING.tasks)} programming tasks in {len(instructions.LANGUAGES)} "
+            f"languages, {len(instructions.TRAINING.activities)} everyday activities and "
+            f"{len(instructions.TRAINING.concepts)} programming concepts through template families (explanation, "
+            "advice, facts, comparison, creative writing, role play, arithmetic reasoning, rewriting, extraction "
+            "and quizzes over library passages, letters, planning; implementing, explaining, reviewing and "
+            "testing code, shell, SQL, data formats), a share with a follow-up user turn answered in context; "
+            "plus chat-templated passages of "
+            f"{data.corpus.SOURCE} from the privacy corpus' training documents only ({data.corpus.LICENCE}); "
+            "labels are the target's own features and next-token distributions"
+        ),
+        **asdict(data_settings),
+        "conversations": instructions.describe(products.conversations),
+        "sequences": {name: len(f.ids) for name, f in products.feats.items()},
+        "tokens": {name: f.tokens for name, f in products.feats.items()},
+        "validation_sequences": {name: len(val) for name, (_, val) in products.splits.items()},
+    }

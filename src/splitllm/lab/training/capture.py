@@ -3,7 +3,7 @@
 Generation runs splitllm's own decoder over every layer, many sequences per step (`Stage.forward_many`:
 the rows of all sequences share each weight read, each attends to its own cache), greedy, and keeps the
 output of the last layer before the final norm for every position it feeds: the feature the split
-client's tail hands its drafter, computed by the same kernels. A second pass over the answers would cost
+client's last stage hands its drafter, computed by the same kernels. A second pass over the answers would cost
 as much again as answering them. Text that is not generated (library passages) goes through the same
 stack in batched forwards.
 
@@ -12,14 +12,13 @@ step of 64 rows costs little more than one. Labels stay the target's own distrib
 these features by the client's final norm and LM head (`train.Target`).
 
 With `taps` (layer counts, such as the split's 2 and N - 2), the outputs of those layers come beside
-the top feature, each row [tap outputs..., top feature]: what a fused drafter reads (`draft.model`).
+the top feature, each row [tap outputs..., top feature]: what a tapped drafter reads (`drafting.drafter`).
 The stack then runs as consecutive stages cut at the taps, the way the split client and server run it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -27,7 +26,7 @@ from splitllm.drafting.drafter import check_taps
 from splitllm.model.kv import KVCache
 from splitllm.model.ends import ModelEnds
 from splitllm.model.precision import Precision
-from splitllm.model.stage import Stage, StepInput
+from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -45,7 +44,7 @@ class FeatureCapture:
         n = files.config.num_layers
         taps = check_taps(taps, n)
         precision = Precision.of(dtype)
-        self.local = ModelEnds(files, precision)
+        self.ends = ModelEnds(files, precision)
         cuts = [0, *taps, n]
         self.stages = [Stage.load(files, a, b, precision) for a, b in zip(cuts, cuts[1:])]
         self.eos = frozenset(stop)
@@ -53,13 +52,13 @@ class FeatureCapture:
     def _new_caches(self, width: int) -> list[KVCache]:
         return [stage.new_cache(width) for stage in self.stages]
 
-    def _run(self, steps: Sequence[tuple[list[KVCache], StepInput]]) -> list[torch.Tensor]:
-        """One step of several sequences through every stage, each sequence with one cache per stage (its
-        step names the first stage's); per sequence, [tap outputs..., top feature] along the last dim."""
+    def _run(self, steps: Sequence[tuple[list[KVCache], Step]]) -> list[torch.Tensor]:
+        """One step of several sequences through every stage, each sequence with one cache per stage; per
+        sequence, [tap outputs..., top feature] along the last dim."""
         outs: list[list[torch.Tensor]] = [[] for _ in steps]
-        hidden = [s.hidden for _, s in steps]
+        hidden = [s.inputs for _, s in steps]
         for k, stage in enumerate(self.stages):
-            hidden = stage.forward_many([replace(s, cache=caches[k], hidden=h) for (caches, s), h in zip(steps, hidden)])
+            hidden = stage.forward_many([(caches[k], s.with_inputs(h)) for (caches, s), h in zip(steps, hidden)])
             for out, h in zip(outs, hidden):
                 out.append(h)
         return [torch.cat(out, dim=-1) for out in outs]
@@ -74,8 +73,8 @@ class FeatureCapture:
         out: list[torch.Tensor] = []
         for group in groups:
             out += self._run([
-                (caches[j], StepInput(caches[j][0], self.local.embed(torch.tensor(sequences[j])), torch.arange(len(sequences[j])),
-                                      Visibility.chain(len(sequences[j])), []))
+                (caches[j], Step(self.ends.embed(torch.tensor(sequences[j])), torch.arange(len(sequences[j])),
+                                 Visibility.chain(len(sequences[j]))))
                 for j in group
             ])
         return out
@@ -85,7 +84,7 @@ class FeatureCapture:
         """Per prompt: prompt + greedy answer ids (through the first end-of-turn token, or max_new_tokens)
         and the features (len(ids), d times 1 + taps) of every position, the last token's included."""
         width = max(map(len, prompts)) + max_new_tokens
-        d = self.local.cfg.hidden_size
+        d = self.ends.cfg.hidden_size
         caches = [self._new_caches(width) for _ in prompts]
         feats = [[f] for f in self._prefill(caches, prompts)]
         ids = [list(p) for p in prompts]
@@ -93,12 +92,12 @@ class FeatureCapture:
         for _ in range(max_new_tokens):
             if not live:
                 break
-            tokens = self.local.logits(torch.stack([feats[i][-1][-1, -d:] for i in live])).argmax(-1).tolist()
+            tokens = self.ends.logits(torch.stack([feats[i][-1][-1, -d:] for i in live])).argmax(-1).tolist()
             steps = []
             for i, t in zip(live, tokens):
                 ids[i].append(t)
-                steps.append((caches[i], StepInput(caches[i][0], self.local.embed(torch.tensor([t])), torch.tensor([len(ids[i]) - 1]),
-                                                   Visibility.chain(1), list(range(caches[i][0].pending)))))
+                steps.append((caches[i], Step(self.ends.embed(torch.tensor([t])), torch.tensor([len(ids[i]) - 1]),
+                                              Visibility.chain(1), range(caches[i][0].pending))))
             for i, out in zip(live, self._run(steps)):
                 feats[i].append(out)
             live = [i for i in live if ids[i][-1] not in self.eos]

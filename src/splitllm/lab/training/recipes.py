@@ -1,4 +1,4 @@
-"""What `splitllm draft train` runs for a model unless told otherwise.
+"""What `splitllm drafter train` runs for a model unless told otherwise.
 
 A model's recipe is sized to finish from nothing (an empty work folder) within about an hour on a
 2-core CPU with two threads: answering and training time grow with the model, so the larger model
@@ -28,7 +28,7 @@ class Recipe:
         return replace(self, **{k: v for k, v in options.items() if v is not None})
 
     def continuing(self) -> Recipe:
-        """The recipe for a head continued from a trained one: that head's width, so none of its own."""
+        """The recipe for a drafter continued from a trained one: that drafter's width, so none of its own."""
         return replace(self, intermediate=None)
 
     def as_options(self, keys: Iterable[str]) -> list[str]:

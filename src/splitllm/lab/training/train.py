@@ -7,12 +7,12 @@ entries of positions <= t-k plus the one guess per deeper pass on its own chain 
 as in HASS/EAGLE-3). Every pass is scored against the real f_{t+1} (smooth-L1) and the target's
 next-token distribution restricted to the draft vocabulary (cross-entropy). The drafter's decoder layer
 starts as a copy of the target's last layer, and `fc` as the identity on the feature half; or, with
-`init`, as another drafter (a fused head then starts as that head: its `fuse` adds nothing yet).
-A fused drafter's pass 0 fuses each real feature with the tapped layers' outputs at its position.
+`init`, as another drafter (a tapped drafter then starts as that drafter: its `fuse` adds nothing yet).
+A tapped drafter's pass 0 fuses each real feature with the tapped layers' outputs at its position.
 
 Validation on held-out sequences measures greedy acceptance per depth: the share of chains where the
 depth-k draft equals the target's greedy token, given the first k-1 were accepted; and at depth 1, how
-often that token is among the head's top k (what a wider tree can find) or outside its vocabulary.
+often that token is among the drafter's top k (what a wider tree can find) or outside its vocabulary.
 """
 
 from __future__ import annotations
@@ -71,25 +71,25 @@ class Sequence_:
 
     ids: torch.Tensor  # (T,)
     feats: torch.Tensor  # (T, d) top-layer features
-    taps: torch.Tensor | None = None  # (T, taps * d) the tapped layers' outputs (float16), for a fused drafter
+    taps: torch.Tensor | None = None  # (T, taps * d) the tapped layers' outputs (float16), for a tapped drafter
     greedy: torch.Tensor | None = None  # (T,) target's greedy token after each position (validation only)
 
 
 class Target:
     """The client's own pieces the drafter is trained against: embedding, final norm, LM head."""
 
-    def __init__(self, local: ModelEnds) -> None:
-        self.embed = local.input_table()  # scaled as layer 0 sees it, for families that scale it
-        self.norm = local.norm
-        self.lm_head = local.lm_head.weight
-        self.eps = local.cfg.rms_norm_eps
-        self.softcap = local.cfg.final_logit_softcap
+    def __init__(self, ends: ModelEnds) -> None:
+        self.embed = ends.input_table()  # scaled as layer 0 sees it, for families that scale it
+        self.norm = ends.norm
+        self.lm_head = ends.lm_head.weight
+        self.eps = ends.cfg.rms_norm_eps
+        self.softcap = ends.cfg.final_logit_softcap
 
     @torch.no_grad()
     def greedy(self, feats: torch.Tensor, chunk: int = 512) -> torch.Tensor:
         return torch.cat([(rms_norm(f, self.norm, self.eps) @ self.lm_head.T).argmax(-1) for f in feats.split(chunk)])
 
-    def draft_logits(self, feats: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def drafter_vocab_logits(self, feats: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (`rows` = the LM head's rows for it), soft-capped as the target's."""
         logits = rms_norm(feats, self.norm, self.eps) @ rows.T
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
@@ -119,7 +119,7 @@ def _visibility(n: int, k: int) -> torch.Tensor:
 
 
 def unrolled(
-    head: Drafter, target: Target, batch: Sequence[Sequence_], passes: int, greedy: bool = False
+    drafter: Drafter, target: Target, batch: Sequence[Sequence_], passes: int, greedy: bool = False
 ) -> list[torch.Tensor]:
     """Predicted features of every pass, rows of all sequences stacked: [(rows, d)] * passes.
 
@@ -127,11 +127,11 @@ def unrolled(
     Deeper passes take the token x_{t+1} of the data (teacher forcing: the answers are the target's own
     greedy choices), or with `greedy` the target's greedy token, as greedy drafting meets it.
     """
-    layer, rotary = head.stage.layers[0], head.stage.rotaries[0]
-    cfg = head.cfg
+    layer, rotary = drafter.stage.layers[0], drafter.stage.rotaries[0]
+    cfg = drafter.cfg
     lens = [int(s.ids.numel()) - 1 for s in batch]
     feats_in = torch.cat([s.feats[:-1] for s in batch])
-    taps_in = _taps(head, batch)
+    taps_in = _taps(drafter, batch)
     tokens = torch.cat([s.ids[1:] for s in batch])
     deep_tokens = torch.cat([s.greedy[:-1] for s in batch]) if greedy else tokens
     rope = [rotary(torch.arange(n), torch.float32) for n in lens]
@@ -144,9 +144,9 @@ def unrolled(
         if k:
             prev = outs[-1]
             shifted = torch.cat([torch.cat([f[:1], p[:-1]]) for f, p in zip(feats_in.split(lens), prev.split(lens))])
-            x = head.combine(shifted, target.embed[deep_tokens])
+            x = drafter.combine(shifted, target.embed[deep_tokens])
         else:
-            x = head.combine(feats_in, target.embed[tokens], taps_in)
+            x = drafter.combine(feats_in, target.embed[tokens], taps_in)
         segments, bufs, row = [], [], 0
         for n, (cos, sin), (kc, vc) in zip(lens, rope, kv):
             pad = torch.zeros(1, cfg.num_kv_heads, n, cfg.head_dim)
@@ -158,12 +158,12 @@ def unrolled(
     return outs
 
 
-def _taps(head: Drafter, batch: Sequence[Sequence_]) -> torch.Tensor | None:
-    """The tapped outputs of every row that has a next token, for a fused head; None for another."""
-    if not head.taps:
+def _taps(drafter: Drafter, batch: Sequence[Sequence_]) -> torch.Tensor | None:
+    """The tapped outputs of every row that has a next token, for a tapped drafter; None for another."""
+    if not drafter.taps:
         return None
     if any(s.taps is None for s in batch):
-        raise ValueError(f"a drafter fusing the outputs of layers {list(head.taps)} needs them in its data")
+        raise ValueError(f"a drafter fusing the outputs of layers {list(drafter.taps)} needs them in its data")
     return torch.cat([s.taps[:-1].float() for s in batch])
 
 
@@ -171,7 +171,7 @@ def _labels(batch: Sequence[Sequence_], target: Target, rows: torch.Tensor) -> t
     """Per row t: the real f_{t+1} and the target's draft-vocabulary distribution of x_{t+2}."""
     feats = torch.cat([s.feats[1:] for s in batch])
     with torch.no_grad():
-        probs = F.softmax(target.draft_logits(feats, rows), dim=-1)
+        probs = F.softmax(target.drafter_vocab_logits(feats, rows), dim=-1)
     return feats, probs
 
 
@@ -203,28 +203,28 @@ def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
     return out
 
 
-def new_head(
-    local: ModelEnds, vocab: Sequence[int], intermediate: int | None = None, taps: Sequence[int] = (), init: Drafter | None = None
+def new_drafter(
+    ends: ModelEnds, vocab: Sequence[int], intermediate: int | None = None, taps: Sequence[int] = (), init: Drafter | None = None
 ) -> Drafter:
-    """A head whose layer starts as the target's last layer and whose fc passes the feature through;
+    """A drafter whose layer starts as the target's last layer and whose fc passes the feature through;
     with `init` (an unpacked drafter), a copy of that one instead (its vocabulary and width), continued.
-    A fused head's `fuse` starts at zero, so it starts as the plain one.
+    A tapped drafter's `fuse` starts at zero, so it starts as the plain one.
 
     A narrower MLP (`intermediate` below the target's) keeps the last layer's channels that carry the most,
     by the product of their up and down weights' norms: at 1.5B a full layer (52 M parameters) would not
-    fit the package, and costs as much to draft with as a tenth of the client's head. A wider one adds
+    fit the package, and costs as much to draft with as a tenth of the client's share of the model. A wider one adds
     channels with random gate and up rows and zero down columns, so it starts as the last layer too."""
-    cfg = local.cfg
+    cfg = ends.cfg
     if init is not None:
         if init.taps:
-            raise ValueError("a drafter continues from a plain head (one without taps)")
-        head = Drafter(init.cfg, init.vocab, taps=taps)
-        head.load_state_dict(init.state_dict(), strict=False)
-        return _trainable(head)
+            raise ValueError("a drafter continues from a plain one (one without taps)")
+        drafter = Drafter(init.cfg, init.vocab, taps=taps)
+        drafter.load_state_dict(init.state_dict(), strict=False)
+        return _trainable(drafter)
     width = intermediate or cfg.intermediate_size
-    head = Drafter(drafter_config(cfg, width), vocab, taps=taps)
+    drafter = Drafter(drafter_config(cfg, width), vocab, taps=taps)
     last = cfg.num_layers - 1
-    weights = Stage.load(local.files, last, last + 1, torch.float32).state_dict()
+    weights = Stage.load(ends.files, last, last + 1, torch.float32).state_dict()
     gate, up = weights["layers.0.gate_up.weight"].chunk(2)
     down = weights["layers.0.down.weight"]
     if width < cfg.intermediate_size:
@@ -238,24 +238,24 @@ def new_head(
         down = torch.cat([down, down.new_zeros(down.shape[0], added)], dim=1)
     weights["layers.0.gate_up.weight"] = torch.cat([gate, up])
     weights["layers.0.down.weight"] = down.contiguous()
-    head.stage.load_state_dict(weights)
+    drafter.stage.load_state_dict(weights)
     d = cfg.hidden_size
     with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, :d] = torch.eye(d)
-        head.fc.weight[:, d:].normal_(0, 0.02)
-        head.fc.bias.zero_()
-    return _trainable(head)
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, :d] = torch.eye(d)
+        drafter.fc.weight[:, d:].normal_(0, 0.02)
+        drafter.fc.bias.zero_()
+    return _trainable(drafter)
 
 
-def _trainable(head: Drafter) -> Drafter:
+def _trainable(drafter: Drafter) -> Drafter:
     """`fuse` (if any) at zero, adding nothing to the top feature yet; every parameter trainable."""
-    if head.fuse is not None:
+    if drafter.fuse is not None:
         with torch.no_grad():
-            head.fuse.weight.zero_()
-    for p in head.parameters():
+            drafter.fuse.weight.zero_()
+    for p in drafter.parameters():
         p.requires_grad_(True)
-    return head
+    return drafter
 
 
 RANKS = (1, 2, 4, 6, 8, 10)  # the top-k shares validation reports at depth 1: what a tree's width can find
@@ -267,22 +267,22 @@ class Validation:
     reached: list[int]  # chains that reached each depth
     mean_accepted: float  # expected accepted draft tokens per chain (greedy, one chain)
     positions: int
-    in_top: dict[int, float]  # per k of RANKS: share of positions whose depth-1 target token is among the head's top k
+    in_top: dict[int, float]  # per k of RANKS: share of positions whose depth-1 target token is among the drafter's top k
     outside_vocab: float  # share of positions whose depth-1 target token the draft vocabulary lacks
 
 
 @torch.no_grad()
-def validate(head: Drafter, target: Target, data: Sequence[Sequence_], depth: int, tokens: int = 2048) -> Validation:
-    vocab_index = _vocab_index(head, target)
-    rows = target.lm_head[head.vocab]
+def validate(drafter: Drafter, target: Target, data: Sequence[Sequence_], depth: int, tokens: int = 2048) -> Validation:
+    vocab_index = _vocab_index(drafter, target)
+    rows = target.lm_head[drafter.vocab]
     reached = [0] * (depth + 1)
     total_accepted = 0
     in_top = dict.fromkeys(RANKS, 0)
     outside = rows_seen = 0
     for batch in batches(data, tokens, random.Random(0)):
-        outs = unrolled(head, target, batch, depth, greedy=True)
+        outs = unrolled(drafter, target, batch, depth, greedy=True)
         greedy = vocab_index[torch.cat([s.greedy[1:] for s in batch])]  # -1: outside the draft vocabulary
-        logits = [target.draft_logits(o, rows) for o in outs]
+        logits = [target.drafter_vocab_logits(o, rows) for o in outs]
         ranked = logits[0].topk(min(max(RANKS), rows.shape[0]), -1).indices == greedy[:, None]
         for k in RANKS:
             in_top[k] += int(ranked[:, :k].any(-1).sum())
@@ -314,9 +314,9 @@ def feature_rms(data: Sequence[Sequence_]) -> float:
     return math.sqrt(total / max(sum(s.feats.numel() for s in data), 1))
 
 
-def _vocab_index(head: Drafter, target: Target) -> torch.Tensor:
+def _vocab_index(drafter: Drafter, target: Target) -> torch.Tensor:
     index = torch.full((target.lm_head.shape[0],), -1, dtype=torch.long)
-    index[head.vocab] = torch.arange(head.vocab.numel())
+    index[drafter.vocab] = torch.arange(drafter.vocab.numel())
     return index
 
 
@@ -329,14 +329,60 @@ def _loss(
     for k, pred in enumerate(outs):
         ok = _valid_rows(batch, k)
         feat_loss = F.smooth_l1_loss(pred[ok].float() / scale, feats[ok] / scale)
-        logp = F.log_softmax(target.draft_logits(pred[ok], rows), dim=-1)
+        logp = F.log_softmax(target.drafter_vocab_logits(pred[ok], rows), dim=-1)
         token_loss = -(probs[ok] * logp).sum(-1).mean()
         loss = loss + settings.pass_decay**k * (settings.feature_weight * feat_loss + settings.token_weight * token_loss)
     return loss
 
 
+@dataclass(frozen=True)
+class _Checkpoint:
+    """Where training saves its state after every epoch (None: nowhere), and what a saved state must
+    match for a run to resume from it."""
+
+    path: Path | None
+    identity: list
+
+    def resume(
+        self, drafter: Drafter, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler
+    ) -> tuple[list[float], int]:
+        """The loss history and the epochs done of a saved run that matches, its state loaded; else none."""
+        if self.path is None or not self.path.is_file():
+            return [], 0
+        saved = torch.load(self.path, weights_only=False)
+        if saved["identity"] != self.identity:
+            return [], 0
+        drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        return saved["history"], saved["epochs"]
+
+    def save(
+        self, drafter: Drafter, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+        history: list[float], epochs: int,
+    ) -> None:
+        if self.path is None:
+            return
+        state = {"identity": self.identity, "drafter": drafter.state_dict(), "opt": opt.state_dict(),
+                 "sched": sched.state_dict(), "history": history, "epochs": epochs}
+        torch.save(state, self.path.with_suffix(".tmp"))
+        self.path.with_suffix(".tmp").replace(self.path)
+
+
+def _optimizer(
+    params: list[torch.nn.Parameter], lr: float, steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW with a linear warmup over the first 5% of `steps`, then a cosine decay to zero."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min((i + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(i / steps, 1.0))))
+    )
+    return opt, sched
+
+
 def train(
-    head: Drafter,
+    drafter: Drafter,
     target: Target,
     data: Sequence[Sequence_],
     settings: TrainSettings,
@@ -345,40 +391,29 @@ def train(
 ) -> dict:
     """Train in place; returns the loss history. `progress(tokens, loss)` after every step.
 
-    With `checkpoint`, the head, the optimizer and the history are saved there after every epoch, and a
+    With `checkpoint`, the drafter, the optimizer and the history are saved there after every epoch, and a
     run with the same settings and data resumes after the last saved epoch (the batches of every epoch are
     drawn up front from the seed, so a resumed run takes the same steps)."""
     rng = random.Random(settings.seed)
     torch.manual_seed(settings.seed)
-    rows = target.lm_head[head.vocab]
+    rows = target.lm_head[drafter.vocab]
     scale = feature_rms(data) if settings.scale_features else 1.0
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    params = [p for p in drafter.parameters() if p.requires_grad]
     plan = [batches(data, settings.batch_tokens, rng) for _ in range(settings.epochs)]
     steps = sum(map(len, plan))
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min((i + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(i / steps, 1.0))))
-    )
-    history: list[float] = []
-    identity = [asdict(settings), sum(int(s.ids.numel()) for s in data), len(data), head.vocab.tolist()[:64]]
-    start = 0
-    if checkpoint is not None and checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
-        if saved["identity"] == identity:
-            head.load_state_dict(saved["head"])
-            opt.load_state_dict(saved["opt"])
-            sched.load_state_dict(saved["sched"])
-            history, start = saved["history"], saved["epochs"]
-            if progress:
-                progress(start * sum(int(s.ids.numel()) for s in data), history[-1] if history else None)
-    head.train()
+    opt, sched = _optimizer(params, settings.lr, steps)
+    tokens = sum(int(s.ids.numel()) for s in data)
+    saves = _Checkpoint(checkpoint, [asdict(settings), tokens, len(data), drafter.vocab.tolist()[:64]])
+    history, start = saves.resume(drafter, opt, sched)
+    if start and progress:
+        progress(start * tokens, history[-1] if history else None)
+    drafter.train()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bfloat16)
     for e in range(start, settings.epochs):
         for batch in plan[e]:
             feats, probs = _labels(batch, target, rows)
             with autocast:
-                loss = _loss(unrolled(head, target, batch, settings.passes), batch, feats, probs, target, rows, scale, settings)
+                loss = _loss(unrolled(drafter, target, batch, settings.passes), batch, feats, probs, target, rows, scale, settings)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -387,13 +422,9 @@ def train(
             history.append(loss.item())
             if progress:
                 progress(sum(int(s.ids.numel()) for s in batch), history[-1])
-        if checkpoint is not None:
-            state = {"identity": identity, "head": head.state_dict(), "opt": opt.state_dict(),
-                     "sched": sched.state_dict(), "history": history, "epochs": e + 1}
-            torch.save(state, checkpoint.with_suffix(".tmp"))
-            checkpoint.with_suffix(".tmp").replace(checkpoint)
-    head.eval()
-    for p in head.parameters():
+        saves.save(drafter, opt, sched, history, e + 1)
+    drafter.eval()
+    for p in drafter.parameters():
         p.requires_grad_(False)
     return {"steps": steps, "first_loss": history[0] if history else None, "last_loss": history[-1] if history else None,
             "settings": asdict(settings)}

@@ -20,9 +20,10 @@ what the truth would pass but for a 1e-4 chance) and leads the runner-up by `MAR
 cap: without noise the true token ends the search at once, as in the white-box search; under
 heavy noise, where a wrong candidate fits too, the search runs to the cap and the scores decide.
 Candidates that fail the fit are dropped from the beam while any candidate passes it. Each
-hypothesis holds the public model's caches over its prefix (the head's layers give the candidates'
-states, the rest the prior), so a chunk costs one batched step of every searching hypothesis's
-candidates through the head, and a position one token per surviving hypothesis through the model.
+hypothesis holds the public model's caches over its prefix (the first stage's layers give the
+candidates' states, the rest the prior), so a chunk costs one batched step of every searching
+hypothesis's candidates through the first stage, and a position one token per surviving hypothesis
+through the model.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from splitllm.model.kv import KVCache
-from splitllm.model.stage import Stage, StepInput
+from splitllm.model.stage import Stage, Step
 from splitllm.lab.privacy.attacks.whitebox import fuse_rankings, geometric_chunks, roots
 from splitllm.lab.privacy.defenses import GaussianNoise
 from splitllm.lab.privacy.states import PublicModel
@@ -98,12 +99,7 @@ def _step(
     """One batched step at position t of several sequences (each: tokens that see only its committed
     prefix and themselves) through consecutive stages; their entries are left pending."""
     for i, stage in enumerate(stages):
-        hidden = stage.forward_many(
-            [
-                StepInput(c[i], h, torch.full((len(h),), t), roots(len(h)), [])
-                for c, h in zip(caches, hidden)
-            ]
-        )
+        hidden = stage.forward_many([(c[i], Step(h, torch.full((len(h),), t), roots(len(h)))) for c, h in zip(caches, hidden)])
     return hidden
 
 
@@ -133,7 +129,7 @@ def _decided(tried: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bo
 
 
 def _search(
-    head: Sequence[Stage],
+    first: Sequence[Stage],
     embed: torch.Tensor,
     beams: list[_Hypothesis],
     orders: list[torch.Tensor],
@@ -148,12 +144,12 @@ def _search(
     searching = list(range(len(beams)))
     while searching:
         ids = [next(chunks[i]) for i in searching]
-        states = _step(head, [beams[i].caches for i in searching], [embed[x] for x in ids], t)
+        states = _step(first, [beams[i].caches for i in searching], [embed[x] for x in ids], t)
         for i, x, s in zip(searching, ids, states):
             tried[i].append((*score(beams[i], x, s), x))
         searching = [i for i in searching if not _decided(tried[i]) and sum(len(x) for *_, x in tried[i]) < len(orders[i])]
     for h in beams:
-        for cache in h.caches[: len(head)]:
+        for cache in h.caches[: len(first)]:
             cache.keep([])  # drop the candidates: the prefix is committed alone again
     rows = [(sc, fits, x, i) for i, per in enumerate(tried) for sc, fits, x in per]
     return (
@@ -167,34 +163,34 @@ def _search(
 @torch.inference_mode()
 def map_beam(
     model: PublicModel,
-    head: int,
+    first: int,
     sent: torch.Tensor,
     noise: GaussianNoise,
     learned: torch.Tensor,
     beam: int = 4,
     prior: bool = True,
     max_candidates: int = 512,
-    first: int = 32,
+    smallest: int = 32,
 ) -> Decoding:
-    """The most likely tokens of one sequence given its (P, d) sent states after layer `head`.
+    """The most likely tokens of one sequence given its (P, d) sent states after layer `first`.
 
     `learned`: (P, V) a learned attacker's scores of each sent state. Each hypothesis tries
-    candidates in the fused order of those scores and its prior, in geometric chunks from `first`,
+    candidates in the fused order of those scores and its prior, in geometric chunks from `smallest`,
     until a clear winner fits the noise model or `max_candidates` were tried; every candidate tried
     is scored.
     `prior=False` scores by the likelihood alone (the prior still orders the candidates).
     """
     t0 = time.perf_counter()
     stages = model.stack.stages
-    n_head = len(model.stack.upto(head).stages)
+    n_first = len(model.stack.upto(first).stages)
     n_pos = sent.shape[0]
-    largest = max(first, max_candidates // 2)
+    largest = max(smallest, max_candidates // 2)
     beams = [_Hypothesis([], 0.0, model.stack.new_caches(n_pos + largest), None)]
     scored = 0
     for t in range(n_pos):
         orders = [_order(h, learned[t])[:max_candidates] for h in beams]
         score = partial(_scored, noise, sent[t], prior=prior)
-        flat, tokens, fits, owner = _search(stages[:n_head], model.embed, beams, orders, score, (first, largest), t)
+        flat, tokens, fits, owner = _search(stages[:n_first], model.embed, beams, orders, score, (smallest, largest), t)
         scored += len(flat)
         # A candidate whose state fails the fit test is dropped while any candidate passes it.
         keep = fits if fits.any() else torch.ones_like(fits)

@@ -14,14 +14,14 @@ from splitllm.model.visibility import Visibility
 
 
 @torch.inference_mode()
-def whitebox_next_tokens(model: PublicModel, tail: StageStack, states: torch.Tensor) -> torch.Tensor:
-    """(n_windows, length) greedy tokens from (n_windows, length, d) states through the public tail."""
+def whitebox_next_tokens(model: PublicModel, last: StageStack, states: torch.Tensor) -> torch.Tensor:
+    """(n_windows, length) greedy tokens from (n_windows, length, d) states through the public last stage."""
     n, length = states.shape[:2]
     positions, vis = torch.arange(length), Visibility.chain(length)
     out = torch.empty(n, length, dtype=torch.long)
     for i in range(n):
         hidden = states[i].to(model.dtype)
-        if tail.stages:
-            hidden = tail.forward(tail.new_caches(length), hidden, positions, vis, [])[tail.cuts[-1]]
+        if last.stages:
+            hidden = last.forward(last.new_caches(length), hidden, positions, vis, [])[last.cuts[-1]]
         out[i] = model.logits(hidden).argmax(-1)
     return out

@@ -7,15 +7,16 @@ from typing import Annotated
 
 import typer
 
-from splitllm.commands.options import reported
+from splitllm.commands.wiring import command, reported
+from splitllm.options import ATTEST_SIM_INIT
 
 app = typer.Typer(no_args_is_help=True, help="Attestation of a confidential server (docs/confidential.md).")
 
 
-@app.command("sim-init")
+@command(app, ATTEST_SIM_INIT)
 def sim_init(
     folder: Annotated[Path, typer.Argument(help="folder to write the simulated vendor, guest and policy.json into")],
-    product: Annotated[str, typer.Option(help="AMD product line the simulation imitates: milan, genoa or turin")] = "milan",
+    product: str,
 ) -> None:
     """Write a SIMULATED SEV-SNP vendor chain, a guest measurement and a policy.json trusting exactly them.
 

@@ -1,8 +1,8 @@
-"""A private head: the client's first K layers fine-tuned with a secret seed, then attacked.
+"""A private first stage: the client's first K layers fine-tuned with a secret seed, then attacked.
 
 The client adds secret low-rank adapters (LoRA, their random start drawn from a secret seed) to every
 matrix of its first K layers and trains them to push the state it sends away from what the public
-layers would send (relative L2 distance, capped), while the public middle and tail still produce the
+layers would send (relative L2 distance, capped), while the public middle and last stage still produce the
 next-token distribution the public model does: the KL from the public model's next-token
 distribution is held under a budget by a multiplier raised whenever the KL exceeds it (dual ascent).
 The server keeps running the public middle layers, so nothing about the secret ships to it.
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from splitllm.client.client_model import LocalModel
-from splitllm.client.pipeline import LocalMiddle
+from splitllm.client.client_model import ClientModel
+from splitllm.client.pipeline import InProcessMiddle
 from splitllm.model.stage import Stage
 from splitllm.lab import heldout
 from splitllm.lab.privacy.attacks.learned import Attacker, recovery, top_k
@@ -36,7 +36,7 @@ from splitllm.lab.privacy.depth_sweep import (
     Context,
     flat,
     fmt,
-    head_states,
+    first_stage_states,
     learned_attacks,
     log,
     whitebox_attack,
@@ -70,10 +70,10 @@ class _LoRA(nn.Module):
         return (self.b @ self.a).detach()
 
 
-def _adapters(model: nn.Module, head: int, rank: int, seed: int) -> list[dict[str, _LoRA]]:
+def _adapters(model: nn.Module, first: int, rank: int, seed: int) -> list[dict[str, _LoRA]]:
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for layer in model.model.layers[:head]:
+    for layer in model.model.layers[:first]:
         found = {}
         for parent in (layer.self_attn, layer.mlp):
             for name in _PROJECTIONS:
@@ -85,15 +85,15 @@ def _adapters(model: nn.Module, head: int, rank: int, seed: int) -> list[dict[st
     return out
 
 
-def train_private_head(
-    ctx: Context, head: int, seed: int, steps: int, kl_budget: float, rank: int, length: int, batch: int
+def train_private_first_stage(
+    ctx: Context, first: int, seed: int, steps: int, kl_budget: float, rank: int, length: int, batch: int
 ) -> tuple[Stage, dict]:
-    """Fine-tune the secret adapters; returns the private head as a `Stage` (adapters merged in) and
-    the training trace's last values."""
+    """Fine-tune the secret adapters; returns the private first stage as a `Stage` (adapters merged in)
+    and the training trace's last values."""
     files = ctx.files
     model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32)
     model.requires_grad_(False)
-    adapters = _adapters(model, head, rank, seed)
+    adapters = _adapters(model, first, rank, seed)
     params = [p for layer in adapters for lora in layer.values() for p in (lora.a, lora.b)]
     opt = torch.optim.Adam(params, lr=2e-3)
     windows = ctx.corpus.train[:, :length]
@@ -116,7 +116,7 @@ def train_private_head(
         private = model(ids, output_hidden_states=True)
         target = F.log_softmax(public.logits.float(), -1)
         kl = (target.exp() * (target - F.log_softmax(private.logits.float(), -1))).sum(-1).mean()
-        h_pub, h_priv = public.hidden_states[head], private.hidden_states[head]
+        h_pub, h_priv = public.hidden_states[first], private.hidden_states[first]
         dist = ((h_priv - h_pub).norm(dim=-1) / h_pub.norm(dim=-1)).clamp(max=cap).mean()
         loss = weight * kl - dist
         opt.zero_grad(set_to_none=True)
@@ -125,7 +125,7 @@ def train_private_head(
         kl, dist = kl.detach(), dist.detach()
         weight *= math.exp(0.5 * (float(kl) / kl_budget - 1.0))  # dual ascent on the KL budget
         weight = min(max(weight, 1e-2), 1e4)
-    stage = Stage.load(files, 0, head, torch.float32)
+    stage = Stage.load(files, 0, first, torch.float32)
     for layer, loras in zip(stage.layers, adapters):
         for fused, names in _FUSED.items():
             delta = torch.cat([loras[n].delta() for n in names])
@@ -152,32 +152,32 @@ def _apply(states: torch.Tensor, affine: torch.Tensor) -> torch.Tensor:
     return (states.float() @ affine[:-1] + affine[-1]).to(WIRE_DTYPE)
 
 
-def private_head_sweep(ctx: Context, attackers: dict[int, Attacker]) -> list[dict]:
-    """One row per K in cfg.private_heads: the head's cost and every attacker's recovery."""
+def private_first_stage_sweep(ctx: Context, attackers: dict[int, Attacker]) -> list[dict]:
+    """One row per K in cfg.private_first_depths: the stage's cost and every attacker's recovery."""
     cfg, n = ctx.cfg, ctx.n_layers
     labels = (ctx.corpus.train, ctx.corpus.test)
     windows = ctx.corpus.test[ctx.spread_windows(cfg.perplexity_windows)]
     rows = []
-    for k in cfg.private_heads:
+    for k in cfg.private_first_depths:
         t0 = time.perf_counter()
         public = attackers.get(k) or learned_attacks(
             ctx, k, ctx.train.states[k], ctx.test.states[k], labels, ctx.model.embed, sequence=False
         )[1]
-        stage, trace = train_private_head(
+        stage, trace = train_private_first_stage(
             ctx, k, cfg.seed + 5000 + k, cfg.private_steps, cfg.private_kl_budget, cfg.private_rank, cfg.private_length,
             batch=4,
         )
-        local = LocalModel(ctx.files, k, 0)
+        client_model = ClientModel(ctx.files, k, 0)
         middle = Stage.load(ctx.files, k, n, torch.float32)
-        plain = lambda: LocalMiddle(middle, windows.shape[1])  # noqa: E731
-        reference = heldout.log_probs(local, plain, windows)
-        private_local = copy.copy(local)
-        private_local.head = stage
+        plain = lambda: InProcessMiddle(middle, windows.shape[1])  # noqa: E731
+        reference = heldout.log_probs(client_model, plain, windows)
+        private_client_model = copy.copy(client_model)
+        private_client_model.first = stage
         row: dict = {"K": k, "kl_budget": cfg.private_kl_budget, "steps": cfg.private_steps, "rank": cfg.private_rank}
         row.update(trace)
-        row.update(heldout.quality(windows, reference, heldout.log_probs(private_local, plain, windows)))
-        train = head_states(stage, ctx.model.embed, ctx.corpus.train)
-        test = head_states(stage, ctx.model.embed, ctx.corpus.test)
+        row.update(heldout.quality(windows, reference, heldout.log_probs(private_client_model, plain, windows)))
+        train = first_stage_states(stage, ctx.model.embed, ctx.corpus.train)
+        test = first_stage_states(stage, ctx.model.embed, ctx.corpus.test)
         pub_test = ctx.test.states[k]
         moved = (test.float() - pub_test.float()).norm(dim=-1) / pub_test.float().norm(dim=-1)
         row["state_distance"] = float(moved.mean())
@@ -194,5 +194,5 @@ def private_head_sweep(ctx: Context, attackers: dict[int, Attacker]) -> list[dic
         row["known_plaintext_mlp_top1"] = learned["mlp_top1"]
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
-        log.info("private head K=%d: %s", k, fmt(row))
+        log.info("private first stage K=%d: %s", k, fmt(row))
     return rows
