@@ -9,6 +9,7 @@ A second random 16-token model drafts the same way as a whole draft model.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from splitllm.client.client_model import ClientModel
 from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
-from splitllm.decoding.sizing.gate import DraftGate, GateConfig
+from splitllm.decoding.sizing.gate import AheadGate, DraftGate, GateConfig
 from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
 from splitllm.decoding.sizing.policies import StaticPolicy
 from splitllm.drafting import draft_model_proposer
@@ -166,6 +167,19 @@ def test_the_gate_tries_drafting_less_often_while_it_does_not_pay() -> None:
     assert [step for step in range(210, 260) if gate.offer(cost, step) is not None] == [216, 224, 240]
 
 
+def test_a_step_goes_ahead_while_what_a_taken_one_saves_outweighs_what_a_dropped_one_costs() -> None:
+    """Over a slow link to a fast server every prepared tree goes ahead; when the server's compute outlasts
+    the link and verifying, only while enough are taken up, and now and then to find out again."""
+    gate = AheadGate(prior=0.3, explore=8, max_explore=32)
+    assert all(gate.offer(80.0, 10.0, 20.0, 15.0, step) for step in range(20))  # nothing lost: always
+    slow = AheadGate(prior=0.3, explore=8, max_explore=32)
+    # 60 ms saved a hit, 60 ms lost a drop: at 30% taken it does not pay
+    assert [step for step in range(100) if slow.offer(80.0, 10.0, 20.0, 150.0, step)] == [0, 8, 24, 56, 88]
+    for _ in range(10):
+        slow.observe(True)
+    assert slow.offer(80.0, 10.0, 20.0, 150.0, 100)  # most are taken now: every step
+
+
 def test_drafter_mode_needs_a_drafter(tiny_models, load_client_model) -> None:  # type: ignore[no-untyped-def]
     client_model = load_client_model(tiny_models["llama"], 1, 1)
     pipeline = SplitPipeline(client_model, InProcessMiddle(Stage.load(client_model.files, 1, 3, torch.float32), 32), 32)
@@ -283,41 +297,69 @@ def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, 
 
 class _Distant(InProcessMiddle):
     """A simulation of a middle on another machine, FLIGHT_MS away: this in-process middle computes, then the
-    client's core is free (the piece of client work runs) until the reply would be back."""
+    client's core is free (the piece of client work runs, and may send a step ahead) until the reply would
+    be back. `ahead` False: no step goes ahead."""
 
     overlaps = True
     FLIGHT_MS = 30.0
 
-    def step(self, step, timing, while_waiting=None):  # type: ignore[no-untyped-def]
+    def __init__(self, stage: Stage, max_context: int, ahead: bool = True) -> None:
+        super().__init__(stage, max_context)
+        self.ahead = ahead
+
+    @property
+    def ahead_ready(self) -> bool:
+        return self.ahead and super().ahead_ready
+
+    def _run(self, compute, timing, while_waiting):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
-        out = self.stage(self.cache, step)
+        out = compute()
         timing.server_ms += (time.perf_counter() - t0) * 1000
+        self._in_step = True
         next(while_waiting or iter(()), None)
+        self._in_step = False
         time.sleep(max(0.0, t0 + self.FLIGHT_MS / 1000 - time.perf_counter()))
         timing.round_trip_ms += (time.perf_counter() - t0) * 1000
         return out
 
 
+def _drafting(drafting: str, draft_model_split, model, vocab16_model: Path) -> tuple[ClientModel, Stage]:  # type: ignore[no-untyped-def]
+    """The split a test drafts with: a random draft model, the model itself as its own draft model, or a
+    random learned drafter."""
+    client_model, stage = model if drafting == "a random learned drafter" else draft_model_split
+    if drafting == "the model itself":
+        client_model = ClientModel(client_model.files, 1, 1, torch.float64)
+        client_model.draft_model = DraftModel(ModelFiles(str(vocab16_model)), torch.float64)
+    return client_model, stage
+
+
+def _exact_over_a_distance(  # type: ignore[no-untyped-def]
+    client_model: ClientModel, stage: Stage, ahead: bool
+) -> Iterator[tuple[SpeculativeDecoder, list[int], list[int], list, SplitPipeline]]:
+    """Four generations over a `_Distant` middle, each checked equal to sequential's: the decoder, prompt,
+    ids, steps and pipeline of each."""
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(replace(BIG, depth=3))))
+    for seed in range(4):
+        prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected, _ = _ids(decode_sequential, _pipeline((client_model, stage)), prompt, 40)
+        pipeline = SplitPipeline(client_model, _Distant(stage, CONTEXT, ahead=ahead), CONTEXT)
+        ids, outs = _ids(decoder, pipeline, prompt, 40)
+        assert ids == expected, seed
+        yield decoder, prompt, ids, outs, pipeline
+
+
 @pytest.mark.parametrize("drafting", [pytest.param("a random draft model", marks=pytest.mark.slow), "the model itself"])
 def test_a_draft_model_prepares_the_next_tree_while_a_step_is_in_flight(  # type: ignore[no-untyped-def]
-    draft_model_split, vocab16_model: Path, drafting: str
+    draft_model_split, model, vocab16_model: Path, drafting: str
 ) -> None:
     """While a step is in flight the draft model drafts the next tree for the step's likeliest outcome; a
     step whose outcome came true takes it and drafts nothing on its critical path. Output stays
     sequential's whatever the guesses were (a random draft model's mostly fail, the model's own come
     true once its calibration learns so), and the draft model's cache follows the committed sequence
     through right and wrong ones."""
-    client_model, stage = draft_model_split
-    if drafting == "the model itself":
-        client_model = ClientModel(client_model.files, 1, 1, torch.float64)
-        client_model.draft_model = DraftModel(ModelFiles(str(vocab16_model)), torch.float64)
-    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(replace(BIG, depth=3))))
+    client_model, stage = _drafting(drafting, draft_model_split, model, vocab16_model)
     prepared = adopted = 0
-    for seed in range(4):
-        prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        expected, _ = _ids(decode_sequential, _pipeline((client_model, stage)), prompt, 40)
-        ids, outs = _ids(decoder, SplitPipeline(client_model, _Distant(stage, CONTEXT), CONTEXT), prompt, 40)
-        assert ids == expected, seed
+    for decoder, prompt, ids, outs, _ in _exact_over_a_distance(client_model, stage, ahead=False):
         assert all(o.stats.timing.overlap_ms > 0 for o in outs if o.stats.speculation.prepared)
         prepared += sum(o.stats.speculation.prepared for o in outs)
         adopted += sum(o.stats.speculation.adopted for o in outs)
@@ -388,3 +430,47 @@ def test_extending_a_cache_equals_a_step_of_the_same_positions(tiny_models, name
     sees = torch.cat([torch.ones(8, 12, dtype=torch.bool), torch.ones(8, 8, dtype=torch.bool).tril()], 1)
     got = stage.extend(cache, hidden[12:], torch.arange(12, 20), sees)
     torch.testing.assert_close(got, expected[12:], rtol=1e-4, atol=1e-4)  # float32 products of other shapes
+
+
+@pytest.mark.parametrize("drafting", ["a random draft model", "the model itself", "a random learned drafter"])
+def test_a_step_sent_ahead_on_the_likely_outcome_keeps_the_output_sequentials(  # type: ignore[no-untyped-def]
+    draft_model_split, model, vocab16_model: Path, drafting: str
+) -> None:
+    """The prepared tree goes to the middle while the step before it is in flight; taken up when the model
+    chooses one of its first-level tokens, dropped (and the caches cropped back, the outcome's tokens fed
+    again) when not. Output stays sequential's through both, and every cache ends where the path says.
+    A learned drafter, which reads the target's features, prepares below the likely path from its own
+    guesses of them."""
+    client_model, stage = _drafting(drafting, draft_model_split, model, vocab16_model)
+    sent = taken = 0
+    for _, prompt, ids, outs, pipeline in _exact_over_a_distance(client_model, stage, ahead=True):
+        sent += sum(o.stats.speculation.sent_ahead for o in outs)
+        taken += sum(o.stats.speculation.ran_ahead for o in outs)
+        assert pipeline.committed + len(outs[-1].path) == len(prompt) + len(ids) - 1
+    assert sent > 0 and (taken > 2 if drafting == "the model itself" else taken <= sent)
+
+
+def test_steps_sent_ahead_over_a_real_server_stay_exact_across_generations(vocab16_model: Path, server) -> None:  # type: ignore[no-untyped-def]
+    """Over a server on loopback (protocol crops and all), steps go ahead of the one in flight, are taken
+    up or dropped, and a second generation on the same session after the first (which may end with a
+    step ahead dropped) goes on exactly where sequential decoding of the whole sequence would."""
+    files = ModelFiles(str(vocab16_model))
+    client_model = ClientModel(files, 1, 1, torch.float64)
+    client_model.draft_model = DraftModel(files, torch.float64)
+    url = server(vocab16_model, 1, 1, dtype=torch.float64).url
+    stage = Stage.load(files, 1, 2, torch.float64)
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(replace(BIG, depth=3))))
+    sent = taken = 0
+    for seed in range(3):
+        first, more = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed)).tolist()
+        remote = SplitPipeline(client_model, RemoteMiddle(url, files.fingerprint, client_model.middle_range, "float32", 96), 96)
+        ids, outs = _ids(decoder, remote, first, 24)
+        ids2 = [t for o in decoder(remote, ids[-1:] + more, 24, frozenset(), keep=outs[-1].path) for t in o.tokens]
+        local = _pipeline((client_model, stage), 96)
+        expected, steps = _ids(decode_sequential, local, first, 24)
+        expected2 = [t for o in decode_sequential(local, expected[-1:] + more, 24, frozenset(), keep=steps[-1].path) for t in o.tokens]
+        assert (ids, ids2) == (expected, expected2), seed
+        sent += sum(o.stats.speculation.sent_ahead for o in outs)
+        taken += sum(o.stats.speculation.ran_ahead for o in outs)
+        remote.middle.close()
+    assert sent > 3 and taken > 0

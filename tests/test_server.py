@@ -122,11 +122,11 @@ def test_a_client_of_another_protocol_version_is_refused_naming_both(default_url
     """An older client's `open`, byte for byte as it sends it, and a newer one's get a refusal naming both
     versions (an older client reads error frames as this one does); the connection stays usable."""
     layers = (FIRST, default_files.config.num_layers - LAST)
-    older = wire.encode({"op": "open", "version": 2, "fingerprint": default_files.fingerprint, "layers": list(layers),
+    older = wire.encode({"op": "open", "version": 3, "fingerprint": default_files.fingerprint, "layers": list(layers),
                          "dtype": "float32", "max_context": CONTEXT, "id": 1})
     newer = messages.encode(OpenMessage(default_files.fingerprint, layers, "float32", version=PROTOCOL_VERSION + 1))
     with RawClient(default_url) as raw:
-        for message, theirs in ((older, 2), (newer, PROTOCOL_VERSION + 1)):
+        for message, theirs in ((older, 3), (newer, PROTOCOL_VERSION + 1)):
             refused = raw.send_raw(message)
             assert isinstance(refused, ErrorMessage) and refused.code == "version_mismatch"
             assert f"server speaks protocol {PROTOCOL_VERSION} and the client speaks protocol {theirs}" in refused.message

@@ -11,6 +11,7 @@ from splitllm.stats import SpeculationMetrics, StepSpeculation, StepStats, StepT
 # What API responses and saved results carry per step, in this order.
 PUBLISHED = [
     "nodes", "accepted", "drafted", "window", "proposer", "sources", "draft_ms", "overlap_ms", "prepared", "adopted",
+    "sent_ahead", "ran_ahead",
     "first_ms", "serialize_ms", "round_trip_ms", "server_ms", "deserialize_ms", "last_ms", "decode_ms", "total_ms",
     "bytes_up", "bytes_down", "context", "network_ms", "client_ms", "other_ms",
 ]

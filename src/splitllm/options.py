@@ -280,7 +280,8 @@ BENCH = (
     Option("decode", str, "sequential,lookup,lookahead,drafter,auto,auto-static", "comma-separated decoding modes "
            "(sequential always runs; auto-static: auto's static budget; drafter-wide: drafter with 64-node trees, "
            "8 beams of 8; auto-wide: auto choosing from 8 x 8 candidates; auto-serial: auto drafting only between "
-           "steps, none while one is in flight)", (BENCH_SPECULATION,)),
+           "steps, none while one is in flight; auto-one-step: auto preparing trees in flight but never sending one "
+           "ahead)", (BENCH_SPECULATION,)),
     Option("decode", str, "auto,sequential", "comma-separated decoding modes, each measured plain and sealed",
            (BENCH_CONFIDENTIAL,)),
     Option("first_turn_tokens", int, 1500, "about this many tokens in the first turn (a pasted document)",

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 # The flat record's keys in the order published results and API responses have them.
 _FLAT_ORDER = (
     "nodes", "accepted", "drafted", "window", "proposer", "sources", "draft_ms", "overlap_ms", "prepared", "adopted",
+    "sent_ahead", "ran_ahead",
     "first_ms", "serialize_ms", "round_trip_ms", "server_ms", "deserialize_ms", "last_ms", "decode_ms", "total_ms",
     "bytes_up", "bytes_down", "context",
 )
@@ -72,6 +73,8 @@ class StepSpeculation:
     sources: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by their node's sources ("a+b": both)
     prepared: int = 0  # 1: the next step's tree was prepared while this step was in flight
     adopted: int = 0  # 1: this step's tree was the one prepared while the last step was in flight
+    sent_ahead: int = 0  # 1: the next step went to the server before this one's reply came back
+    ran_ahead: int = 0  # 1: this step was sent ahead on the last one's likely outcome, and the outcome came true
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,13 @@ class _SentRecord:
     def push(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:
         self._pending = (hidden, positions)
 
+    def crop(self, length: int) -> None:
+        """Forget every entry from `length` on, as KVCache.crop does."""
+        record = self.committed()
+        if record is not None:
+            self._hidden, self._positions = [record[0][:length]], [record[1][:length]]
+        self._pending = None
+
     def committed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self._hidden:
             return None
@@ -105,6 +112,10 @@ class RemoteMiddle:
         self._record = _SentRecord()
         self._resume_keep: list[int] = []
         self._committed = 0  # leading entries of the last step its earlier parts already committed
+        self._ahead: tuple[Step, ClientConnection | None] | None = None  # a step sent ahead, and on which connection
+        self._in_flight_whole = False  # whether the request in flight is a whole step (its last part)
+        self._drain = 0  # replies still to come for steps sent ahead and dropped, read and discarded
+        self._rebuild = False  # the server missed a step the record counts: open a new session and replay
         self._connect(time.monotonic() + self.options.deadline_s)
 
     def _sealed(self, message: bytes) -> bytes:
@@ -128,7 +139,9 @@ class RemoteMiddle:
         """The request of a step whose inputs are already in the wire dtype."""
         parents, bits = step.vis.to_wire()
         positions = tuple(step.positions.tolist())
-        return StepMessage(self.session, step.inputs, self.wire_dtype, positions, step.keep, parents, bits, next(self._ids))
+        return StepMessage(
+            self.session, step.inputs, self.wire_dtype, positions, step.keep, parents, bits, next(self._ids), step.crop
+        )
 
     def _attest(self) -> None:
         """Verify the server against the policy and seal the connection; AttestationError, with nothing
@@ -190,6 +203,7 @@ class RemoteMiddle:
         """Rebuild the new session's cache from the record: chain prefill steps, the last one left pending."""
         self._resume_keep = []
         self._committed = 0
+        self._drain, self._rebuild = 0, False
         record = self._record.committed()
         if record is None:
             return
@@ -212,19 +226,36 @@ class RemoteMiddle:
     def step(self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
         """Send hidden states after the first stage, get them back before the last stage; fills the wire timings.
         A piece of `while_waiting` runs after each request is sent (a retry goes on with the next piece)."""
-        sent = step.with_inputs(step.inputs.detach().to(wire.WIRE_DTYPES[self.wire_dtype]).contiguous())
-        waiting = while_waiting if while_waiting is not None else iter(())
+        sent = self._on_wire(step)
+        if step.crop is not None:
+            self._record.crop(step.crop)
         self._record.keep(step.keep)
+        server_keep = [] if step.crop is not None else self._server_keep(step.keep)
+        return self._deliver(sent, server_keep, timing, while_waiting, awaiting=False)
+
+    def _on_wire(self, step: Step) -> Step:
+        return step.with_inputs(step.inputs.detach().to(wire.WIRE_DTYPES[self.wire_dtype]).contiguous())
+
+    def _deliver(
+        self, sent: Step, server_keep: list[int] | None, timing: StepTiming, while_waiting: Iterator[object] | None,
+        awaiting: bool,
+    ) -> torch.Tensor:
+        """The middle's outputs for a step already in the record: sent now (or, `awaiting`, sent ahead
+        earlier), and sent again into a new session as long as the link keeps failing."""
+        waiting = while_waiting if while_waiting is not None else iter(())
         deadline = None
-        server_keep = self._server_keep(step.keep)
         while True:
             try:
-                if server_keep is None:  # the server committed entries this keep drops: rebuild the session
+                if server_keep is None or self._rebuild:  # the server's entries differ from the record's
                     raise ConnectionResetError("the session's committed entries differ from the client's")
-                parts = [
-                    self._send_part(sent, start, end, part_keep, timing, waiting)
-                    for start, end, part_keep in self._keeps(step.vis.cuts(self.max_nodes), server_keep)
-                ]
+                if awaiting:
+                    parts = [self._receive(sent, time.perf_counter(), timing, waiting, whole=True)]
+                    self._committed = 0
+                else:
+                    parts = [
+                        self._send_part(sent, start, end, part_keep, timing, waiting)
+                        for start, end, part_keep in self._keeps(sent.vis.cuts(self.max_nodes), server_keep)
+                    ]
                 break
             except Exception as exc:
                 if not is_transient(exc):
@@ -236,9 +267,48 @@ class RemoteMiddle:
                 log.warning("link to %s failed (%s); reconnecting", self.url, describe(exc))
                 self._drop()
                 self._connect(deadline)
-                server_keep = self._resume_keep
-        self._record.push(sent.inputs, step.positions.clone())
+                server_keep, awaiting = self._resume_keep, False
+                sent = replace(sent, crop=None)  # the replay holds the record, cropped already
+        self._record.push(sent.inputs, sent.positions.clone())
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    @property
+    def ahead_ready(self) -> bool:
+        """Whether a step may go ahead now: one whole step in flight, none ahead yet."""
+        return self._ahead is None and self._in_flight_whole and self._ws is not None
+
+    def send_ahead(self, step: Step, timing: StepTiming) -> None:
+        """Send `step` (its keep refers to the step in flight) before that step's reply comes back; the
+        server runs it next. `receive_ahead` takes its reply, or `drop_ahead` gives it up."""
+        if not self.ahead_ready or step.crop is not None or step.n > self.max_nodes:
+            raise RuntimeError("a step goes ahead of one whole step in flight, in one request, without a crop")
+        assert self._ws is not None
+        t0 = time.perf_counter()
+        sent = self._on_wire(step)
+        message = self._sealed(messages.encode(self._step_message(sent)))
+        self._ws.send(message)
+        timing.serialize_ms += (time.perf_counter() - t0) * 1000
+        timing.bytes_up += len(message)
+        self._ahead = (sent, self._ws)
+
+    def receive_ahead(self, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
+        """The outputs of the step sent ahead, which becomes the last step (sent again if the link failed)."""
+        assert self._ahead is not None
+        (sent, ws), self._ahead = self._ahead, None
+        self._record.keep(sent.keep)
+        return self._deliver(sent, list(sent.keep), timing, while_waiting, awaiting=ws is self._ws)
+
+    def drop_ahead(self) -> None:
+        """Give up the step sent ahead: the server ran it (its keep committed), its reply is discarded, and
+        the next step crops what it added. One the server never got (the link failed meanwhile) makes the
+        next step open a new session and replay."""
+        assert self._ahead is not None
+        (sent, ws), self._ahead = self._ahead, None
+        self._record.keep(sent.keep)
+        if ws is self._ws:
+            self._drain += 1
+        else:
+            self._rebuild = True
 
     def _server_keep(self, keep: Sequence[int]) -> list[int] | None:
         """`keep` as the server sees it: without the entries earlier parts of a cut step committed
@@ -263,20 +333,39 @@ class RemoteMiddle:
         message = self._sealed(messages.encode(self._step_message(part)))
         t1 = time.perf_counter()
         self._ws.send(message)
-        next(waiting, None)
+        timing.serialize_ms += (t1 - t0) * 1000
+        timing.bytes_up += len(message)
+        out = self._receive(part, t1, timing, waiting, whole=end == sent.n)
+        self._committed = start
+        return out
+
+    def _receive(
+        self, part: Step, t1: float, timing: StepTiming, waiting: Iterator[object], whole: bool
+    ) -> torch.Tensor:
+        """The reply to a request sent at `t1` (time.perf_counter()), after one piece of `waiting` (during
+        which a step may go ahead if this request is a `whole` step) and the replies of steps sent ahead
+        and dropped (a refused one means the server's cache is not the record's)."""
+        assert self._ws is not None
+        self._in_flight_whole = whole
+        try:
+            next(waiting, None)
+        finally:
+            self._in_flight_whole = False
+        for _ in range(self._drain):
+            dropped = messages.decode(self._opened(self._ws.recv(timeout=self.options.step_timeout_s)), messages.REPLIES)
+            self._drain -= 1
+            if not isinstance(dropped, ResultMessage):
+                raise ConnectionResetError(f"a step sent ahead was refused ({dropped.OP}); replaying")
         reply = self._ws.recv(timeout=self.options.step_timeout_s)
         t2 = time.perf_counter()
         result = _expect(messages.decode(self._opened(reply), messages.REPLIES), ResultMessage)
         if result.hidden.shape != part.inputs.shape:
             raise ServerError("bad_reply", f"expected hidden states of shape {tuple(part.inputs.shape)} in the reply")
         out = result.hidden.float()
-        self._committed = start
         t3 = time.perf_counter()
-        timing.serialize_ms += (t1 - t0) * 1000
         timing.round_trip_ms += (t2 - t1) * 1000
         timing.deserialize_ms += (t3 - t2) * 1000
         timing.server_ms += result.server_ms
-        timing.bytes_up += len(message)
         timing.bytes_down += len(reply)
         return out
 

@@ -54,6 +54,23 @@ class Scorer(Protocol):
         (work that needs nothing from this step) run while the middle computes, the rest is the caller's."""
         ...
 
+    @property
+    def ahead_ready(self) -> bool:
+        """Whether a step may go ahead of the one in flight now (from a piece of `while_waiting`)."""
+        ...
+
+    def send_ahead(self, step: Step, timing: StepTiming) -> None:
+        """Send a step whose keep picks from the step in flight's entries before its reply comes back."""
+        ...
+
+    def receive_ahead(self, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
+        """Hidden states for the step sent ahead (its outcome came true): it becomes the last step."""
+        ...
+
+    def drop_ahead(self) -> None:
+        """Give up the step sent ahead; the next step's keep picks from the step before it, as if it never went."""
+        ...
+
     def tapped(self, layers: Sequence[int]) -> torch.Tensor:
         """The last step's outputs of the client's first stage and the middle, by layer count, side by side."""
         ...

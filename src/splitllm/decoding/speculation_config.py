@@ -87,6 +87,8 @@ class SpeculationConfig:
     calibration: how drafts' acceptance rates are learned.
     tree: how wide the drafters' trees grow (the budgets bound their nodes and depth).
     prepare: whether a draft model drafts the next step's tree while a step is in flight (speculative.py).
+    send_ahead: whether that prepared tree goes to the server at once, as the next step built on the step in
+        flight's likeliest outcome, so two steps are on the wire (speculative.py).
     """
 
     mode: Mode = Mode.AUTO
@@ -99,6 +101,7 @@ class SpeculationConfig:
     calibration: CalibrationConfig = CalibrationConfig()
     tree: TreeShape = TreeShape()
     prepare: bool = True
+    send_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATIVE_MODES:

@@ -11,6 +11,15 @@ accepted nodes, so every stage compacts its cache without an extra round trip.
 While a step is in flight the client's core would idle: a draft model that drafted the step meanwhile
 prepares the next step's tree for the step's likeliest outcome (`ScoredTreeProposer.prepare`), which
 the next step takes when the outcome came true, so its drafting leaves the critical path.
+
+With `send_ahead` that tree goes to the server at once, as a step of its own: its keep commits the
+likeliest path, and its first level stands for the bonus token, so its tree hangs from the path's last
+node (a `Graft`). The server runs it right after the step in flight, while that step's reply travels
+back. Verifying the step in flight then offers the graft's tokens at that node beside the tree's own:
+if the model chooses one, the step sent ahead is the next step, its reply already on the way; if not,
+it is dropped, and the next step crops the caches back to where its keep and the outcome part
+(`SplitPipeline.drop_ahead`). Either way every committed token is the model's own choice, asked for
+once, so outputs stay sequential's (greedy) and exactly distributed (sampling).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import torch
 from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.sizing.calibration import CandidateRates
 from splitllm.decoding.speculation_config import SpeculationConfig
-from splitllm.decoding.sizing.gate import DraftGate
+from splitllm.decoding.sizing.gate import AheadGate, DraftGate
 from splitllm.decoding.sizing.policies import BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Candidate, Proposer
 from splitllm.drafting.draft_model_proposer import DraftModelProposer
@@ -38,7 +47,7 @@ from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, CandidateTree
-from splitllm.decoding.verifier import Verdict, verify
+from splitllm.decoding.verifier import Graft, Verdict, verify
 from splitllm.stats import StepSpeculation, StepStats, StepTiming
 from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
@@ -81,19 +90,57 @@ def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
     return replace(budget, window=w, levels=n)
 
 
-def speculation_of(
-    tree: CandidateTree, layout: WindowLayout | None, verdict: Verdict, prepared: bool, adopted: bool
-) -> StepSpeculation:
+@dataclass
+class _Flight:
+    """A step sent: its tree and window, their layout after `chain` (the committed tokens it feeds) from
+    absolute position `start`, the budget that sized it and the drafter that grew it (None: none).
+    A step sent ahead hangs from `graft`, a node of the step before it, and feeds no chain; once taken
+    up, `entry` is its first-level node the model chose (the walk starts there) and `timing` its record
+    since it was sent."""
+
+    tree: CandidateTree
+    layout: WindowLayout | None
+    plan: StepPlan
+    chain: list[int]
+    start: int
+    budget: SpecBudget
+    grew: int | None
+    graft: int = ROOT
+    entry: int = ROOT
+    timing: StepTiming | None = None
+
+    def walk(self, tokens: Sequence[int]) -> list[int] | None:
+        """The tree's nodes along `tokens` from the walk's start (a taken-up step's tokens begin with its
+        entry's), or None if the tree does not hold them."""
+        node, nodes = self.entry, []
+        if self.entry != ROOT:
+            if tokens[:1] != [self.tree.tokens[self.entry]]:
+                return None
+            tokens = tokens[1:]
+        for token in tokens:
+            found = self.tree.child(node, token)
+            if found is None:
+                return None
+            nodes.append(node := found)
+        return nodes
+
+
+def speculation_of(flight: _Flight, verdict: Verdict, prepared: bool, adopted: bool, sent_ahead: bool) -> StepSpeculation:
     """What a step speculated and what of it the model confirmed; `prepared`: the next step's tree was
-    prepared while it was in flight, `adopted`: its tree was the one prepared while the last step was."""
+    prepared while it was in flight, `adopted`: its tree was the one prepared while the last step was,
+    `sent_ahead`: the next step went to the server meanwhile. A step sent ahead and taken up leads its
+    path with its entry node, whose token the step before emitted (so it counts there)."""
+    tree, accepted = flight.tree, verdict.path[1:] if flight.entry != ROOT else verdict.path
     return StepSpeculation(
         accepted=len(verdict.tokens),
         drafted=len(tree),
-        window=len(layout.tokens) if layout else 0,
-        proposer=tree.sources[verdict.path[-1]][0] if verdict.path else "",
-        sources=dict(Counter("+".join(sorted(tree.sources[i])) for i in verdict.path)),
+        window=len(flight.layout.tokens) if flight.layout else 0,
+        proposer=tree.sources[accepted[-1]][0] if accepted else "",
+        sources=dict(Counter("+".join(sorted(tree.sources[i])) for i in accepted)),
         prepared=int(prepared),
         adopted=int(adopted),
+        sent_ahead=int(sent_ahead),
+        ran_ahead=int(flight.entry != ROOT),
     )
 
 
@@ -128,8 +175,12 @@ class SpeculativeDecoder:
         """
         sampler = sampler or Sampler(history=prompt)
         generation = _Generation(self, pipeline, prompt, max_new_tokens, stop_ids, sampler, keep)
-        while not generation.done:
-            yield generation.step()
+        try:
+            while not generation.done:
+                yield generation.step()
+        except GeneratorExit:  # the caller stopped between steps (a stop string): the caches end at the last path
+            generation.give_up_ahead()
+            raise
 
 
 def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], list[ScoredTreeProposer]]:
@@ -182,10 +233,14 @@ class _Generation:
         self.chain, self.keep = list(prompt), list(keep)
         self.start = pipeline.committed + len(self.keep)
         self.steps: list[StepStats] = []
+        self.sized: list[StepStats] = []  # the steps the policy sized (not those taken up from one sent ahead)
         self.remaining = max_new_tokens
         self.stopped = False
         # The link's share of a round trip, least seen: work in flight that outlasts it only ever adds.
         self.link_ms = float("inf")
+        self.ahead: _Flight | None = None  # the step sent ahead of the one in flight
+        self.ahead_gate = AheadGate()
+        self.taken: _Flight | None = None  # the step sent ahead that is the next step
 
     @property
     def done(self) -> bool:
@@ -204,7 +259,33 @@ class _Generation:
         return decoder.policy if drafter_policy is None else drafter_policy
 
     def step(self) -> StepOutput:
-        """One round trip: size, propose, lay out, score, verify, learn, record."""
+        """One round trip: size, propose, lay out, score, verify, learn, record (a step taken up from one
+        sent ahead was sized, proposed and sent already; its reply is on the way)."""
+        flight, self.taken = self.taken, None
+        if flight is None:
+            flight, hidden, timing = self._send()
+        else:
+            assert flight.timing is not None
+            timing = flight.timing
+            hidden = self.pipeline.receive_ahead(timing, self._in_flight(flight, timing))
+        prepared = any(d.prepared is not None or d.sent is not None for d in self.drafters)
+        adopted = flight.entry != ROOT or (flight.grew is not None and self.drafters[flight.grew].adopted)
+        ahead, self.ahead = self.ahead, None
+        verdict = self._verify(flight, hidden, timing, ahead)
+        keep = [*range(len(flight.chain)), *(len(flight.chain) + i for i in verdict.path)]
+        if flight.layout is not None and self.window is not None:
+            self._advance_window(self.window, hidden[flight.plan.window_rows], timing)
+        speculation = speculation_of(flight, verdict, prepared, adopted, ahead is not None)
+        if self.drafters:
+            self._feed_drafters(hidden[keep], keep, speculation, timing, flight.grew)
+        stats = StepStats(timing, speculation)
+        self._commit(verdict, stats, keep, sized=flight.entry == ROOT)
+        if ahead is not None:
+            self._settle(ahead, verdict)
+        return StepOutput(list(verdict.tokens), stats, keep)
+
+    def _send(self) -> tuple[_Flight, torch.Tensor, StepTiming]:
+        """Size, propose and lay out a step, and send it; its hidden states once back."""
         room = max(self.pipeline.room(self.start) - len(self.chain), 0)  # nodes the tree and window may take
         budget = self._budget(room)
         reading = self._reading_beside()
@@ -213,29 +294,44 @@ class _Generation:
         tree = CandidateTree.build(candidates, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
         layout = self._layout(budget, room - len(tree))
         plan = plan_step(self.chain, self.start, tree, layout)
-        tokens, positions = torch.tensor(plan.tokens), torch.tensor(plan.positions)
-        adopted = any(d.adopted for d in self.drafters)  # a tree prepared while the last step was in flight
+        flight = _Flight(tree, layout, plan, self.chain, self.start, budget, grew)
         timing = StepTiming()
         catching_up = self._catch_up(reading, timing)
-        waiting = itertools.chain(catching_up, self._prepare(tree, budget, grew, timing))
-        hidden, timing = self.pipeline.forward(Step(tokens, positions, plan.vis, self.keep), timing, waiting)
+        waiting = itertools.chain(catching_up, self._in_flight(flight, timing))
+        step = Step(torch.tensor(plan.tokens), torch.tensor(plan.positions), plan.vis, self.keep)
+        hidden, timing = self.pipeline.forward(step, timing, waiting)
         for _ in catching_up:  # what the round trip did not hide (a next tree not prepared in time is drafted later)
             pass
-        prepared = any(d.prepared is not None for d in self.drafters)  # by `_prepare` (each propose takes or drops it)
-        verdict = self._verify(tree, hidden, timing)
-        keep = [*range(len(self.chain)), *(len(self.chain) + i for i in verdict.path)]
-        if layout is not None and self.window is not None:
-            self._advance_window(self.window, hidden[plan.window_rows], timing)
-        speculation = speculation_of(tree, layout, verdict, prepared, adopted)
-        if self.drafters:
-            self._feed_drafters(hidden[keep], keep, speculation, timing, grew)
-        stats = StepStats(timing, speculation)
-        self._commit(verdict, stats, keep)
-        return StepOutput(list(verdict.tokens), stats, keep)
+        return flight, hidden, timing
+
+    def _settle(self, ahead: _Flight, verdict: Verdict) -> None:
+        """The step sent ahead is the next step if the model chose one of its first-level tokens and the
+        generation goes on; else it is given up."""
+        drafter = self.drafters[ahead.grew] if ahead.grew is not None else None
+        self.ahead_gate.observe(verdict.handoff)
+        if verdict.handoff and not self.done and drafter is not None:
+            entry = ahead.tree.child(ROOT, verdict.tokens[-1])
+            assert entry is not None
+            ahead.entry = entry
+            self.taken = ahead
+            drafter.take_sent(self.history)
+            return
+        self.pipeline.drop_ahead()
+        if drafter is not None:
+            drafter.drop_sent()
+
+    def give_up_ahead(self) -> None:
+        """Drop what was sent ahead and not taken, so the caches end where the last step's path says."""
+        for flight in (self.ahead, self.taken):
+            if flight is not None:
+                self.pipeline.drop_ahead()
+                if flight.grew is not None:
+                    self.drafters[flight.grew].drop_sent()
+        self.ahead = self.taken = None
 
     def _budget(self, room: int) -> SpecBudget:
         """The policy's budget, its candidates no deeper than the tokens left to emit and the room left."""
-        budget = self.policy.choose(self.steps)
+        budget = self.policy.choose(self.sized)
         return replace(budget, depth=min(budget.depth, self.remaining - 1, room))
 
     def _reading_beside(self) -> list[DraftModelProposer]:
@@ -261,32 +357,56 @@ class _Generation:
                 yield
                 t0 = time.perf_counter()
 
-    def _prepare(
-        self, tree: CandidateTree, budget: SpecBudget, grew: int | None, timing: StepTiming
-    ) -> Iterator[None]:
-        """One piece of work for the round trip: the drafter that grew this step's tree prepares the next
-        step's (if it can) after the path this step likely accepts, timed into `overlap_ms`; the drafter
-        keeps what it prepared (`prepared`) for its next propose."""
-        drafter = self.drafters[grew] if grew is not None else None
-        if drafter is None or not drafter.prepares or not self.pipeline.overlaps or not self.config.prepare or self._seeded:
+    def _in_flight(self, flight: _Flight, timing: StepTiming) -> Iterator[None]:
+        """One piece of work for the round trip: the drafter that grew the flight's tree prepares the next
+        step's (if it can) after the path the flight likely accepts, and with `send_ahead` sends it at once
+        as the next step; timed into `overlap_ms`. The drafter keeps what it prepared (`prepared`) for its
+        next propose, or what it sent (`sent`) until the step sent ahead is taken up or dropped."""
+        drafter = self.drafters[flight.grew] if flight.grew is not None else None
+        if drafter is None or not self.pipeline.overlaps or not self.config.prepare or self._seeded:
             return
-
-        def verified(path: list[int]) -> bool:
-            node = ROOT
-            for token in path:
-                node = tree.child(node, token)
-                if node is None:
-                    return False
-            return True
-
-        path = drafter.likely_path(verified)
-        if self.remaining - len(path) <= 2 or not self.steps:  # the generation ends with this step or the next
+        likely, reached = drafter.likely_path(lambda tokens: flight.walk(tokens) is not None)
+        path = flight.walk(likely) or []
+        tokens = [flight.tree.tokens[i] for i in path]
+        if self.remaining - len(tokens) <= 3 or not self.steps:  # the generation ends with this step or the next
             return
         t0 = time.perf_counter()
-        back = t0 + (self.link_ms + self.steps[-1].timing.server_ms) / 1000  # when the step is expected back
-        drafter.prepare([*self.history, *path], budget, back)
+        last = self.steps[-1].timing
+        back = t0 + (self.link_ms + last.server_ms) / 1000  # when the step is expected back
+        drafter.prepare([*self.history, *tokens], flight.budget, back)
+        ms = (time.perf_counter() - t0) * 1000
+        if (
+            self.config.send_ahead and drafter.prepared is not None and self.sampler.grammar is None
+            and self.ahead_gate.offer(self.link_ms, last.last_ms, ms, last.server_ms, len(self.steps))
+        ):
+            self._send_ahead(flight, path, reached, drafter)
         timing.overlap_ms += (time.perf_counter() - t0) * 1000
         yield
+
+    def _send_ahead(self, flight: _Flight, path: list[int], reached: float, drafter: ScoredTreeProposer) -> None:
+        """Send the prepared tree as the step after `flight`, its keep the flight's chain and `path`
+        (nodes of the flight's tree after its entry), its tree hung from the path's last node. Its
+        first level offers only bonus tokens the flight's tree lacks there (the others go on in the
+        flight's tree), and a node is worth sending only as likely as the flight accepts the path
+        (`reached`) and the model then takes the node."""
+        if not self.pipeline.ahead_ready:
+            return
+        kept = [flight.entry] if flight.entry != ROOT else []
+        keep = (*range(len(flight.chain)), *(len(flight.chain) + i for i in [*kept, *path]))
+        start = flight.start + len(keep)
+        budget = replace(flight.budget, depth=min(flight.budget.depth + 1, self.remaining - len(path) - 1))
+        room = self.pipeline.room(start)
+        graft = path[-1] if path else flight.entry
+        there = set(flight.tree.child_tokens(graft))
+        candidates = [replace(c, score=(c.score or 0.0) * reached) for c in drafter.send_prepared() if c.tokens[0] not in there]
+        tree = CandidateTree.build(candidates, min(budget.max_nodes, room), budget.depth, None, budget.cost)
+        if not len(tree):
+            drafter.drop_sent()
+            return
+        plan = plan_step([], start, tree, None)
+        timing = StepTiming()
+        self.pipeline.send_ahead(Step(torch.tensor(plan.tokens), torch.tensor(plan.positions), plan.vis, keep), timing)
+        self.ahead = _Flight(tree, None, plan, [], start, budget, flight.grew, graft=graft, timing=timing)
 
     def _propose(self, budget: SpecBudget, reading: list[DraftModelProposer]) -> tuple[list[Candidate], int | None]:
         """Every proposer's candidates, and which drafter grew a tree (None: none did).
@@ -330,26 +450,39 @@ class _Generation:
         fitted = fit_window(budget, room)
         return self.window.layout(self.history, fitted) if fitted.window else None
 
-    def _verify(self, tree: CandidateTree, hidden: torch.Tensor, timing: StepTiming) -> Verdict:
-        """Walk the tree with the sampler's choice at each node. Where the whole tree's logits cost about
-        one row's (`Scorer.shared_logit_rows`), they come in one call, which reads the LM head once where
-        asking along the way would read it once per emitted token; else only the nodes along the way are
-        asked for. A row's logits are the same bits either way."""
-        first = len(self.chain) - 1  # the root's row; node i's is first + 1 + i (ROOT is -1)
-        if 0 < len(tree) < self.pipeline.shared_logit_rows:  # the root's row and the nodes' in one call
-            every = self.pipeline.logits(hidden[first : first + 1 + len(tree)], timing)
+    def _verify(self, flight: _Flight, hidden: torch.Tensor, timing: StepTiming, ahead: _Flight | None) -> Verdict:
+        """Walk the flight's tree with the sampler's choice at each node, the step sent ahead (if any)
+        offering its first level at its graft. Where the whole tree's logits cost about one row's
+        (`Scorer.shared_logit_rows`), they come in one call, which reads the LM head once where asking
+        along the way would read it once per emitted token; else only the nodes along the way are asked
+        for. A row's logits are the same bits either way."""
+        tree, c = flight.tree, len(flight.chain)
+
+        def row(node: int) -> int:  # the root's row is the chain's last; a step sent ahead has none
+            return c - 1 if node == ROOT else c + node
+
+        shared = self.pipeline.shared_logit_rows
+        if 0 < len(tree) < shared:  # the root's row (if any) and the nodes' in one call
+            low = row(ROOT) if c else 0
+            every = self.pipeline.logits(hidden[low : c + len(tree)], timing)
 
             def logits(node: int) -> torch.Tensor:
-                return every[node + 1]
+                return every[row(node) - low]
         else:
+            asked: dict[int, torch.Tensor] = {}
 
-            def logits(node: int) -> torch.Tensor:
-                return self.pipeline.logits(hidden[first + 1 + node : first + 2 + node], timing)[0]
+            def logits(node: int) -> torch.Tensor:  # with the likeliest next rows, as long as they come free
+                if node not in asked:
+                    nodes = tree.likeliest_below(node, shared)
+                    rows = torch.tensor([row(n) for n in nodes])
+                    asked.update(zip(nodes, self.pipeline.logits(hidden[rows], timing)))
+                return asked[node]
 
         def choose(node: int, children: list[int]) -> int:
             return self.sampler.choose(logits(node), children)
 
-        return verify(tree, choose, self.remaining, self.stop_ids)
+        graft = Graft(ahead.graft, tuple(ahead.tree.child_tokens(ROOT))) if ahead is not None else None
+        return verify(tree, choose, self.remaining, self.stop_ids, flight.entry, graft)
 
     def _advance_window(self, window: LookaheadWindow, outputs: torch.Tensor, timing: StepTiming) -> None:
         """Move the Jacobi window on by the approximate LM head's guesses at its outputs."""
@@ -365,19 +498,25 @@ class _Generation:
         grew: int | None,
     ) -> None:
         """Hand every drafter the committed nodes' features (and a tapped drafter's taps), and each gate what
-        the step yielded and what its drafter's drafting cost (timed into `draft_ms`)."""
+        the step yielded and what its drafter's drafting cost (timed into `draft_ms`); a step taken up from
+        one sent ahead was drafted in flight, beside the gates' choice, so they learn nothing from it."""
         timing.draft_ms = 0.0
         for i, (drafter, gate) in enumerate(zip(self.drafters, self.gates)):
             taps = self.pipeline.tapped(drafter.taps)[keep] if drafter.taps else None
             drafter.observe(self.start, features, taps)
             ms = drafter.take_draft_ms()
             timing.draft_ms += ms
-            gate.observe(speculation, drafter.name, ms if i == grew else None)
+            if not speculation.ran_ahead:
+                gate.observe(speculation, drafter.name, ms if i == grew else None)
 
-    def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int]) -> None:
-        """Move past this step: its path is the next step's keep, its bonus token the next chain."""
+    def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int], sized: bool) -> None:
+        """Move past this step: its path is the next step's keep, its bonus token the next chain. A step
+        taken up from one sent ahead (not `sized`) tells the policy nothing: the previous step sized its
+        tree, and its round trip began before the previous one's ended."""
         self.steps.append(stats)
-        self.link_ms = min(self.link_ms, stats.timing.round_trip_ms - stats.timing.server_ms)
+        if sized:
+            self.sized.append(stats)
+            self.link_ms = min(self.link_ms, stats.timing.round_trip_ms - stats.timing.server_ms)
         self.stopped = verdict.stopped
         self.remaining -= len(verdict.tokens)
         self.start += len(keep)

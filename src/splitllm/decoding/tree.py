@@ -28,6 +28,7 @@ class CandidateTree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     sources: list[tuple[str, ...]] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # each node's estimated chance of being accepted
     _children: dict[int, dict[int, int]] = field(default_factory=dict, repr=False)  # node -> token -> child
 
     def __len__(self) -> int:
@@ -40,13 +41,25 @@ class CandidateTree:
         """Tokens of a node's children."""
         return list(self._children.get(node, ()))
 
-    def add(self, parent: int, token: int, sources: tuple[str, ...]) -> int:
+    def add(self, parent: int, token: int, sources: tuple[str, ...], score: float = 0.0) -> int:
         self._children.setdefault(parent, {})[token] = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
         self.sources.append(sources)
+        self.scores.append(score)
         return len(self.tokens) - 1
+
+    def likeliest_below(self, node: int, n: int) -> list[int]:
+        """`node` and up to n - 1 of its descendants down its likeliest children: the rows a walk that
+        reached `node` most likely asks for next."""
+        path = [node]
+        while len(path) < n:
+            children = list(self._children.get(path[-1], {}).values())
+            if not children:
+                break
+            path.append(max(children, key=lambda c: (self.scores[c], -c)))
+        return path
 
     @classmethod
     def build(
@@ -84,5 +97,5 @@ class CandidateTree:
             best = best[: cost.worth([scores[i] for i in best])]
         tree, renumber = cls(), {ROOT: ROOT}
         for i in sorted(best):  # trie order has parents first
-            renumber[i] = tree.add(renumber[trie.parents[i]], trie.tokens[i], trie.sources[i])
+            renumber[i] = tree.add(renumber[trie.parents[i]], trie.tokens[i], trie.sources[i], scores[i])
         return tree

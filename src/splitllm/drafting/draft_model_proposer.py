@@ -28,7 +28,7 @@ class DraftModelProposer(ScoredTreeProposer):
     """Scored trees from a `DraftModel`'s next-token distributions."""
 
     name = "draft-model"
-    prepares = True
+    reads_tokens = True
 
     def __init__(
         self,

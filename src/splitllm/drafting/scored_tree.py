@@ -11,11 +11,14 @@ add at most the chances of the nodes it runs in expected tokens, each worth what
 link, against the measured time of one pass (a few milliseconds for a one-layer drafter, one whole
 forward for a draft model).
 
-While a step is in flight, a proposer that reads tokens alone (a draft model) can `prepare` the next
-tree for the outcome it thinks likeliest (`likely_path`): the tree after that path, one level deeper,
-whose first level stands for the bonus token. If the step commits that path and a bonus among the
-first level, the next `propose` takes the subtree under the bonus instead of drafting on the
-critical path (`_adopt`); otherwise it drafts as usual, its cache keeping the common prefix.
+While a step is in flight, the proposer can `prepare` the next tree for the outcome it thinks likeliest
+(`likely_path`): the tree after that path, one level deeper, whose first level stands for the bonus
+token. A model that reads tokens alone (a draft model) reads the path into its cache first; one that
+reads the target's features (the learned drafter), which the step has not returned yet, grows the tree
+below the path's last node of the tree in flight, from its own guesses of those features, as it grows
+any depth (`_Root`). If the step commits that path and a bonus among the first level, the next
+`propose` takes the subtree under the bonus instead of drafting on the critical path (`_adopt`);
+otherwise it drafts as usual, its cache keeping the common prefix (syncing crops the guesses).
 
 Node scores are estimated acceptance chances: the product along the path of the drafting model's
 probability, recalibrated per probability bin against the tokens actually committed. They depend only
@@ -57,6 +60,17 @@ class _Node:
     score: float  # estimated chance that the whole path is accepted
     slot: int = -1  # its cache entry, once expanded
     children: list[int] = field(default_factory=list)
+    out: torch.Tensor | None = None  # the drafting model's output there (1, d), once expanded
+
+
+@dataclass(frozen=True)
+class _Root:
+    """Where a tree hangs: the output that gives its first level, the position its depth-1 nodes take less
+    one, and the cache entries besides the committed ones that its nodes see (a prepared tree's guessed path)."""
+
+    out: torch.Tensor
+    last: int
+    context: tuple[int, ...] = ()
 
 
 @dataclass
@@ -66,6 +80,7 @@ class _Prepared:
 
     history: list[int]
     tree: list[_Node]
+    root: _Root
 
 
 class ScoredTreeProposer(ABC):
@@ -77,7 +92,7 @@ class ScoredTreeProposer(ABC):
 
     name = "draft"
     taps: tuple[int, ...] = ()  # layers whose outputs `observe` needs beside the features
-    prepares = False  # whether it drafts from tokens alone, so it can `prepare` while a step is in flight
+    reads_tokens = False  # whether it drafts from tokens alone (so it prepares after reading the path)
 
     def __init__(self, cache: KVCache, top_k: int, beam: int, calibration_config: CalibrationConfig) -> None:
         self.cache, self.top_k, self.beam = cache, top_k, beam
@@ -86,9 +101,11 @@ class ScoredTreeProposer(ABC):
         self.committed = 0  # cache entries holding committed positions
         self.tree: list[_Node] = []
         self.tree_start = 0  # history index of the tree's depth-1 tokens
+        self.root: _Root | None = None  # where the tree hangs
         self.draft_ms = 0.0  # time spent drafting since the last take_draft_ms()
         self.pass_ms: float | None = None  # running average of one depth's pass (None: none timed yet)
         self.prepared: _Prepared | None = None
+        self.sent: _Prepared | None = None  # the prepared tree, gone to the server as a step sent ahead
         self.adopted = False  # whether the last propose took the prepared tree
 
     @abstractmethod
@@ -130,13 +147,14 @@ class ScoredTreeProposer(ABC):
                 return []  # the committed positions wait: the next drafting step syncs them in one pass
             self.adopted = prepared is not None and self._adopt(prepared, history)
             if self.adopted:
-                return self._candidates()
+                return self._candidates(self.tree)
             synced = self._sync(history)
             if synced is None:
                 return []
             self.tree_start = len(history)
-            self._grow(*synced, budget)
-            return self._candidates()
+            self.root = _Root(*synced)
+            self._grow(self.root, budget)
+            return self._candidates(self.tree)
         finally:
             self.cache.keep(list(range(self.cache.pending)))  # so the next crop finds every entry committed
             self.draft_ms += (time.perf_counter() - t0) * 1000
@@ -146,19 +164,66 @@ class ScoredTreeProposer(ABC):
         to accept) one level deeper than `budget`, for the next `propose` to take if the step goes so;
         no depth is begun that would end after `until` (time.perf_counter()), when the step is expected
         back. Learns nothing (the step's outcome is not known yet); `prepared` holds the tree, if any."""
-        if not self.prepares or not budget.max_nodes or not budget.depth:
+        if not budget.max_nodes or not budget.depth:
             return
-        tree, start = self.tree, self.tree_start  # the tree in flight, which the next propose resolves
+        tree, start, root = self.tree, self.tree_start, self.root  # the tree in flight, which the next propose resolves
         try:
-            synced = self._sync(history)
-            if synced is None:
+            if self.reads_tokens:
+                synced = self._sync(history)
+                below = None if synced is None else _Root(*synced)
+            else:
+                below = self._root_below(history[self.tree_start :])
+            if below is None:
                 return
             self.tree = []
-            self._grow(*synced, replace(budget, depth=budget.depth + 1), until)
-            self.prepared = _Prepared(list(history), self.tree)
+            self._grow(below, replace(budget, depth=budget.depth + 1), until)
+            self.prepared = _Prepared(list(history), self.tree, below)
         finally:
             self.cache.keep(list(range(self.cache.pending)))
-            self.tree, self.tree_start = tree, start
+            self.tree, self.tree_start, self.root = tree, start, root
+
+    def _root_below(self, path: Sequence[int]) -> _Root | None:
+        """Where a tree after `path` (tokens down the tree from its first level) hangs: below the path's
+        last node, whose output is expanded now if it was not, every node seeing the path's entries;
+        None if the tree does not hold the path or hangs nowhere yet."""
+        if self.root is None:
+            return None
+        nodes, level = [], [i for i, nd in enumerate(self.tree) if nd.parent < 0]
+        for token in path:
+            node = next((i for i in level if self.tree[i].token == token), None)
+            if node is None:
+                return None
+            nodes.append(node)
+            level = self.tree[node].children
+        if not nodes:
+            return self.root
+        end = self.tree[nodes[-1]]
+        if end.out is None:
+            if self.cache.length + self.cache.pending >= self.cache.max_context:
+                return None
+            self._run([nodes[-1]], self.root)
+        assert end.out is not None
+        return _Root(end.out, self.root.last + end.depth, (*self.root.context, *(self.tree[i].slot for i in nodes)))
+
+    def send_prepared(self) -> list[Candidate]:
+        """The prepared tree's nodes as candidates (its first level stands for the bonus token), for a
+        step sent ahead now; it stays `sent` until that step is taken (`take_sent`) or dropped."""
+        assert self.prepared is not None
+        self.sent, self.prepared = self.prepared, None
+        return self._candidates(self.sent.tree)
+
+    def take_sent(self, history: Sequence[int]) -> None:
+        """The step sent ahead goes on from here (`history` ends with its bonus token): the tree in flight
+        learns what was committed, and the sent tree is the one the next steps resolve and prepare after."""
+        assert self.sent is not None
+        sent, self.sent = self.sent, None
+        self._resolve(history)
+        self.tree, self.tree_start, self.root = sent.tree, len(sent.history), sent.root
+        self.adopted = True
+
+    def drop_sent(self) -> None:
+        """The step sent ahead was given up: its tree is forgotten, the tree in flight stays to be resolved."""
+        self.sent = None
 
     def _adopt(self, prepared: _Prepared, history: Sequence[int]) -> bool:
         """Take the prepared tree's subtree under the bonus token, if `history` is what it was prepared for
@@ -174,29 +239,46 @@ class ScoredTreeProposer(ABC):
         for i, nd in enumerate(tree):  # parents come first
             if nd.parent in renumber:
                 renumber[i] = len(self.tree)
-                self.tree.append(_Node(nd.token, renumber[nd.parent], nd.depth - 1, nd.q, nd.bin, nd.score / tree[root].score))
+                score = nd.score / tree[root].score
+                self.tree.append(_Node(nd.token, renumber[nd.parent], nd.depth - 1, nd.q, nd.bin, score, nd.slot, out=nd.out))
                 if nd.parent != root:
                     self.tree[renumber[nd.parent]].children.append(renumber[i])
         self.tree_start = len(history)
+        bonus = tree[root]
+        assert bonus.out is not None  # it has children: it was expanded
+        self.root = _Root(bonus.out, prepared.root.last + 1, (*prepared.root.context, bonus.slot))
         return True
 
-    def likely_path(self, verified: Callable[[list[int]], bool]) -> list[int]:
-        """The tokens of the last tree the step verifying it most likely accepts before its bonus token:
-        down the likeliest nodes the step holds (`verified(path)`), to where stopping is likeliest (a
-        node's chance less its verified children's)."""
+    def likely_path(self, verified: Callable[[list[int]], bool]) -> tuple[list[int], float]:
+        """The tokens of the last tree the step verifying it likely accepts before a bonus token a tree
+        prepared after them would offer, and the estimated chance that it accepts them all.
+
+        Down the likeliest nodes the step holds (`verified(path)`), to where a prepared tree is likeliest
+        to be taken: the chance of stopping there (a node's chance less its verified children's) times
+        the chance that the bonus is among the tokens offered there but not verified (for a node not
+        expanded yet, the share of the next token a level of offers usually holds)."""
+        offered = [sum(self.tree[c].q for c in nd.children) for nd in self.tree if nd.children]
+        usual = sum(offered) / len(offered) if offered else 0.5
+
+        def taken(children: list[int], path: list[int], stop: float) -> tuple[float, list[int]]:
+            kids = [c for c in children if verified([*path, self.tree[c].token])]
+            if not children:
+                return stop * usual, kids
+            inside = sum(self.tree[c].q for c in kids)
+            outside = sum(self.tree[c].q for c in children) - inside
+            return (stop - sum(self.tree[c].score for c in kids)) * outside / max(1.0 - inside, 1e-6), kids
+
         best: list[int] = []
+        best_score = 1.0
         path: list[int] = []
-        level = [i for i, nd in enumerate(self.tree) if nd.parent < 0]
-        kids = [i for i in level if verified([self.tree[i].token])]
-        best_stop = 1.0 - sum(self.tree[i].score for i in kids)
+        best_taken, kids = taken([i for i, nd in enumerate(self.tree) if nd.parent < 0], path, 1.0)
         while kids:
             node = self.tree[max(kids, key=lambda i: self.tree[i].score)]
             path = [*path, node.token]
-            kids = [i for i in node.children if verified([*path, self.tree[i].token])]
-            stop = node.score - sum(self.tree[i].score for i in kids)
-            if stop > best_stop:
-                best, best_stop = path, stop
-        return best
+            chance, kids = taken(node.children, path, node.score)
+            if chance > best_taken:
+                best, best_taken, best_score = path, chance, node.score
+        return best, best_score
 
     def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
         """Add the top_k children of each parent (-1: root), given its output."""
@@ -211,14 +293,13 @@ class ScoredTreeProposer(ABC):
                 if parent >= 0:
                     self.tree[parent].children.append(len(self.tree) - 1)
 
-    def _grow(self, root_out: torch.Tensor, last: int, budget: SpecBudget, until: float | None = None) -> None:
-        """Grow the tree after the bonus token; depth-d nodes enter the cache at position `last` + d; no
-        depth begins that would end after `until` (time.perf_counter(); None: no such bound)."""
-        max_depth = min(budget.depth, self.max_position - last)
+    def _grow(self, root: _Root, budget: SpecBudget, until: float | None = None) -> None:
+        """Grow the tree after the bonus token from `root`; no depth begins that would end after `until`
+        (time.perf_counter(); None: no such bound)."""
+        max_depth = min(budget.depth, self.max_position - root.last)
         # A node less likely than this is not worth verifying even first (see NodeCost): nor expanding.
         floor = budget.cost.node_ms / budget.cost.step_ms if budget.cost and budget.cost.step_ms > 0 else MIN_SCORE
-        self._offer([-1], root_out, 1)
-        outputs: dict[int, torch.Tensor] = {}
+        self._offer([-1], root.out, 1)
         for depth in range(1, max_depth):
             level = [i for i, nd in enumerate(self.tree) if nd.depth == depth and nd.score >= floor]
             chosen = sorted(sorted(level, key=lambda i: -self.tree[i].score)[: self.beam])
@@ -230,25 +311,37 @@ class ScoredTreeProposer(ABC):
                 return
             if until is not None and time.perf_counter() + (self.pass_ms or 0.0) / 1000 > until:
                 return
-            offset = self.cache.length + self.cache.pending
-            n = len(chosen)
-            sees = torch.zeros(n, offset + n, dtype=torch.bool)
-            sees[:, : self.committed] = True
-            for row, i in enumerate(chosen):
-                self.tree[i].slot = offset + row
-                a = self.tree[i].parent
-                while a >= 0:
-                    sees[row, self.tree[a].slot] = True
-                    a = self.tree[a].parent
-                sees[row, offset + row] = True
-            parents = torch.cat([outputs[self.tree[i].parent] if self.tree[i].parent >= 0 else root_out for i in chosen])
-            tokens = torch.tensor([self.tree[i].token for i in chosen])
             t0 = time.perf_counter()
-            out = self._expand(parents, tokens, torch.full((n,), last + depth), sees)
-            outputs.update(zip(chosen, out[:, None]))
-            self._offer(chosen, out, depth + 1)
+            self._offer(chosen, self._run(chosen, root), depth + 1)
             ms = (time.perf_counter() - t0) * 1000  # the pass and its children's probabilities
             self.pass_ms = ms if self.pass_ms is None else 0.8 * self.pass_ms + 0.2 * ms
+
+    def _run(self, chosen: list[int], root: _Root) -> torch.Tensor:
+        """One pass over nodes of one depth: each enters the cache seeing the committed entries, the
+        root's context and its ancestors; their outputs (n, d), also kept on the nodes."""
+        offset = self.cache.length + self.cache.pending
+        n = len(chosen)
+        sees = torch.zeros(n, offset + n, dtype=torch.bool)
+        sees[:, : self.committed] = True
+        sees[:, list(root.context)] = True
+        for row, i in enumerate(chosen):
+            self.tree[i].slot = offset + row
+            a = self.tree[i].parent
+            while a >= 0:
+                sees[row, self.tree[a].slot] = True
+                a = self.tree[a].parent
+            sees[row, offset + row] = True
+        parents = torch.cat([self._out(self.tree[i].parent, root) for i in chosen])
+        tokens = torch.tensor([self.tree[i].token for i in chosen])
+        out = self._expand(parents, tokens, torch.full((n,), root.last + self.tree[chosen[0]].depth), sees)
+        for row, i in enumerate(chosen):
+            self.tree[i].out = out[row : row + 1]
+        return out
+
+    def _out(self, node: int, root: _Root) -> torch.Tensor:
+        out = root.out if node < 0 else self.tree[node].out
+        assert out is not None  # a parent is expanded before its children
+        return out
 
     def _pays(self, chosen: list[int], cost: NodeCost) -> bool:
         """Whether a pass over the `chosen` nodes can be worth its time: their children add at most the
@@ -259,13 +352,13 @@ class ScoredTreeProposer(ABC):
         ms = cost.step_ms + cost.node_ms * len(self.tree)
         return sum(self.tree[i].score for i in chosen) * ms / expected > self.pass_ms
 
-    def _candidates(self) -> list[Candidate]:
+    def _candidates(self, tree: list[_Node]) -> list[Candidate]:
         candidates = []
-        for i, nd in enumerate(self.tree):
+        for i, nd in enumerate(tree):
             path, a = [], i
             while a >= 0:
-                path.append(self.tree[a].token)
-                a = self.tree[a].parent
+                path.append(tree[a].token)
+                a = tree[a].parent
             candidates.append(Candidate(tuple(reversed(path)), self.name, nd.q, nd.score))
         return candidates
 

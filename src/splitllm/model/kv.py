@@ -79,15 +79,18 @@ class KVCache:
         self.positions[self.length : self.length + n] = positions
         self.pending = n
 
-    def checkpoint(self, keep: Sequence[int]) -> Callable[[], None]:
-        """Before a step that applies `keep`: a function restoring the cache to exactly this state.
+    def checkpoint(self, keep: Sequence[int], crop: int | None = None) -> Callable[[], None]:
+        """Before a step that crops to `crop` (None: no crop) and applies `keep`: a function restoring
+        the cache to exactly this state.
 
         A step can only overwrite the previous step's entries from the first one `keep` moves (a kept
         prefix stays in place), so only those slots are copied: a sequential decode step copies nothing.
+        A crop frees every slot from `crop` on, so those are copied.
         """
         length, pending = self.length, self.pending
         first = next((j for j, i in enumerate(keep) if i != j), len(keep))
-        region = slice(length + min(first, pending), length + pending)
+        start = length + min(first, pending) if crop is None else crop
+        region = slice(start, length + pending)
         saved = (self.k[:, :, :, region].clone(), self.v[:, :, :, region].clone(), self.positions[region].clone())
 
         def restore() -> None:
@@ -107,10 +110,14 @@ class KVCache:
         self.length -= n
         self.pending += n
 
+    def check_crop(self, length: int) -> None:
+        """Raise ValueError unless the cache can be cut back to `length` committed entries."""
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} committed entries to {length}")
+
     def crop(self, length: int) -> None:
         """Forget everything from `length` on (committed or pending)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} committed entries to {length}")
+        self.check_crop(length)
         self.length = length
         self.pending = 0
 

@@ -99,6 +99,9 @@ class BlockedLinear(nn.Module):
             raise RuntimeError("splitllm's CPU kernels do not run on this machine (see BlockedLinear.available)")
         self._kernels = kernels
         self._out, self._in = weight.shape
+        # Rows that cost about one on the dot-product path: the kernel reads each weight block once for a
+        # few rows, so while bandwidth bounds it they come almost free (bfloat16 streams the most bytes).
+        self._dot_rows = 4 if weight.dtype not in (torch.int8, torch.uint8) else 2
         if weight.dtype == torch.uint8:
             packed, scales = kernels.pack_int4(weight.contiguous(), scales.to(torch.bfloat16).contiguous())
         else:
@@ -116,8 +119,9 @@ class BlockedLinear(nn.Module):
     @property
     def shared_rows(self) -> int:
         """How many rows one call takes for about the cost of one: a pass of the tile kernel (32 rows,
-        two tiles of 16) where AMX runs it; 1 on the dot-product path, where every row pays its products."""
-        return 32 if self._kernels.tiles_available() and (self._in + self._in % 2) % 32 == 0 else 1
+        two tiles of 16) where AMX runs it; on the dot-product path the few rows that share each read of
+        the weights while the memory's bandwidth bounds the kernel."""
+        return 32 if self._kernels.tiles_available() and (self._in + self._in % 2) % 32 == 0 else self._dot_rows
 
     @property
     def out_features(self) -> int:

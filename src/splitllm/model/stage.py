@@ -58,13 +58,16 @@ class Step:
 
     `inputs`: token ids (n,) for the embedding, or hidden states (n, d) entering a stage; `positions`
     (n,): their absolute positions; `vis`: which new entries each one sees; `keep`: the previous
-    step's entries to commit first, in order (the rest are dropped).
+    step's entries to commit first, in order (the rest are dropped). `crop`, before that: the committed
+    length to cut the cache back to, dropping what is pending too (so `keep` is empty): a step sent
+    ahead on a guess that failed is undone this way (decoding/speculative.py).
     """
 
     inputs: torch.Tensor
     positions: torch.Tensor
     vis: Visibility
     keep: tuple[int, ...] = ()
+    crop: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep", tuple(self.keep))
@@ -78,9 +81,11 @@ class Step:
         return replace(self, inputs=inputs)
 
     def part(self, start: int, end: int, keep: Sequence[int]) -> Step:
-        """Entries [start, end) as a step of their own that commits `keep` first; exact where every
-        entry from `start` on sees every entry before it (`Visibility.cuts`)."""
-        return Step(self.inputs[start:end], self.positions[start:end], self.vis.part(start, end), keep)
+        """Entries [start, end) as a step of their own that commits `keep` first (the first part crops
+        as the step does); exact where every entry from `start` on sees every entry before it
+        (`Visibility.cuts`)."""
+        crop = self.crop if start == 0 else None
+        return Step(self.inputs[start:end], self.positions[start:end], self.vis.part(start, end), keep, crop)
 
 
 class Stage(nn.Module):
@@ -138,11 +143,16 @@ class Stage(nn.Module):
                 f"a step of {n} positions needs hidden states of shape ({n}, {self.cfg.hidden_size}) and an "
                 f"{n} x {n} visibility, got {tuple(hidden.shape)} and {step.vis.n} x {step.vis.n}"
             )
-        cache.check_keep(step.keep)
-        if cache.length + len(step.keep) + n > cache.max_context:
+        if step.crop is not None:
+            cache.check_crop(step.crop)
+            if step.keep:
+                raise ValueError("a step that crops the cache keeps nothing of the previous step (it is dropped)")
+        else:
+            cache.check_keep(step.keep)
+        context = (cache.length if step.crop is None else step.crop) + len(step.keep)
+        if context + n > cache.max_context:
             raise ValueError(
-                f"step of {n} positions over a context of {cache.length + len(step.keep)} exceeds the "
-                f"maximum context of {cache.max_context}"
+                f"step of {n} positions over a context of {context} exceeds the maximum context of {cache.max_context}"
             )
         if n and (int(positions.min()) < 0 or int(positions.max()) >= self.cfg.max_position):
             raise ValueError(f"positions must lie in [0, {self.cfg.max_position})")
@@ -150,8 +160,8 @@ class Stage(nn.Module):
     def forward(self, cache: KVCache, step: Step) -> torch.Tensor:
         """step.inputs: (n, d) states entering layer `start`; returns (n, d) states leaving layer `end - 1`.
 
-        `step.keep` first commits the chosen entries of the previous step, then the n new positions
-        are appended as this step's pending entries.
+        `step.crop` first cuts the cache back, `step.keep` commits the chosen entries of the previous
+        step, then the n new positions are appended as this step's pending entries.
         """
         return self.forward_many([(cache, step)])[0]
 
@@ -169,6 +179,8 @@ class Stage(nn.Module):
         segments: list[list[Segment]] = [[] for _ in self.windows]
         row = 0
         for cache, s in batch:
+            if s.crop is not None:
+                cache.crop(s.crop)
             cache.keep(s.keep)
             cache.stage_new(s.positions)
             cache_pos = cache.positions[: cache.length]

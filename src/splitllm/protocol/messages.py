@@ -20,8 +20,9 @@ import torch
 from splitllm.protocol import wire
 from splitllm.protocol.wire import WIRE_DTYPES, ProtocolError
 
-# 2: the attestation handshake and sealed frames; 3: every message checked whole on receipt
-PROTOCOL_VERSION = 3
+# 2: the attestation handshake and sealed frames; 3: every message checked whole on receipt; 4: a step may
+# crop the cache (undoing a step sent ahead on a guess that failed)
+PROTOCOL_VERSION = 4
 RequestId: TypeAlias = int | str | None  # echoed by the reply; an id of another type counts as none
 _INT64 = 2**63
 
@@ -85,8 +86,9 @@ class OpenedMessage:
 
 @dataclass(frozen=True)
 class StepMessage:
-    """One step of a session: `hidden` (n, d) in the wire `dtype`, their positions, the previous step's
-    entries to `keep`, and how the new entries see each other (`parents`, else `bits`, else a chain)."""
+    """One step of a session: `hidden` (n, d) in the wire `dtype`, their positions, the committed length
+    to `crop` the cache back to first (None: none), the previous step's entries to `keep`, and how the new
+    entries see each other (`parents`, else `bits`, else a chain)."""
 
     OP: ClassVar[str] = "step"
     session: str
@@ -97,10 +99,13 @@ class StepMessage:
     parents: tuple[int, ...] | None = None
     bits: bytes | None = None
     id: RequestId = None
+    crop: int | None = None
 
     def header(self) -> dict[str, Any]:
         h: dict[str, Any] = {"op": self.OP, "id": self.id, "session": self.session, "keep": list(self.keep),
                              "positions": list(self.positions)}
+        if self.crop is not None:
+            h["crop"] = self.crop
         if self.parents is not None:
             h["parents"] = list(self.parents)
         elif self.bits is not None:
@@ -127,10 +132,15 @@ class StepMessage:
         for earlier, k in zip([-1, *keep], keep):
             if not _is_int(k) or k <= earlier:
                 raise ProtocolError("bad_request", "keep must be strictly increasing indices into the previous step")
+        crop = h.get("crop")
+        if crop is not None and (not _is_int(crop) or not 0 <= crop < _INT64):
+            raise ProtocolError("bad_request", "crop must be a committed length (an integer >= 0)")
+        if crop is not None and keep:
+            raise ProtocolError("bad_keep", "a step that crops the cache keeps nothing of the previous step")
         parents, bits = _visibility(h, n)
         if not bool(torch.isfinite(hidden).all()):
             raise ProtocolError("bad_values", "hidden states contain NaN or Inf")
-        return cls(session, hidden, h["dtype"], tuple(positions), tuple(keep), parents, bits, request_id(frame))
+        return cls(session, hidden, h["dtype"], tuple(positions), tuple(keep), parents, bits, request_id(frame), crop)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class StepRunner:
         try:
             vis = Visibility.from_wire(request.parents, request.bits, n)
             positions = torch.tensor(request.positions, dtype=torch.long)
-            step = Step(hidden.to(self.settings.dtype), positions, vis, request.keep)
+            step = Step(hidden.to(self.settings.dtype), positions, vis, request.keep, request.crop)
             self.stage.check_step(session.cache, step)
         except ValueError as exc:
             raise ProtocolError("bad_request", str(exc)) from None
@@ -85,7 +85,8 @@ class StepRunner:
         """Rows and estimated transient bytes of a step: activations (the MLP's widest) and its masks."""
         cfg, cache = self.stage.cfg, prepared.session.cache
         n = prepared.rows()
-        context = cache.length + len(prepared.step.keep) + prepared.parts[prepared.done][1]
+        base = cache.length if prepared.done or prepared.step.crop is None else prepared.step.crop
+        context = base + len(prepared.step.keep) + prepared.parts[prepared.done][1]
         itemsize = torch.finfo(self.settings.dtype).bits // 8
         activations = n * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * itemsize
         masks = len(set(self.stage.windows)) * n * context * itemsize
@@ -101,7 +102,7 @@ class StepRunner:
         """
         t0 = time.perf_counter()
         batch = [(p.session.cache, p.next_step()) for p in prepared]
-        restores = [cache.checkpoint(step.keep) for cache, step in batch]
+        restores = [cache.checkpoint(step.keep, step.crop) for cache, step in batch]
         for p, restore in zip(prepared, restores):
             if p.done == 0:
                 p.rollback = restore

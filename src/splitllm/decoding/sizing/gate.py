@@ -61,3 +61,38 @@ class DraftGate:
         if drafted_ms is not None:
             self.gain = d * self.gain + (1 - d) * speculation.sources.get(source, 0)
             self.ms = d * self.ms + (1 - d) * drafted_ms
+
+
+class AheadGate:
+    """Whether a prepared tree goes to the server at once, as a step ahead of the one in flight.
+
+    A step sent ahead and taken up saves the round trip the next step would start after the reply:
+    the link and the client's verifying, less what preparing it took beyond the server's time on the
+    step in flight. One dropped costs the server its compute, which delays the next step by what
+    outlasts the link and the verifying. The share taken up is a running average over the steps sent
+    ahead (`prior` before any); while sending does not pay, a step goes ahead anyway now and then, each
+    try that finds it still not paying waiting twice as long for the next.
+    """
+
+    def __init__(self, prior: float = 0.3, decay: float = 0.8, explore: int = 8, max_explore: int = 64) -> None:
+        self.taken, self.decay = prior, decay
+        self.explore, self.max_explore = explore, max_explore
+        self.interval = explore
+        self.next_try = 0
+
+    def offer(self, link_ms: float, verify_ms: float, prepare_ms: float, server_ms: float, step: int) -> bool:
+        """Whether to send ahead at `step`: times of the link, the client's verifying after a reply, the
+        preparing just done, and the server's step (the one in flight and the one ahead alike)."""
+        saved = max(link_ms + verify_ms - max(prepare_ms - server_ms, 0.0), 0.0)
+        lost = max(server_ms - link_ms - verify_ms, 0.0)
+        if self.taken * saved >= (1 - self.taken) * lost and saved > 0:
+            self.interval = self.explore
+            return True
+        if step < self.next_try:
+            return False
+        self.next_try = step + self.interval
+        self.interval = min(2 * self.interval, self.max_explore)
+        return True
+
+    def observe(self, taken: bool) -> None:
+        self.taken = self.decay * self.taken + (1 - self.decay) * taken

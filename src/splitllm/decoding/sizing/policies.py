@@ -251,7 +251,8 @@ class AdaptivePolicy:
         for i in range(est.seen, len(steps)):
             s, t = steps[i], steps[i].timing
             x = step_features(s)
-            if t.round_trip_ms > t.server_ms:  # over a network (in-process steps have none)
+            # Over a network (in-process steps have none); a step sent ahead waited only for the rest of its trip.
+            if t.round_trip_ms > t.server_ms and not s.speculation.ran_ahead:
                 est.networked = True
                 # The framing intercept fitted offline cannot be told apart from RTT live (it moves with
                 # load), so the live RTT absorbs it and only the per-byte part is taken off.

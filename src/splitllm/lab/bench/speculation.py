@@ -7,6 +7,7 @@ measured in the same run. Decode-phase numbers exclude the prefill step, as `Gen
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -37,8 +38,10 @@ MODES = ("sequential", "lookup", "lookahead", "drafter", "auto", "auto-static")
 # Decoders measured besides DECODERS' modes: `auto` with its static default budget instead of the
 # adaptive policy, to show what adapting to the link adds; `drafter` with trees of about the size EAGLE-2
 # verifies (64 nodes, 8 beams of 8 children, 10 deep) against its own 24 nodes of 4 x 6, to show what
-# width buys and costs; `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6; and
-# `auto` drafting only between steps (no tree prepared while one is in flight), to show what that hides.
+# width buys and costs; `auto` choosing its value-sized trees from 8 x 8 candidates instead of 4 x 6;
+# `auto` drafting only between steps (no tree prepared while one is in flight), to show what that hides; and
+# `auto` preparing trees in flight but sending none ahead (one step on the wire at a time), to show what
+# sending the next step on the likely outcome of the one in flight adds.
 WIDE = TreeShape(top_k=8, beam=8)
 EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
     "auto-static": lambda: SpeculativeDecoder(SpeculationConfig()),
@@ -47,7 +50,11 @@ EXTRA_DECODERS: dict[str, Callable[[], Callable]] = {
     ),
     "auto-wide": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, tree=WIDE)),
     "auto-serial": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, prepare=False)),
+    "auto-one-step": lambda: SpeculativeDecoder(replace(DECODERS[Mode.AUTO]().config, send_ahead=False)),
 }
+# llama.cpp running the whole model here, by its thread count: one thread on the client's cores (what the
+# client alone could run without any server), two on both sides' cores (the cores the split run uses).
+WHOLE_MODEL_THREADS = (1, 2)
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Tally:
             if s.proposer:
                 accepted_drafts[s.proposer] += s.accepted - 1
         prepared, adopted = sum(s.prepared for s in specs), sum(s.adopted for s in specs)
+        sent_ahead, ran_ahead = sum(s.sent_ahead for s in specs), sum(s.ran_ahead for s in specs)
         return {
             "prompts": self.prompts,
             "identical": self.identical,
@@ -98,6 +106,8 @@ class Tally:
             "hidden_ms_per_step": per_step(sum(t.overlap_ms for t in times)),  # client work while steps were in flight
             "prepared_share": per_step(prepared),  # steps whose flight prepared the next tree
             "adopted_share": adopted / prepared if prepared else 0.0,  # prepared trees used
+            "ahead_share": per_step(sent_ahead),  # steps that sent the next step before their reply came back
+            "ahead_used_share": ran_ahead / sent_ahead if sent_ahead else 0.0,  # steps sent ahead whose guess held
             "first_step_ms": self.first_step_ms / self.prompts if self.prompts else 0.0,
             "proposers": {p: {"steps_won": won[p], "draft_tokens_accepted": accepted_drafts[p]} for p in sorted(won)},
             # share of all emitted tokens that were draft tokens of nodes with these sources ("a+b": both)
@@ -165,6 +175,28 @@ def _drafting(drafter: Drafter | None, draft_model: DraftModel | None, folder: s
     return ", ".join(names + ([f"drafter {folder or 'shipped'}"] if drafter is not None else []))
 
 
+def _modes_table(summary: dict) -> list[str]:
+    """The per-mode table; the sent-ahead column only when the summaries have it (older results predate it)."""
+    ahead = any("ahead_share" in s for modes in summary.values() for s in modes.values())
+    lines = [
+        "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
+        "| draft ms/step | hidden ms/step | prepared trees used |" + (" steps sent ahead used |" if ahead else "")
+        + " server busy | server ms/step | first token ms |",
+        "| --- " * (15 if ahead else 14) + "|",
+    ]
+    for group, modes in summary.items():
+        for mode, s in modes.items():
+            sent = f" {s.get('ahead_used_share', 0.0):.0%} of {s.get('ahead_share', 0.0):.0%} |" if ahead else ""
+            lines.append(
+                f"| {group} | {mode} | {s['tokens_per_step']:.2f} | {s['tokens_per_second']:.2f} | "
+                f"{s['speedup']:.2f}x | {s['identical']}/{s['prompts']} | {s['nodes_per_step']:.1f} | "
+                f"{s['bytes_up_per_step']:.0f} | {s['draft_ms_per_step']:.1f} | {s['hidden_ms_per_step']:.1f} | "
+                f"{s['adopted_share']:.0%} of {s['prepared_share']:.0%} |{sent} {s['server_busy']:.0%} | "
+                f"{s['server_ms_per_step']:.1f} | {s['first_step_ms']:.0f} |"
+            )
+    return lines
+
+
 def markdown(summary: dict, settings: dict) -> str:
     lines = [
         f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, {settings.get('model', 'default')} model split "
@@ -173,19 +205,8 @@ def markdown(summary: dict, settings: dict) -> str:
         f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
         f"{', drafting with ' + settings['drafter'] if settings.get('drafter') else ''}.",
         "",
-        "| category | mode | tokens/step | tok/s | speedup vs sequential | identical | nodes/step | bytes up/step "
-        "| draft ms/step | hidden ms/step | prepared trees used | server busy | server ms/step | first token ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *_modes_table(summary),
     ]
-    for group, modes in summary.items():
-        for mode, s in modes.items():
-            lines.append(
-                f"| {group} | {mode} | {s['tokens_per_step']:.2f} | {s['tokens_per_second']:.2f} | "
-                f"{s['speedup']:.2f}x | {s['identical']}/{s['prompts']} | {s['nodes_per_step']:.1f} | "
-                f"{s['bytes_up_per_step']:.0f} | {s['draft_ms_per_step']:.1f} | {s['hidden_ms_per_step']:.1f} | "
-                f"{s['adopted_share']:.0%} of {s['prepared_share']:.0%} | {s['server_busy']:.0%} | {s['server_ms_per_step']:.1f} | "
-                f"{s['first_step_ms']:.0f} |"
-            )
     lines += [
         "",
         "Accepted draft tokens by proposer (overall):",
@@ -253,8 +274,10 @@ def run_speculation(bench: SpeculationBench = SpeculationBench(), progress: Call
     runs = _measure_over_link(bench, client, cores, prompts, progress)
     summary = summarize(runs, bench.modes)
     peer = _rpc_peer(bench, cores, progress)
+    whole = _whole_model_peers(bench, cores, progress)
     diverged = divergences(client, prompts, runs) if not (bench.sampling and bench.sampling.do_sample) else []
-    data = {"settings": settings, "summary": summary, "divergences": diverged, "llama_cpp_rpc": peer}
+    data = {"settings": settings, "summary": summary, "divergences": diverged, "llama_cpp_rpc": peer,
+            "llama_cpp_whole": whole}
     folder = Path(bench.out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "speculation.json").write_text(json.dumps({**data, "runs": runs}))
@@ -309,6 +332,22 @@ def _rpc_peer(bench: SpeculationBench, cores: Sides, progress: Callable[[str], N
     return peers.measured(bench.model, rpc, progress)
 
 
+def _whole_model_peers(bench: SpeculationBench, cores: Sides, progress: Callable[[str], None]) -> dict[str, dict]:
+    """llama.cpp with every layer in one local process, no link at all: what splitting must be weighed against.
+    One thread runs pinned to the client's cores, more on both sides' cores; keyed by thread count."""
+    found = {}
+    for threads in WHOLE_MODEL_THREADS:
+        on = cores.client if threads == 1 else cores.server | cores.client
+        whole = functools.partial(peers.whole_model, threads=threads, tokens=bench.max_new_tokens, cores=on)
+        found[str(threads)] = peers.measured(bench.model, whole, _with_threads(progress, threads))
+    return found
+
+
+def _with_threads(progress: Callable[[str], None], threads: int) -> Callable[[str], None]:
+    """`progress` naming the thread count, which the peer's own line leaves out."""
+    return lambda line: progress(f"{line} ({threads} thread{'s' * (threads > 1)})")
+
+
 def report(data: dict) -> str:
     """The whole report of a run (`run_speculation`'s result, or its JSON without the runs)."""
     summary, diverged, peer = data["summary"], data["divergences"], data["llama_cpp_rpc"]
@@ -317,10 +356,24 @@ def report(data: dict) -> str:
         text += "\nFirst differences from sequential (top-2 logit gap of the model at that prefix):\n\n"
         text += "| prompt | mode | at token | top-2 gap |\n| --- | --- | --- | --- |\n"
         text += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
+    auto = summary["overall"].get("auto", {}).get("tokens_per_second", 0.0)
     if "tokens_per_second" in peer:
-        auto = summary["overall"].get("auto", {}).get("tokens_per_second", 0.0)
         text += (f"\nllama.cpp RPC (every layer remote, nothing private; the same cores and threads) over the same link: "
                  f"{peer['tokens_per_second']:.2f} tok/s; auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
     else:
         text += f"\nllama.cpp RPC: {peer['skipped']}\n"
+    return text + _whole_model_lines(data.get("llama_cpp_whole", {}), auto)
+
+
+def _whole_model_lines(whole: dict[str, dict], auto: float) -> str:
+    """A line per thread count for llama.cpp's whole model run locally (results before it was measured have none)."""
+    text = ""
+    for threads, peer in whole.items():
+        where = "pinned to the client's cores" if threads == "1" else "on both sides' cores"
+        label = f"llama.cpp whole model, {threads} thread{'s' * (threads != '1')}"
+        if "tokens_per_second" in peer:
+            text += (f"\n{label} ({where}, every layer local, no link): {peer['tokens_per_second']:.2f} tok/s; "
+                     f"auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
+        else:
+            text += f"\n{label}: {peer['skipped']}\n"
     return text
