@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 import threading
+import time
 from contextlib import ExitStack
 from functools import cache
 from pathlib import Path
@@ -102,6 +103,33 @@ def _build_tiny(name: str, folder: Path) -> Path:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return folder
+
+
+class Distant(InProcessMiddle):
+    """A simulation of a middle on another machine, `flight_ms` away: this in-process middle computes, then the
+    client's core is free (the piece of client work runs, and may send a step ahead) until the reply would
+    be back. `ahead` False: no step goes ahead."""
+
+    overlaps = True
+
+    def __init__(self, stage: Stage, max_context: int, ahead: bool = True, flight_ms: float = 30.0) -> None:
+        super().__init__(stage, max_context)
+        self.ahead, self.flight_ms = ahead, flight_ms
+
+    @property
+    def ahead_ready(self) -> bool:
+        return self.ahead and super().ahead_ready
+
+    def _run(self, compute, timing, while_waiting):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = compute()
+        timing.server_ms += (time.perf_counter() - t0) * 1000
+        self._in_step = True
+        next(while_waiting or iter(()), None)
+        self._in_step = False
+        time.sleep(max(0.0, t0 + self.flight_ms / 1000 - time.perf_counter()))
+        timing.round_trip_ms += (time.perf_counter() - t0) * 1000
+        return out
 
 
 def random_drafter(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0, taps: tuple[int, ...] = ()) -> Drafter:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_drafter
+from conftest import Distant, random_drafter
 
 from splitllm.client.client_model import ClientModel
 from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
@@ -295,34 +295,6 @@ def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, 
     assert proposer.tokens[: len(history)] == history
 
 
-class _Distant(InProcessMiddle):
-    """A simulation of a middle on another machine, FLIGHT_MS away: this in-process middle computes, then the
-    client's core is free (the piece of client work runs, and may send a step ahead) until the reply would
-    be back. `ahead` False: no step goes ahead."""
-
-    overlaps = True
-    FLIGHT_MS = 30.0
-
-    def __init__(self, stage: Stage, max_context: int, ahead: bool = True) -> None:
-        super().__init__(stage, max_context)
-        self.ahead = ahead
-
-    @property
-    def ahead_ready(self) -> bool:
-        return self.ahead and super().ahead_ready
-
-    def _run(self, compute, timing, while_waiting):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
-        out = compute()
-        timing.server_ms += (time.perf_counter() - t0) * 1000
-        self._in_step = True
-        next(while_waiting or iter(()), None)
-        self._in_step = False
-        time.sleep(max(0.0, t0 + self.FLIGHT_MS / 1000 - time.perf_counter()))
-        timing.round_trip_ms += (time.perf_counter() - t0) * 1000
-        return out
-
-
 def _drafting(drafting: str, draft_model_split, model, vocab16_model: Path) -> tuple[ClientModel, Stage]:  # type: ignore[no-untyped-def]
     """The split a test drafts with: a random draft model, the model itself as its own draft model, or a
     random learned drafter."""
@@ -336,13 +308,13 @@ def _drafting(drafting: str, draft_model_split, model, vocab16_model: Path) -> t
 def _exact_over_a_distance(  # type: ignore[no-untyped-def]
     client_model: ClientModel, stage: Stage, ahead: bool
 ) -> Iterator[tuple[SpeculativeDecoder, list[int], list[int], list, SplitPipeline]]:
-    """Four generations over a `_Distant` middle, each checked equal to sequential's: the decoder, prompt,
+    """Four generations over a `Distant` middle, each checked equal to sequential's: the decoder, prompt,
     ids, steps and pipeline of each."""
     decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(replace(BIG, depth=3))))
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected, _ = _ids(decode_sequential, _pipeline((client_model, stage)), prompt, 40)
-        pipeline = SplitPipeline(client_model, _Distant(stage, CONTEXT, ahead=ahead), CONTEXT)
+        pipeline = SplitPipeline(client_model, Distant(stage, CONTEXT, ahead=ahead), CONTEXT)
         ids, outs = _ids(decoder, pipeline, prompt, 40)
         assert ids == expected, seed
         yield decoder, prompt, ids, outs, pipeline

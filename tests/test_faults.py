@@ -15,7 +15,9 @@ import torch
 from conftest import TINY_SPLIT
 from protocol_client import RawClient, greedy
 
+from splitllm.client.client_model import ClientModel
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
+from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.client import SplitClient
 from splitllm.testing.launch import ServerProcess, ServerThread
@@ -23,7 +25,13 @@ from splitllm.weights.sources import ModelFiles
 from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
-from splitllm.model.stage import Step
+from splitllm.decoding.sequential import decode_sequential
+from splitllm.decoding.sizing.budget import SpecBudget
+from splitllm.decoding.sizing.policies import StaticPolicy
+from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.speculative import SpeculativeDecoder
+from splitllm.drafting.draft_model import DraftModel
+from splitllm.model.stage import Stage, Step
 from splitllm.model.visibility import Visibility
 from splitllm.protocol.messages import ErrorMessage, ResultMessage
 
@@ -83,6 +91,26 @@ def test_connections_cut_at_random_moments_lose_nothing(tiny, server, load_clien
             got = greedy(load_client_model(tiny, FIRST, LAST), middle, prompt, NEW, between_steps)
     assert got == expected
     assert middle.reconnects >= len(cut_at) and chaos.drops > 0
+
+
+def test_steps_sent_ahead_survive_connections_cut_at_random_moments(vocab16_model, server) -> None:  # type: ignore[no-untyped-def]
+    """With a second step on the wire, a cut can lose the step ahead, its reply, or one dropped and not
+    yet read: each is sent again or replayed, and the output is still sequential's."""
+    files = ModelFiles(str(vocab16_model))
+    client_model = ClientModel(files, 1, 1, torch.float64)
+    client_model.draft_model = DraftModel(files, torch.float64)  # the model itself drafts: steps taken and dropped
+    stage = Stage.load(files, 1, 2, torch.float64)
+    prompt = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    local = SplitPipeline(client_model, InProcessMiddle(stage, 128), 128)
+    expected = [t for o in decode_sequential(local, prompt, 48, frozenset()) for t in o.tokens]
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(SpecBudget(12, depth=3))))
+    target = server(vocab16_model, 1, 1, dtype=torch.float64)
+    with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=20)) as proxy:
+        middle = RemoteMiddle(f"ws://127.0.0.1:{proxy.port}", files.fingerprint, client_model.middle_range, "float32", 128)
+        with _Chaos(proxy, seed=7, gap_s=(0.05, 0.25)):
+            outs = list(decoder(SplitPipeline(client_model, middle, 128), prompt, 48, frozenset()))
+    assert [t for o in outs for t in o.tokens] == expected
+    assert middle.reconnects > 0 and sum(o.stats.speculation.sent_ahead for o in outs) > 0
 
 
 def test_every_connection_cut_after_a_byte_budget(tiny, server, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ from splitllm.client.stopping import IncrementalText, StopRule
 from splitllm.decoding.grammar import Grammar
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.tree import ROOT, CandidateTree
-from splitllm.decoding.verifier import verify
+from splitllm.decoding.verifier import Graft, verify
 from splitllm.drafting.draft_model import DraftModel
 from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
@@ -293,19 +293,24 @@ def _synthetic_logits(prefix: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(TREE_VOCAB, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1.5
 
 
-@cache
-def _synthetic_tree(prefix: tuple[int, ...]) -> CandidateTree:
-    """A depth-3 tree, a deterministic function of the prefix: the 3 likeliest tokens first, then 2, then
-    3 children per node, likeliest first (so a wrong rule for later siblings shows)."""
+def _narrow_tree(prefix: tuple[int, ...], widths: tuple[int, ...]) -> CandidateTree:
+    """A tree of the likeliest tokens after `prefix`, `widths[d]` children per node at depth d + 1."""
     tree = CandidateTree()
     frontier = [(ROOT, prefix)]
-    for width in (3, 2, 3):
+    for width in widths:
         frontier = [
             (tree.add(node, int(t), ("test",)), (*path, int(t)))
             for node, path in frontier
             for t in _synthetic_logits(path).topk(width).indices
         ]
     return tree
+
+
+@cache
+def _synthetic_tree(prefix: tuple[int, ...]) -> CandidateTree:
+    """A depth-3 tree, a deterministic function of the prefix: the 3 likeliest tokens first, then 2, then
+    3 children per node, likeliest first (so a wrong rule for later siblings shows)."""
+    return _narrow_tree(prefix, (3, 2, 3))
 
 
 def _sample_tree_walks(sampler_class: type[Sampler], samples: int) -> list[tuple[int, ...]]:
@@ -333,17 +338,22 @@ def _ancestry(tree: CandidateTree, node: int) -> list[int]:
     return path[::-1]
 
 
-def test_tree_acceptance_is_exact_at_depth_three_with_siblings() -> None:
-    """Depth-3 trees with 2-3 siblings per level: the walk's tokens are distributed exactly as plain
-    sampling; a rule that forgets to renormalise after a rejected sibling fails the same test."""
+def _exact_synthetic() -> dict[tuple[int, ...], float]:
+    """P(first TREE_TOKENS tokens) under TREE_PARAMS and the stand-in model."""
     probs = lambda path: Sampler(TREE_PARAMS).probs(_synthetic_logits(path)).tolist()  # noqa: E731
-    exact = {
+    return {
         (a, b, c): pa * pb * pc
         for a, pa in enumerate(probs(()))
         for b, pb in enumerate(probs((a,)))
         for c, pc in enumerate(probs((a, b)))
         if pa * pb * pc > 0
     }
+
+
+def test_tree_acceptance_is_exact_at_depth_three_with_siblings() -> None:
+    """Depth-3 trees with 2-3 siblings per level: the walk's tokens are distributed exactly as plain
+    sampling; a rule that forgets to renormalise after a rejected sibling fails the same test."""
+    exact = _exact_synthetic()
     depths = [len(_ancestry(_synthetic_tree(()), i)) for i in range(len(_synthetic_tree(())))]
     assert max(depths) == 3 and len(_synthetic_tree(())) == 3 + 6 + 18
     p_right = _chi_square_p(_sample_tree_walks(Sampler, 3000), exact)
@@ -391,3 +401,48 @@ def test_drafter_sampling_keeps_the_distribution(small_vocab, vocab16_draft_mode
     print(f"chi-square p: draft {p_spec:.3g} ({per_step:.2f} tok/step)")
     assert per_step > 1.2
     assert p_spec > PASS_P
+
+
+def _sample_walks_with_a_step_ahead(samples: int) -> tuple[list[tuple[int, ...]], int]:
+    """TREE_TOKENS tokens per sample: a one-path tree in flight, and a step sent ahead on its first node
+    whose first level holds the next likeliest tokens the tree lacks there, each with two children;
+    a handoff goes on in the step ahead from its entry node. Also how many walks were handed off."""
+    drawn, handed = [], 0
+    for seed in range(samples):
+        sampler, out = Sampler(replace(TREE_PARAMS, seed=seed)), []
+        while len(out) < TREE_TOKENS:
+            prefix, tree = tuple(out), _narrow_tree(tuple(out), (1, 1))
+            graft = tree.child_tokens(ROOT)[0]
+            after = (*prefix, graft)
+            lacked = [int(t) for t in _synthetic_logits(after).topk(4).indices if tree.child(0, int(t)) is None][:3]
+            ahead = CandidateTree()
+            for t in lacked:
+                entry = ahead.add(ROOT, t, ("ahead",))
+                for u in _synthetic_logits((*after, t)).topk(2).indices:
+                    ahead.add(entry, int(u), ("ahead",))
+
+            def choose_in(tree: CandidateTree, base: tuple[int, ...]):  # type: ignore[no-untyped-def]
+                return lambda node, candidates: sampler.choose(
+                    _synthetic_logits(base + tuple(tree.tokens[i] for i in _ancestry(tree, node))), candidates
+                )
+
+            verdict = verify(tree, choose_in(tree, prefix), TREE_TOKENS - len(out), frozenset(), graft=Graft(0, tuple(lacked)))
+            out += verdict.tokens
+            if verdict.handoff:
+                handed += 1
+                entry = ahead.child(ROOT, verdict.tokens[-1])
+                assert entry is not None
+                out += verify(ahead, choose_in(ahead, after), TREE_TOKENS - len(out), frozenset(), start=entry).tokens
+        drawn.append(tuple(out))
+    return drawn, handed
+
+
+def test_a_step_sent_ahead_keeps_sampling_exact() -> None:
+    """The graft's first level is offered once beside the tree's own children, and the walk goes on in
+    the step sent ahead from the token chosen: the tokens are distributed exactly as plain sampling."""
+    exact = _exact_synthetic()
+    walks, handed = _sample_walks_with_a_step_ahead(3000)
+    p_ahead = _chi_square_p(walks, exact)
+    print(f"chi-square p: with a step ahead {p_ahead:.3g} ({handed} handed off)")
+    assert handed > 300
+    assert p_ahead > PASS_P

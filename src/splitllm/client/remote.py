@@ -286,10 +286,15 @@ class RemoteMiddle:
         t0 = time.perf_counter()
         sent = self._on_wire(step)
         message = self._sealed(messages.encode(self._step_message(sent)))
-        self._ws.send(message)
+        ws = self._ws
+        self._ahead = (sent, ws)
+        try:
+            ws.send(message)
+        except Exception as exc:  # the link failed: the step waits, as sent on it, for a new session
+            if not is_transient(exc):
+                raise
         timing.serialize_ms += (time.perf_counter() - t0) * 1000
         timing.bytes_up += len(message)
-        self._ahead = (sent, self._ws)
 
     def receive_ahead(self, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
         """The outputs of the step sent ahead, which becomes the last step (sent again if the link failed)."""
