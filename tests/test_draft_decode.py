@@ -168,8 +168,9 @@ def test_the_gate_tries_drafting_less_often_while_it_does_not_pay() -> None:
 
 
 def test_a_step_goes_ahead_while_what_a_taken_one_saves_outweighs_what_a_dropped_one_costs() -> None:
-    """Over a slow link to a fast server every prepared tree goes ahead; when the server's compute outlasts
-    the link and verifying, only while enough are taken up, and now and then to find out again."""
+    """Over a slow link to a fast server every prepared tree goes ahead while some are taken up; when the
+    server's compute outlasts the link and verifying, only while enough are; and now and then to find out
+    again."""
     gate = AheadGate(prior=0.3, explore=8, max_explore=32)
     assert all(gate.offer(80.0, 10.0, 20.0, 15.0, step) for step in range(20))  # nothing lost: always
     slow = AheadGate(prior=0.3, explore=8, max_explore=32)
@@ -178,6 +179,10 @@ def test_a_step_goes_ahead_while_what_a_taken_one_saves_outweighs_what_a_dropped
     for _ in range(10):
         slow.observe(True)
     assert slow.offer(80.0, 10.0, 20.0, 150.0, 100)  # most are taken now: every step
+    idle = AheadGate(prior=0.3, explore=8, max_explore=32)
+    for _ in range(20):
+        idle.observe(False)  # hardly any taken: the server's compute is wasted, though it costs this client nothing
+    assert [step for step in range(40) if idle.offer(80.0, 10.0, 20.0, 15.0, step)] == [0, 8, 24]
 
 
 def test_drafter_mode_needs_a_drafter(tiny_models, load_client_model) -> None:  # type: ignore[no-untyped-def]

@@ -69,13 +69,17 @@ class AheadGate:
     A step sent ahead and taken up saves the round trip the next step would start after the reply:
     the link and the client's verifying, less what preparing it took beyond the server's time on the
     step in flight. One dropped costs the server its compute, which delays the next step by what
-    outlasts the link and the verifying. The share taken up is a running average over the steps sent
-    ahead (`prior` before any); while sending does not pay, a step goes ahead anyway now and then, each
-    try that finds it still not paying waiting twice as long for the next.
+    outlasts the link and the verifying; even when it delays nothing here, it is load other sessions
+    on the server feel, so below `min_taken` taken up, steps do not go ahead. The share taken up is a
+    running average over the steps sent ahead (`prior` before any); while sending does not pay, a
+    step goes ahead anyway now and then, each try that finds it still not paying waiting twice as
+    long for the next.
     """
 
-    def __init__(self, prior: float = 0.3, decay: float = 0.8, explore: int = 8, max_explore: int = 64) -> None:
-        self.taken, self.decay = prior, decay
+    def __init__(
+        self, prior: float = 0.3, decay: float = 0.8, explore: int = 8, max_explore: int = 64, min_taken: float = 0.1
+    ) -> None:
+        self.taken, self.decay, self.min_taken = prior, decay, min_taken
         self.explore, self.max_explore = explore, max_explore
         self.interval = explore
         self.next_try = 0
@@ -85,7 +89,7 @@ class AheadGate:
         preparing just done, and the server's step (the one in flight and the one ahead alike)."""
         saved = max(link_ms + verify_ms - max(prepare_ms - server_ms, 0.0), 0.0)
         lost = max(server_ms - link_ms - verify_ms, 0.0)
-        if self.taken * saved >= (1 - self.taken) * lost and saved > 0:
+        if self.taken * saved >= (1 - self.taken) * lost and saved > 0 and self.taken >= self.min_taken:
             self.interval = self.explore
             return True
         if step < self.next_try:
