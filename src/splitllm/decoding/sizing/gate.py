@@ -21,6 +21,26 @@ class GateConfig:
     prior_gain: float = 0.5
 
 
+class _Tries:
+    """The steps that try something anyway while it does not pay: the first at once, each later one twice
+    as far after the last (up to `longest`); once it pays, the waits start over."""
+
+    def __init__(self, first: int, longest: int) -> None:
+        self.first, self.longest = first, longest
+        self.interval = first  # steps from one try to the next
+        self.next_try = 0  # the step of the next try
+
+    def paid(self) -> None:
+        self.interval = self.first
+
+    def due(self, step: int) -> bool:
+        if step < self.next_try:
+            return False
+        self.next_try = step + self.interval
+        self.interval = min(2 * self.interval, self.longest)
+        return True
+
+
 class DraftGate:
     """One drafter's gate. A step that drafts spends `draft_ms` to gain the tokens only the drafter
     proposed; each is worth the step time per token (`NodeCost.step_ms` over the tokens a step
@@ -37,21 +57,16 @@ class DraftGate:
         self.gain = config.prior_gain  # tokens per drafting step only the drafter proposed
         self.ms = 0.0  # drafting time per drafting step
         self.tokens = 1.0  # tokens per step
-        self.interval = config.explore  # steps from one try to the next while drafting does not pay
-        self.next_try = 0  # the step of the next try
+        self.tries = _Tries(config.explore, config.max_explore)  # while drafting does not pay
 
     def offer(self, cost: NodeCost, step: int) -> float | None:
         """What drafting at this step is expected to save, in ms (infinite on a try while it does not
         pay, so the try happens); None when it does not pay and no try is due."""
         saved = self.gain * cost.step_ms / self.tokens - self.ms
         if saved >= 0:
-            self.interval = self.config.explore
+            self.tries.paid()
             return saved
-        if step < self.next_try:
-            return None
-        self.next_try = step + self.interval
-        self.interval = min(2 * self.interval, self.config.max_explore)
-        return float("inf")
+        return float("inf") if self.tries.due(step) else None
 
     def observe(self, speculation: StepSpeculation, source: str, drafted_ms: float | None) -> None:
         """A step's yield; `source`: the drafter's name among the step's sources; `drafted_ms`: what it
@@ -80,9 +95,7 @@ class AheadGate:
         self, prior: float = 0.3, decay: float = 0.8, explore: int = 8, max_explore: int = 64, min_taken: float = 0.1
     ) -> None:
         self.taken, self.decay, self.min_taken = prior, decay, min_taken
-        self.explore, self.max_explore = explore, max_explore
-        self.interval = explore
-        self.next_try = 0
+        self.tries = _Tries(explore, max_explore)  # while sending does not pay
 
     def offer(self, link_ms: float, verify_ms: float, prepare_ms: float, server_ms: float, step: int) -> bool:
         """Whether to send ahead at `step`: times of the link, the client's verifying after a reply, the
@@ -90,13 +103,9 @@ class AheadGate:
         saved = max(link_ms + verify_ms - max(prepare_ms - server_ms, 0.0), 0.0)
         lost = max(server_ms - link_ms - verify_ms, 0.0)
         if self.taken * saved >= (1 - self.taken) * lost and saved > 0 and self.taken >= self.min_taken:
-            self.interval = self.explore
+            self.tries.paid()
             return True
-        if step < self.next_try:
-            return False
-        self.next_try = step + self.interval
-        self.interval = min(2 * self.interval, self.max_explore)
-        return True
+        return self.tries.due(step)
 
     def observe(self, taken: bool) -> None:
         self.taken = self.decay * self.taken + (1 - self.decay) * taken
