@@ -30,7 +30,8 @@ from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.drafting.draft_model import DraftModel
+from splitllm.drafting.draft_model import DraftModel, drafting_precision
+from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage, Step
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
@@ -261,6 +262,32 @@ def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> 
     assert stepped.committed == fresh.committed == 26 and stepped.tokens == other
     for a, b in ((stepped.cache.k, fresh.cache.k), (stepped.cache.v, fresh.cache.v)):
         torch.testing.assert_close(a[..., :26, :], b[..., :26, :], rtol=0, atol=1e-10)
+
+
+def test_a_draft_model_keeps_int4_weights_beside_quantized_client_layers() -> None:
+    """Its guesses are only verified, so beside quantized layers on the CPU it reads half of int8's
+    bytes; beside dense or exact layers (and off the CPU) it follows the client's."""
+    assert drafting_precision(Precision(torch.bfloat16, "int8")) == Precision(torch.bfloat16, "int4")
+    assert drafting_precision(Precision(torch.bfloat16, "int4")) == Precision(torch.bfloat16, "int4")
+    for same in (Precision(), Precision(torch.bfloat16), Precision(torch.bfloat16, "int8", "cuda")):
+        assert drafting_precision(same) == same
+
+
+def test_the_likely_path_of_a_step_taken_up_begins_at_its_entry(draft_model_split) -> None:  # type: ignore[no-untyped-def]
+    """A step sent ahead and taken up verifies below its entry node, which is accepted already: the
+    path to prepare after starts there, and its chance is counted from there."""
+    from splitllm.drafting.scored_tree import _Node
+
+    client_model, _ = draft_model_split
+    proposer = DraftModelProposer(client_model.draft_model, CONTEXT)
+    # first level: 1 (0.5) and 2 (0.3); under 1: 3 (0.8 of it) and 4 (0.1 of it)
+    proposer.tree = [_Node(1, -1, 1, 0.5, 0, 0.5, children=[2, 3]), _Node(2, -1, 1, 0.3, 0, 0.3),
+                     _Node(3, 0, 2, 0.8, 0, 0.4), _Node(4, 0, 2, 0.1, 0, 0.05)]
+    held = {(1,), (1, 3), (1, 4)}  # the step taken up at node 1 holds its subtree
+    path, chance = proposer.likely_path(lambda tokens: tuple(tokens) in held, entered=True)
+    assert path == [1, 3] and chance == pytest.approx(0.8)
+    held |= {(2,)}  # a step from the root: its chance counts from there
+    assert proposer.likely_path(lambda tokens: tuple(tokens) in held) == ([1, 3], pytest.approx(0.4))
 
 
 def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, monkeypatch) -> None:  # type: ignore[no-untyped-def]

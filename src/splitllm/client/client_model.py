@@ -110,8 +110,8 @@ class ClientModel(ModelEnds):
 
     @cached_property
     def draft_model(self) -> DraftModel | None:
-        """The draft model `draft_model_name` names, in the client's precisions, or None. Loaded on
-        first use (a default one too: sequential decoding never loads it); assign to swap it."""
+        """The draft model `draft_model_name` names, beside the client's precisions (`DraftModel.for_target`),
+        or None. Loaded on first use (a default one too: sequential decoding never loads it); assign to swap it."""
         if self.draft_model_name in (None, NO_DRAFT_MODEL):
             return None
         return DraftModel.for_target(self.files, ModelFiles(self.draft_model_name), self.precision, self.lm_head_precision)

@@ -130,10 +130,6 @@ class SplitPipeline:
         return base + self._shift
 
     @property
-    def pending(self) -> int:
-        return self.caches.first.pending
-
-    @property
     def max_context(self) -> int:
         """Positions every cache holds, within the model's maximum position."""
         return min(self.caches.first.max_context, self.middle.max_context, self.client_model.cfg.max_position)

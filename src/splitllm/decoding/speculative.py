@@ -239,7 +239,7 @@ class _Generation:
         # The link's share of a round trip, least seen: work in flight that outlasts it only ever adds.
         self.link_ms = float("inf")
         self.ahead: _Flight | None = None  # the step sent ahead of the one in flight
-        self.ahead_gate = AheadGate()
+        self.ahead_gates = [AheadGate() for _ in self.drafters]  # a drafter's trees are taken up at its own rate
         self.taken: _Flight | None = None  # the step sent ahead that is the next step
 
     @property
@@ -308,7 +308,8 @@ class _Generation:
         """The step sent ahead is the next step if the model chose one of its first-level tokens and the
         generation goes on; else it is given up."""
         drafter = self.drafters[ahead.grew] if ahead.grew is not None else None
-        self.ahead_gate.observe(verdict.handoff)
+        if ahead.grew is not None:
+            self.ahead_gates[ahead.grew].observe(verdict.handoff)
         if verdict.handoff and not self.done and drafter is not None:
             entry = ahead.tree.child(ROOT, verdict.tokens[-1])
             assert entry is not None
@@ -365,7 +366,7 @@ class _Generation:
         drafter = self.drafters[flight.grew] if flight.grew is not None else None
         if drafter is None or not self.pipeline.overlaps or not self.config.prepare or self._seeded:
             return
-        likely, reached = drafter.likely_path(lambda tokens: flight.walk(tokens) is not None)
+        likely, reached = drafter.likely_path(lambda tokens: flight.walk(tokens) is not None, flight.entry != ROOT)
         path = flight.walk(likely) or []
         tokens = [flight.tree.tokens[i] for i in path]
         if self.remaining - len(tokens) <= 3 or not self.steps:  # the generation ends with this step or the next
@@ -377,7 +378,7 @@ class _Generation:
         ms = (time.perf_counter() - t0) * 1000
         if (
             self.config.send_ahead and drafter.prepared is not None and self.sampler.grammar is None
-            and self.ahead_gate.offer(self.link_ms, last.last_ms, ms, last.server_ms, len(self.steps))
+            and self.ahead_gates[flight.grew].offer(self.link_ms, last.last_ms, ms, last.server_ms, len(self.steps))
         ):
             self._send_ahead(flight, path, reached, drafter)
         timing.overlap_ms += (time.perf_counter() - t0) * 1000

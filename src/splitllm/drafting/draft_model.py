@@ -5,13 +5,16 @@ that sibling predicts the target's greedy tokens far more often than a one-layer
 here can: on the 1.5B's own answers the 0.5B's next token is the 1.5B's far more often than the
 shipped drafter's first guess is (docs/results/drafting-log.md). It
 drafts from the committed tokens alone (no target features), so nothing about it crosses the wire:
-the client holds it whole, embedding to LM head, at the client's precisions. What it costs is client
-time, one pass of all its layers per tree depth, which `auto`'s gate weighs against what it gains.
+the client holds it whole, embedding to LM head. What it costs is client time, one pass of all its
+layers per tree depth, which `auto`'s gate weighs against what it gains; its guesses are only ever
+verified, so beside quantized client layers its own layers keep int4 weights (`drafting_precision`).
 """
 
 from __future__ import annotations
 
 import torch
+from dataclasses import replace
+
 from transformers import AutoTokenizer
 
 from splitllm.model.kv import KVCache
@@ -34,6 +37,18 @@ def check_same_tokenizer(target: ModelFiles, draft: ModelFiles) -> None:
         raise ValueError(f"the draft model's tokenizer differs from the target's ({differ} tokens map elsewhere)")
 
 
+def drafting_precision(client: Precision) -> Precision:
+    """The precision of a draft model's layers beside a client's layers of `client`: int4 weights wherever
+    the client's are quantized on the CPU, else the client's own (the exact mode stays exact).
+
+    On one core a pass of the 0.5B Qwen over a tree's depth reads its weights once and multiplies them
+    for each row: int4 weights take a third off a lone row's pass and a seventh off four rows', its
+    tokens per step held (docs/results/drafting-log.md, "An int4 draft model")."""
+    if client.quant == "none" or client.torch_device.type != "cpu":
+        return client
+    return replace(client, quant="int4")
+
+
 class DraftModel(ModelEnds):
     """Every layer of a draft model over its own cache, with its embedding, final norm and LM head.
 
@@ -51,9 +66,10 @@ class DraftModel(ModelEnds):
     def for_target(
         cls, target: ModelFiles, draft: ModelFiles, precision: Precision, lm_head_precision: Precision | None = None
     ) -> DraftModel:
-        """`draft` loaded to draft for `target`, refused with a clear error if it names tokens differently."""
+        """`draft` loaded to draft for `target` beside client layers of `precision` (its layers in
+        `drafting_precision`), refused with a clear error if it names tokens differently."""
         check_same_tokenizer(target, draft)
-        return cls(draft, precision, lm_head_precision)
+        return cls(draft, drafting_precision(precision), lm_head_precision or precision)
 
     @property
     def max_position(self) -> int:

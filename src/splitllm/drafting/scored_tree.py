@@ -249,14 +249,16 @@ class ScoredTreeProposer(ABC):
         self.root = _Root(bonus.out, prepared.root.last + 1, (*prepared.root.context, bonus.slot))
         return True
 
-    def likely_path(self, verified: Callable[[list[int]], bool]) -> tuple[list[int], float]:
+    def likely_path(self, verified: Callable[[list[int]], bool], entered: bool = False) -> tuple[list[int], float]:
         """The tokens of the last tree the step verifying it likely accepts before a bonus token a tree
         prepared after them would offer, and the estimated chance that it accepts them all.
 
         Down the likeliest nodes the step holds (`verified(path)`), to where a prepared tree is likeliest
         to be taken: the chance of stopping there (a node's chance less its verified children's) times
         the chance that the bonus is among the tokens offered there but not verified (for a node not
-        expanded yet, the share of the next token a level of offers usually holds)."""
+        expanded yet, the share of the next token a level of offers usually holds). `entered`: the step
+        is one sent ahead and taken up, which verifies below the first-level node it was taken up at:
+        the path begins there, and its chance is counted from there."""
         offered = [sum(self.tree[c].q for c in nd.children) for nd in self.tree if nd.children]
         usual = sum(offered) / len(offered) if offered else 0.5
 
@@ -268,17 +270,21 @@ class ScoredTreeProposer(ABC):
             outside = sum(self.tree[c].q for c in children) - inside
             return (stop - sum(self.tree[c].score for c in kids)) * outside / max(1.0 - inside, 1e-6), kids
 
-        best: list[int] = []
-        best_score = 1.0
         path: list[int] = []
         best_taken, kids = taken([i for i, nd in enumerate(self.tree) if nd.parent < 0], path, 1.0)
+        best, best_score, given = path, 1.0, 1.0
+        if entered and kids:
+            entry = self.tree[kids[0]]
+            path = best = [entry.token]
+            best_taken, kids = taken(entry.children, path, entry.score)
+            best_score = given = entry.score
         while kids:
             node = self.tree[max(kids, key=lambda i: self.tree[i].score)]
             path = [*path, node.token]
             chance, kids = taken(node.children, path, node.score)
             if chance > best_taken:
                 best, best_taken, best_score = path, chance, node.score
-        return best, best_score
+        return best, best_score / given
 
     def _offer(self, parents: list[int], outputs: torch.Tensor, depth: int) -> None:
         """Add the top_k children of each parent (-1: root), given its output."""

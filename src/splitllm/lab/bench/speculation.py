@@ -170,8 +170,9 @@ def _cores(cores: dict) -> str:
 
 
 def _drafting(drafter: Drafter | None, draft_model: DraftModel | None, folder: str | None) -> str:
-    """What drafts, for the report: the draft model's folder name and the drafter's folder ("shipped": the package's)."""
-    names = [f"draft model {draft_model.files.path.name}"] if draft_model is not None else []
+    """What drafts, for the report: the draft model's folder name and precision, and the drafter's folder
+    ("shipped": the package's)."""
+    names = [f"draft model {draft_model.files.path.name} in {draft_model.precision.name}"] if draft_model is not None else []
     return ", ".join(names + ([f"drafter {folder or 'shipped'}"] if drafter is not None else []))
 
 
