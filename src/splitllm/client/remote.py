@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -190,7 +190,7 @@ class RemoteMiddle:
                     log.warning("no splitllm server answered (tried %s; last error: %s); trying again for up to %.0f s "
                                 "(--reconnect-deadline-s)", ", ".join(self.urls), describe(exc), deadline - time.monotonic())
             if round_done:  # every server failed once: pause before the next round
-                time.sleep(pause * random.uniform(0.5, 1.0))
+                time.sleep(pause * (0.5 + secrets.randbelow(1000) / 2000))  # jittered; the random module's state is the caller's
                 pause = min(pause * 2, _BACKOFF_S[1])
 
     def _unreachable(self, exc: BaseException) -> ServerUnreachable:

@@ -10,7 +10,7 @@ from p, whatever the candidates were, so speculation changes speed and never the
 
 from __future__ import annotations
 
-import random
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,7 +64,7 @@ class Sampler:
     def __init__(self, params: SamplingParams = GREEDY, history: Sequence[int] = ()) -> None:
         self.params = params
         self.history = list(history)
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)  # leaves the random module's state alone
         self.generator = torch.Generator().manual_seed(seed)
         self.grammar: GrammarState | None = params.grammar.start() if params.grammar is not None else None
         self.processors = LogitsProcessorList()

@@ -12,9 +12,9 @@ verified, so beside quantized client layers its own layers keep int4 weights (`d
 
 from __future__ import annotations
 
-import torch
 from dataclasses import replace
 
+import torch
 from transformers import AutoTokenizer
 
 from splitllm.model.kv import KVCache
