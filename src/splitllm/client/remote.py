@@ -39,6 +39,7 @@ from splitllm.model.visibility import Visibility
 
 __all__ = ["RemoteMiddle", "ServerError"]
 
+_JITTER = secrets.SystemRandom()  # the OS's randomness: leaves the random module's state to the caller
 _BACKOFF_S = (0.05, 2.0)  # first and largest pause between rounds of connection attempts
 
 log = logging.getLogger("splitllm.client")
@@ -190,7 +191,7 @@ class RemoteMiddle:
                     log.warning("no splitllm server answered (tried %s; last error: %s); trying again for up to %.0f s "
                                 "(--reconnect-deadline-s)", ", ".join(self.urls), describe(exc), deadline - time.monotonic())
             if round_done:  # every server failed once: pause before the next round
-                time.sleep(pause * (0.5 + secrets.randbelow(1000) / 2000))  # jittered; the random module's state is the caller's
+                time.sleep(pause * _JITTER.uniform(0.5, 1.0))
                 pause = min(pause * 2, _BACKOFF_S[1])
 
     def _unreachable(self, exc: BaseException) -> ServerUnreachable:
