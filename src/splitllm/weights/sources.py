@@ -12,13 +12,16 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import math
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -29,8 +32,6 @@ from splitllm.model.config import ModelConfig
 from splitllm.weights.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from splitllm.progress import tracked
 
-if TYPE_CHECKING:
-    from gguf import ReaderTensor
 
 SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
 
@@ -104,16 +105,20 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
     transformers supplies the config, the tokenizer, the GGUF -> HF tensor names and each
     architecture's tensor fix-ups; the weights stream from the GGUF into one shard per layer, so
     converting never holds more than a layer's float32 tensors (a 7B model converts in a few GiB).
+    The file's fields are parsed once for the config (its full parser spends seconds per pass on a
+    large vocabulary's strings); the tensors come from the table alone.
     """
     from transformers import AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        fields = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+        config = AutoConfig.for_model(**fields)  # as AutoConfig.from_pretrained(gguf_file=...) builds it
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = torch.float32  # what the shards hold
-        shards = _write_gguf_shards(gguf, config, tmp)
+        shards = _write_gguf_shards(gguf, fields, config, tmp)
         weight_map = {name: file for file, names in shards.items() for name in names}
         index = {"metadata": {"format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
@@ -127,50 +132,121 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
             shutil.rmtree(tmp)
 
 
-def _dequantized(tensor: ReaderTensor, file: BinaryIO) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class _GGUFTensor:
+    """One tensor's entry in a GGUF file's table: where its bytes lie and how they are stored."""
+
+    name: str
+    shape: tuple[int, ...]  # outermost first, as torch orders it
+    qtype: int  # a gguf.GGMLQuantizationType
+    start: int  # from the start of the file
+    nbytes: int
+
+
+class _Cursor:
+    """Reads a GGUF header's little-endian values in order, and steps over the fields it is not asked for."""
+
+    def __init__(self, blob: mmap.mmap) -> None:
+        self.blob, self.pos = blob, 0
+
+    def read(self, layout: str) -> tuple:
+        values = struct.unpack_from(f"<{layout}", self.blob, self.pos)
+        self.pos += struct.calcsize(f"<{layout}")
+        return values
+
+    def string(self) -> str:
+        (length,) = self.read("Q")
+        self.pos += length
+        if self.pos > len(self.blob):
+            raise struct.error("a string runs past the end of the file")
+        return self.blob[self.pos - length : self.pos].decode()
+
+    def skip(self, kind: int, count: int = 1) -> None:
+        """Step over `count` values of the GGUFValueType `kind`."""
+        from gguf import GGUFValueType as V
+
+        widths = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
+                  V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}
+        if kind in widths:
+            self.pos += widths[kind] * count
+        elif kind == V.STRING:
+            for _ in range(count):
+                self.pos += 8 + self.read("Q")[0]
+        elif kind == V.ARRAY:
+            for _ in range(count):
+                self.skip(*self.read("IQ"))
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def _gguf_table(path: Path) -> tuple[str, list[_GGUFTensor]]:
+    """A GGUF file's architecture and tensor table (GGUF v2 and v3), its other fields stepped over.
+
+    gguf's GGUFReader decodes every field into arrays, seconds a pass for a large vocabulary's
+    strings; the table needs none of them.
+    """
+    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        header = _Cursor(blob)
+        try:
+            magic, version, tensor_count, field_count = header.read("IIQQ")
+            if magic != GGUF_MAGIC or version not in (2, 3):
+                raise ValueError("not a GGUF v2 or v3 file")
+            architecture, alignment = "", GGUF_DEFAULT_ALIGNMENT
+            for _ in range(field_count):
+                key, (kind,) = header.string(), header.read("I")
+                if key == "general.architecture":
+                    architecture = header.string()
+                elif key == "general.alignment":
+                    (alignment,) = header.read("I")
+                else:
+                    header.skip(kind)
+            entries = []
+            for _ in range(tensor_count):
+                name, (dims,) = header.string(), header.read("I")
+                shape = tuple(reversed(header.read(f"{dims}Q")))
+                qtype, offset = header.read("IQ")
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+                entries.append((name, shape, qtype, offset, math.prod(shape) // block * size))
+        except (struct.error, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{path} cannot be read as GGUF: {e}") from e
+    data_start = -(-header.pos // alignment) * alignment
+    return architecture, [_GGUFTensor(n, shape, q, data_start + offset, size) for n, shape, q, offset, size in entries]
+
+
+def _dequantized(tensor: _GGUFTensor, file: BinaryIO) -> np.ndarray:
     """A GGUF tensor in float32, dequantized about 16 MiB at a time into its one output array.
 
     gguf's own dequantize keeps every row group's result until it concatenates them, so it holds
     twice the tensor: 1.9 GB for a 151936 x 1536 embedding, more than the rest of a conversion. The
-    rows are read from `file`, not the reader's memory map, whose pages would stay resident (the
-    whole GGUF by the last tensor).
+    rows are read from `file`, never a memory map, whose pages would stay resident (the whole GGUF
+    by the last tensor).
     """
-    from gguf import dequantize
+    from gguf import GGMLQuantizationType, dequantize
 
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    out = np.empty(shape, dtype=np.float32)
-    flat = out.reshape(-1, shape[-1])
-    width, dtype = tensor.data.shape[-1], tensor.data.dtype  # a row of elements, or of bytes when quantized
-    row_bytes = width * dtype.itemsize
-    step = max(1, (1 << 22) // shape[-1])
+    out = np.empty(tensor.shape, dtype=np.float32)
+    flat = out.reshape(-1, tensor.shape[-1])
+    row_bytes = tensor.nbytes // len(flat)
+    step = max(1, (1 << 22) // tensor.shape[-1])
     for start in range(0, len(flat), step):
-        file.seek(tensor.data_offset + start * row_bytes)
-        rows = np.frombuffer(file.read(min(step, len(flat) - start) * row_bytes), dtype).reshape(-1, width)
-        flat[start : start + len(rows)] = dequantize(rows, tensor.tensor_type)
+        file.seek(tensor.start + start * row_bytes)
+        rows = np.frombuffer(file.read(min(step, len(flat) - start) * row_bytes), np.uint8).reshape(-1, row_bytes)
+        flat[start : start + len(rows)] = dequantize(rows, GGMLQuantizationType(tensor.qtype))
     return out
 
 
-def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> dict[str, list[str]]:
+def _write_gguf_shards(gguf: Path, fields: dict, config: PretrainedConfig, folder: Path) -> dict[str, list[str]]:
     """Each GGUF tensor dequantized, renamed and fixed up as transformers does, grouped into one
     safetensors file per layer and one per other tensor (an embedding or an LM head is the size of
-    several layers); returns file -> tensor names."""
-    from gguf import GGUFReader
+    several layers); returns file -> tensor names. `fields` is the config transformers read from the
+    file, which its tensor processors take."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-        read_field,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    processor_config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
-    reader = GGUFReader(str(gguf))
-    architecture = read_field(reader, "general.architecture")[0]
-    tensors = reader.tensors
-    del reader  # its fields hold the tokenizer (much memory for a 152k vocabulary); the tensors need none
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=processor_config)
+    architecture, tensors = _gguf_table(gguf)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=fields)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # names only: no memory for weights
     names = get_gguf_hf_weights_map(skeleton, processor)
@@ -179,14 +255,14 @@ def _write_gguf_shards(gguf: Path, config: PretrainedConfig, folder: Path) -> di
         wanted.discard("lm_head.weight")
     del skeleton
 
-    groups: dict[str, list[ReaderTensor]] = {}
+    groups: dict[str, list[_GGUFTensor]] = {}
     for tensor in tensors:
         group = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else tensor.name
         groups.setdefault(group, []).append(tensor)
     # where processors that split tensors (mixtures of experts) leave them
     parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
 
-    def write_shard(group: list[ReaderTensor], source: BinaryIO, path: Path) -> list[str]:
+    def write_shard(group: list[_GGUFTensor], source: BinaryIO, path: Path) -> list[str]:
         """Dequantize, rename and save one group; a function, so its tensors are freed before the next."""
         out: dict[str, torch.Tensor] = {}
         for tensor in group:
