@@ -92,7 +92,7 @@ def invert(
     tolerance: float = WIRE_TOLERANCE,
     ratio: float = 0.5,
     max_candidates: int | None = None,
-    chunk: tuple[int, int] = (64, 1024),
+    chunk: tuple[int, int] = (64, 256),
     certify: bool = True,
     exhaustive: Collection[int] = (),
 ) -> Inversion:
@@ -104,6 +104,8 @@ def invert(
     defended states, which never match exactly) it also stops at a candidate at most `ratio` times
     as far as the runner-up (a clear winner), or after `max_candidates`. Positions in `exhaustive`
     are searched over the whole vocabulary regardless, counting every other token within tolerance.
+    A chunk of n candidates scores n x (prefix + n) attention pairs, of which only n x (prefix + 1)
+    are seen, so chunks stop growing at a few hundred (`chunk`: first and largest).
     """
     t0 = time.perf_counter()
     n_pos, vocab = targets.shape[0], embed.shape[0]
