@@ -145,6 +145,19 @@ def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None
     assert seen and min(seen) >= 1 and max(seen) > 1
 
 
+def test_a_conversations_next_turn_starts_from_what_its_gates_learned(model) -> None:  # type: ignore[no-untyped-def]
+    """The decoder keeps each drafter's gates and their step count from one generation to the next: a
+    new turn goes on from what the last one learned, not from the priors."""
+    decoder = SpeculativeDecoder(SpeculationConfig(Mode.AUTO, drafter_policy=StaticPolicy(BIG)))
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(0)).tolist()
+    _, first = _ids(decoder, _pipeline(model), prompt, 20)
+    gate = decoder.gates.draft(DrafterProposer.name)
+    learned = (gate.gain, gate.ms, gate.tokens)
+    assert decoder.gates.step == len(first) and learned != (GateConfig().prior_gain, 0.0, 1.0)
+    _, second = _ids(decoder, _pipeline(model), prompt, 20)
+    assert decoder.gates.draft(DrafterProposer.name) is gate and decoder.gates.step == len(first) + len(second)
+
+
 def test_of_two_drafters_that_pay_the_one_that_saves_more_drafts() -> None:
     """A cheap drafter gaining one token a drafting step against a draft model gaining three for 30 ms:
     over a fast link (20 ms a step) the drafter saves more, over a slow one (200 ms) the draft model."""

@@ -36,7 +36,7 @@ import torch
 from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.sizing.calibration import CandidateRates
 from splitllm.decoding.speculation_config import SpeculationConfig
-from splitllm.decoding.sizing.gate import AheadGate, DraftGate
+from splitllm.decoding.sizing.gate import DrafterGates
 from splitllm.decoding.sizing.policies import BudgetPolicy, StaticPolicy
 from splitllm.decoding.proposers import Candidate, Proposer
 from splitllm.drafting.draft_model_proposer import DraftModelProposer
@@ -148,7 +148,8 @@ class SpeculativeDecoder:
     """A decoder (see `DECODERS`) drafting and sizing its steps as its `SpeculationConfig` says.
 
     `policy` sizes the steps the drafter does not draft in, `drafter_policy` (None: no drafter) those it does.
-    A draft model's proposer stays from one generation to the next (its cache holds the history so far).
+    A draft model's proposer stays from one generation to the next (its cache holds the history so far),
+    and so do the drafters' gates (what drafting and sending ahead yielded so far).
     """
 
     def __init__(self, config: SpeculationConfig = SpeculationConfig()) -> None:
@@ -156,6 +157,7 @@ class SpeculativeDecoder:
         self.policy = config.policy if config.policy is not None else StaticPolicy(config.static_budget(False))
         self.drafter_policy = config.drafter_policy
         self.draft_model_proposer: DraftModelProposer | None = None
+        self.gates = DrafterGates(config.gate)
         if self.drafter_policy is None and config.drafting.ngrams is None:  # the mode needs the drafter
             self.drafter_policy = StaticPolicy(config.static_budget(True))
 
@@ -228,7 +230,7 @@ class _Generation:
         self.proposers, self.drafters = _proposers(decoder, pipeline)
         self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
         self.policy = self._policy(decoder)
-        self.gates = [DraftGate(decoder.config.gate) for _ in self.drafters]
+        self.gates = decoder.gates
         self.rates = CandidateRates(decoder.config.calibration)
         self.chain, self.keep = list(prompt), list(keep)
         self.start = pipeline.committed + len(self.keep)
@@ -239,7 +241,6 @@ class _Generation:
         # The link's share of a round trip, least seen: work in flight that outlasts it only ever adds.
         self.link_ms = float("inf")
         self.ahead: _Flight | None = None  # the step sent ahead of the one in flight
-        self.ahead_gates = [AheadGate() for _ in self.drafters]  # a drafter's trees are taken up at its own rate
         self.taken: _Flight | None = None  # the step sent ahead that is the next step
 
     @property
@@ -308,8 +309,8 @@ class _Generation:
         """The step sent ahead is the next step if the model chose one of its first-level tokens and the
         generation goes on; else it is given up."""
         drafter = self.drafters[ahead.grew] if ahead.grew is not None else None
-        if ahead.grew is not None:
-            self.ahead_gates[ahead.grew].observe(verdict.handoff)
+        if drafter is not None:
+            self.gates.ahead(drafter.name).observe(verdict.handoff)
         if verdict.handoff and not self.done and drafter is not None:
             entry = ahead.tree.child(ROOT, verdict.tokens[-1])
             assert entry is not None
@@ -378,7 +379,7 @@ class _Generation:
         ms = (time.perf_counter() - t0) * 1000
         if (
             self.config.send_ahead and drafter.prepared is not None and self.sampler.grammar is None
-            and self.ahead_gates[flight.grew].offer(self.link_ms, last.last_ms, ms, last.server_ms, len(self.steps))
+            and self.gates.ahead(drafter.name).offer(self.link_ms, last.last_ms, ms, last.server_ms, self.gates.step)
         ):
             self._send_ahead(flight, path, reached, drafter)
         timing.overlap_ms += (time.perf_counter() - t0) * 1000
@@ -423,7 +424,8 @@ class _Generation:
         free = [i for i, drafter in enumerate(self.drafters) if drafter not in reading]
         grows = free[0] if free else None
         if budget.cost is not None:
-            offers = {i: saved for i in free if (saved := self.gates[i].offer(budget.cost, len(self.steps))) is not None}
+            gates = {i: self.gates.draft(self.drafters[i].name) for i in free}
+            offers = {i: saved for i, gate in gates.items() if (saved := gate.offer(budget.cost, self.gates.step)) is not None}
             grows = max(offers, key=offers.__getitem__) if offers else None
         for i, drafter in enumerate(self.drafters):
             candidates += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))
@@ -502,19 +504,20 @@ class _Generation:
         the step yielded and what its drafter's drafting cost (timed into `draft_ms`); a step taken up from
         one sent ahead was drafted in flight, beside the gates' choice, so they learn nothing from it."""
         timing.draft_ms = 0.0
-        for i, (drafter, gate) in enumerate(zip(self.drafters, self.gates)):
+        for i, drafter in enumerate(self.drafters):
             taps = self.pipeline.tapped(drafter.taps)[keep] if drafter.taps else None
             drafter.observe(self.start, features, taps)
             ms = drafter.take_draft_ms()
             timing.draft_ms += ms
             if not speculation.ran_ahead:
-                gate.observe(speculation, drafter.name, ms if i == grew else None)
+                self.gates.draft(drafter.name).observe(speculation, drafter.name, ms if i == grew else None)
 
     def _commit(self, verdict: Verdict, stats: StepStats, keep: list[int], sized: bool) -> None:
         """Move past this step: its path is the next step's keep, its bonus token the next chain. A step
         taken up from one sent ahead (not `sized`) tells the policy nothing: the previous step sized its
         tree, and its round trip began before the previous one's ended."""
         self.steps.append(stats)
+        self.gates.step += 1
         if sized:
             self.sized.append(stats)
             self.link_ms = min(self.link_ms, stats.timing.round_trip_ms - stats.timing.server_ms)

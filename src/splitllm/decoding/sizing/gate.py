@@ -109,3 +109,24 @@ class AheadGate:
 
     def observe(self, taken: bool) -> None:
         self.taken = self.decay * self.taken + (1 - self.decay) * taken
+
+
+class DrafterGates:
+    """Each drafter's two gates, by its name, and the steps they schedule their tries by. A decoder keeps
+    them from one generation to the next, so a conversation's next turn starts from what its last turns
+    learned rather than from the priors (a few steps sent ahead and dropped each turn, when they do not
+    pay)."""
+
+    def __init__(self, config: GateConfig = GateConfig()) -> None:
+        self.config = config
+        self.step = 0  # steps decoded so far, across generations
+        self._draft: dict[str, DraftGate] = {}
+        self._ahead: dict[str, AheadGate] = {}
+
+    def draft(self, name: str) -> DraftGate:
+        """Whether the drafter `name` grows this step's tree."""
+        return self._draft.setdefault(name, DraftGate(self.config))
+
+    def ahead(self, name: str) -> AheadGate:
+        """Whether the drafter `name`'s prepared tree goes ahead of the step in flight."""
+        return self._ahead.setdefault(name, AheadGate())

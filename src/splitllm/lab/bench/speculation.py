@@ -122,12 +122,14 @@ def measure(
     client: SplitClient, prompts: Sequence[tuple[str, str]], max_new_tokens: int, modes: Sequence[str],
     progress: Callable[[str], None] = lambda _: None, sampling: SamplingParams | None = None,
 ) -> list[dict]:
-    """One record per (prompt, mode): ids and per-step stats, modes back to back for each prompt."""
+    """One record per (prompt, mode): ids and per-step stats, modes back to back for each prompt. Each
+    mode keeps one decoder across the prompts, as the client keeps its own modes' (what sizing and the
+    gates learned carries from one prompt to the next alike)."""
+    decoders = {mode: EXTRA_DECODERS[mode]() if mode in EXTRA_DECODERS else mode for mode in modes}
     runs = []
     for i, (category, text) in enumerate(prompts):
         for mode in modes:
-            decoder = EXTRA_DECODERS[mode]() if mode in EXTRA_DECODERS else mode
-            gen = client.generate(text, max_new_tokens, decode=decoder, sampling=sampling)
+            gen = client.generate(text, max_new_tokens, decode=decoders[mode], sampling=sampling)
             steps = [s.as_dict() for s in gen.steps]
             runs.append({"prompt": i, "category": category, "mode": mode, "ids": gen.ids, "steps": steps})
             progress(f"{category} #{i} {mode}: {len(gen.ids)} tokens, {gen.tokens_per_step:.2f} tok/step, "
