@@ -113,6 +113,8 @@ def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_token
     client = SplitClient(model, None, FIRST, LAST, max_context=256, precision=fastest())
     assert client.client_model.draft_model.files.path == ModelFiles(DRAFT_MODEL).path
     assert client.client_model.draft_model.precision == drafting_precision(fastest()) != fastest()
+    head = client.client_model.lm_head_precision
+    assert client.client_model.draft_model.lm_head_precision == drafting_precision(head) != head
     from_draft_model = 0
     for i, ids in enumerate(prompts):
         sequential = client.generate(ids, NEW_TOKENS, decode="sequential").ids

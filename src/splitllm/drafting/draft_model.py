@@ -38,12 +38,14 @@ def check_same_tokenizer(target: ModelFiles, draft: ModelFiles) -> None:
 
 
 def drafting_precision(client: Precision) -> Precision:
-    """The precision of a draft model's layers beside a client's layers of `client`: int4 weights wherever
-    the client's are quantized on the CPU, else the client's own (the exact mode stays exact).
+    """The precision of a draft model's layers (or LM head) beside a client's layers (or LM head) of
+    `client`: int4 weights wherever the client's are quantized on the CPU, else the client's own (the
+    exact mode stays exact).
 
     On one core a pass of the 0.5B Qwen over a tree's depth reads its weights once and multiplies them
     for each row: int4 weights take a third off a lone row's pass and a seventh off four rows', its
-    tokens per step held (docs/results/drafting-log.md, "An int4 draft model")."""
+    tokens per step held; an int4 LM head took a further quarter off the drafting time a step
+    (docs/results/drafting-log.md, "An int4 draft model")."""
     if client.quant == "none" or client.torch_device.type != "cpu":
         return client
     return replace(client, quant="int4")
@@ -66,10 +68,11 @@ class DraftModel(ModelEnds):
     def for_target(
         cls, target: ModelFiles, draft: ModelFiles, precision: Precision, lm_head_precision: Precision | None = None
     ) -> DraftModel:
-        """`draft` loaded to draft for `target` beside client layers of `precision` (its layers in
-        `drafting_precision`), refused with a clear error if it names tokens differently."""
+        """`draft` loaded to draft for `target` beside client layers of `precision` and a client LM head of
+        `lm_head_precision` (its layers and LM head in their `drafting_precision`), refused with a clear
+        error if it names tokens differently."""
         check_same_tokenizer(target, draft)
-        return cls(draft, drafting_precision(precision), lm_head_precision or precision)
+        return cls(draft, drafting_precision(precision), drafting_precision(lm_head_precision or precision))
 
     @property
     def max_position(self) -> int:
