@@ -32,7 +32,6 @@ from splitllm.model.config import ModelConfig
 from splitllm.weights.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from splitllm.progress import tracked
 
-
 SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
 
 
@@ -105,8 +104,9 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
     transformers supplies the config, the tokenizer, the GGUF -> HF tensor names and each
     architecture's tensor fix-ups; the weights stream from the GGUF into one shard per layer, so
     converting never holds more than a layer's float32 tensors (a 7B model converts in a few GiB).
-    The file's fields are parsed once for the config (its full parser spends seconds per pass on a
-    large vocabulary's strings); the tensors come from the table alone.
+    transformers' GGUF reader spends seconds a pass on a large vocabulary's strings, so the config
+    comes from one read of the fields (loading the tokenizer reads them once more) and the tensors
+    from the table alone.
     """
     from transformers import AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
