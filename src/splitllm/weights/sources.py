@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from transformers import AutoConfig, PretrainedConfig
 from splitllm.model.config import ModelConfig
 from splitllm.weights.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from splitllm.progress import tracked
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 SOURCE_FILE = "source.json"  # in a converted folder: the name and sha256 of the .gguf it came from
 
@@ -138,7 +141,7 @@ class _GGUFTensor:
 
     name: str
     shape: tuple[int, ...]  # outermost first, as torch orders it
-    qtype: int  # a gguf.GGMLQuantizationType
+    qtype: GGMLQuantizationType
     start: int  # from the start of the file
     nbytes: int
 
@@ -147,7 +150,11 @@ class _Cursor:
     """Reads a GGUF header's little-endian values in order, and steps over the fields it is not asked for."""
 
     def __init__(self, blob: mmap.mmap) -> None:
+        from gguf import GGUFValueType as V
+
         self.blob, self.pos = blob, 0
+        self.widths = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
+                       V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}  # the fixed-size value types
 
     def read(self, layout: str) -> tuple:
         values = struct.unpack_from(f"<{layout}", self.blob, self.pos)
@@ -165,10 +172,8 @@ class _Cursor:
         """Step over `count` values of the GGUFValueType `kind`."""
         from gguf import GGUFValueType as V
 
-        widths = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
-                  V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}
-        if kind in widths:
-            self.pos += widths[kind] * count
+        if kind in self.widths:
+            self.pos += self.widths[kind] * count
         elif kind == V.STRING:
             for _ in range(count):
                 self.pos += 8 + self.read("Q")[0]
@@ -206,8 +211,9 @@ def _gguf_table(path: Path) -> tuple[str, list[_GGUFTensor]]:
             for _ in range(tensor_count):
                 name, (dims,) = header.string(), header.read("I")
                 shape = tuple(reversed(header.read(f"{dims}Q")))
-                qtype, offset = header.read("IQ")
-                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+                stored, offset = header.read("IQ")
+                qtype = GGMLQuantizationType(stored)
+                block, size = GGML_QUANT_SIZES[qtype]
                 entries.append((name, shape, qtype, offset, math.prod(shape) // block * size))
         except (struct.error, UnicodeDecodeError, ValueError) as e:
             raise ValueError(f"{path} cannot be read as GGUF: {e}") from e
@@ -223,7 +229,7 @@ def _dequantized(tensor: _GGUFTensor, file: BinaryIO) -> np.ndarray:
     rows are read from `file`, never a memory map, whose pages would stay resident (the whole GGUF
     by the last tensor).
     """
-    from gguf import GGMLQuantizationType, dequantize
+    from gguf import dequantize
 
     out = np.empty(tensor.shape, dtype=np.float32)
     flat = out.reshape(-1, tensor.shape[-1])
@@ -232,7 +238,7 @@ def _dequantized(tensor: _GGUFTensor, file: BinaryIO) -> np.ndarray:
     for start in range(0, len(flat), step):
         file.seek(tensor.start + start * row_bytes)
         rows = np.frombuffer(file.read(min(step, len(flat) - start) * row_bytes), np.uint8).reshape(-1, row_bytes)
-        flat[start : start + len(rows)] = dequantize(rows, GGMLQuantizationType(tensor.qtype))
+        flat[start : start + len(rows)] = dequantize(rows, tensor.qtype)
     return out
 
 
