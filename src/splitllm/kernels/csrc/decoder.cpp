@@ -10,93 +10,30 @@
 // The residual stream and the projections' inputs and outputs are bfloat16, as in PyTorch's bfloat16
 // layers; norms, rotary, activation and attention compute in float32 and round once.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
 
 #include "kernels.h"
-#include "simd.h"
+#include "parallel.h"
+#include "rows.h"
+
+using namespace simd;
 
 namespace {
 
 const float* data_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
 
-// rsqrt(mean(x^2) + eps) over one row.
-template <typename In>
-float inverse_rms(const In* x, int64_t size, float eps) {
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t i = 0; i < size; i += 16) {
-    const __m512 v = load(x + i, lanes(size - i));
-    total = _mm512_fmadd_ps(v, v, total);
-  }
-  return 1.0f / std::sqrt(_mm512_reduce_add_ps(total) / static_cast<float>(size) + eps);
-}
-
-// Lanes [i, i + 16) of a row normed by w with the row's inverse_rms `inv` (w null: the row as it is).
-template <typename In>
-__m512 normed(const In* x, int64_t i, __mmask16 m, const float* w, float inv) {
-  const __m512 v = load(x + i, m);
-  return w ? _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), load(w + i, m)) : v;
-}
-
-// y = x * rsqrt(mean(x^2) + eps) * w over one row (w null: y = x), in float32, rounded once on store.
-template <typename In, typename Out>
-void norm_row(const In* x, int64_t size, const float* w, float eps, Out* y) {
-  const float inv = w ? inverse_rms(x, size, eps) : 1.0f;
-  for (int64_t i = 0; i < size; i += 16) {
-    const __mmask16 m = lanes(size - i);
-    store(y + i, normed(x, i, m, w, inv), m);
-  }
-}
-
-// One head in place (dim a multiple of 32): x * cos + rotate_half(x) * signed_sin, rotate-half's sign
-// folded into the table as in blocks.py; each lane i pairs with i +- dim / 2, so both halves are loaded
-// before either is stored.
-inline void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
-  const int64_t half = dim / 2;
-  for (int64_t i = 0; i < half; i += 16) {
-    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + half + i);
-    _mm512_storeu_ps(x + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(cos + i), _mm512_mul_ps(b, _mm512_loadu_ps(sin + i))));
-    _mm512_storeu_ps(x + half + i,
-                     _mm512_fmadd_ps(b, _mm512_loadu_ps(cos + half + i), _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + i))));
-  }
-}
-
-// SiLU, or GELU's tanh approximation, through exp of -|.| only (no overflow).
-inline __m512 activate(__m512 x, bool gelu) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  if (gelu) {
-    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                   _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
-    const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(y)));
-    const __m512 magnitude = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));  // tanh(|y|)
-    const __m512 tanh = _mm512_mask_sub_ps(magnitude, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ),
-                                           _mm512_setzero_ps(), magnitude);
-    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, tanh));
-  }
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-  const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), one, e);
-  return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));  // x * sigmoid(x)
-}
-
 // Each row on its own, several rows per thread task: the row's bits never depend on the grouping.
 template <typename F>
 void each_row(int64_t rows, F&& f) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  simd::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) f(r);
   });
 }
 
 // x[r] = bf16(x[r] + norm(add[r])), the residual update (no norm unless Gemma's sandwich norms).
 void add_rows(uint16_t* x, const uint16_t* add, int64_t rows, int64_t size, const float* w, float eps) {
-  each_row(rows, [&](int64_t r) {
-    const uint16_t* a = add + r * size;
-    const float inv = w ? inverse_rms(a, size, eps) : 1.0f;
-    for (int64_t i = 0; i < size; i += 16) {
-      const __mmask16 m = lanes(size - i);
-      store(x + r * size + i, _mm512_add_ps(load(x + r * size + i, m), normed(a, i, m, w, inv)), m);
-    }
-  });
+  each_row(rows, [&](int64_t r) { add_row(x + r * size, add + r * size, size, w, eps); });
 }
 
 }  // namespace
@@ -271,13 +208,7 @@ torch::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const
     add_rows(xp, pp, rows, d, ptr(layer.attn_out_norm), eps);
     each_row(rows, [&](int64_t r) { norm_row(xp + r * d, d, ptr(layer.post_norm), eps, np + r * d); });
     layer.gate_up(np, rows, gp);
-    each_row(rows, [&](int64_t r) {
-      const uint16_t* g = gp + r * 2 * inter;
-      for (int64_t j = 0; j < inter; j += 16) {
-        const __mmask16 m = lanes(inter - j);
-        store(hp + r * inter + j, _mm512_mul_ps(activate(load(g + j, m), shape.gelu), load(g + inter + j, m)), m);
-      }
-    });
+    each_row(rows, [&](int64_t r) { gated_row(gp + r * 2 * inter, gp + r * 2 * inter + inter, inter, shape.gelu, hp + r * inter); });
     layer.down(hp, rows, pp);
     add_rows(xp, pp, rows, d, ptr(layer.mlp_out_norm), eps);
   }

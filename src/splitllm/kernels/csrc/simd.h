@@ -1,34 +1,85 @@
-// AVX-512 helpers the kernels share: 16 lanes of float32 loaded from or stored to float32 or bfloat16
-// with a mask for a row's last partial vector, and exp for non-positive arguments.
+// The kernels' SIMD layer: one logical vector type `Vec` of 16 float32 lanes on every CPU, so each kernel
+// states its math once (linear_core.h, attention_core.h, rows.h) and every backend computes it in the same
+// order with the same roundings. One backend is compiled per build, picked by a macro cpu_kernels.py sets:
+//   SPLITLLM_SIMD_AVX512  one zmm register per Vec; AVX-512 BF16 dot products, VBMI byte tables
+//   SPLITLLM_SIMD_AVX2    two ymm registers (x86-64-v3: AVX2, FMA, F16C)
+//   SPLITLLM_SIMD_NEON    four q registers (ARM64)
+//   otherwise             sixteen floats in plain C++ (the reference the others are checked against)
+//
+// Every backend provides, for Vec v, float* / bfloat16 (uint16_t*) pointers p and `left` lanes still to go
+// (>= 16: a whole vector):
+//   zero(), set1(f), load(p), load(p, left), store(p, v), store(p, v, left), add, sub, mul, div,
+//   fmadd(a, b, c) = a * b + c and fnmadd(a, b, c) = c - a * b (fused: one rounding), abs, max,
+//   less_select(a, b, x, y) = a < b ? x : y per lane, round_even(v) (to integral values, ties to even),
+//   times_pow2(p, n) = p * 2^n for integral n >= -126, reduce_add(v) and sum16(a[16]) (fixed orders below),
+//   storing to bfloat16 rounds to nearest even and flushes float32 subnormals to zero (as AVX-512 BF16's
+//   conversion does);
+// and for the linear kernel, whose weights are packed as pairs of inputs for a block of 32 outputs:
+//   Pairs (16 outputs' bfloat16-valued weights for one pair of inputs), XPair (a row's pair of inputs),
+//   broadcast_pair(x), dot(acc, xpair, pairs) = acc + x1 w1, then + x0 w0 (each fused, as AVX-512 BF16's
+//   VDPBF16PS rounds: checked against it by tests/test_kernels.py where both run), and loaders of 32 outputs'
+//   pairs from bfloat16 (64 bytes), int8 (64 bytes in `int8_slot` order) and int4 (32 bytes: the first 16
+//   outputs in the low nibbles, as 128 + q) weights.
+// The one place backends may differ: VDPBF16PS and AVX-512's bfloat16 conversion flush float32 subnormals
+// (below 1.2e-38) to zero; the fused multiply-adds of the other backends keep them (stores flush everywhere).
+//
+// reduce_add(v): ((v0+v8 + v4+v12) + (v2+v10 + v6+v14)) + ((v1+v9 + v5+v13) + (v3+v11 + v7+v15)), i.e.
+//   halves added lane-wise (lanes i and i + 8), then quarters, then pairs [0]+[2] and [1]+[3], then those two.
+// sum16(a): lane j is the sum of a[j]'s lanes as ((a0 + a2) + (a1 + a3)) per group of four lanes, then
+//   (group0 + group1) + (group2 + group3).
 #pragma once
-#include <immintrin.h>
 #include <cstdint>
+#include <cstring>
 
-// The lanes of a row with `left` values still to go.
-inline __mmask16 lanes(int64_t left) { return static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1); }
+#if defined(SPLITLLM_SIMD_AVX512)
+#include "simd/avx512.h"
+#elif defined(SPLITLLM_SIMD_AVX2)
+#include "simd/avx2.h"
+#elif defined(SPLITLLM_SIMD_NEON)
+#include "simd/neon.h"
+#else
+#include "simd/scalar.h"
+#endif
 
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load(const uint16_t* p, __mmask16 m) {  // bfloat16 widens exactly
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+namespace simd {
+
+constexpr int kLanes = 16;
+
+// exp(x) for x <= 0, to about 2 ulp (Cephes' expf polynomial); -inf and x < -87 give exactly 0.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec n = round_even(mul(x, set1(1.44269504088896341f)));
+  Vec r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  Vec p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = fmadd(mul(p, r), r, add(r, set1(1.0f)));
+  const Vec below = set1(-87.0f);
+  return less_select(x, below, zero(), times_pow2(p, less_select(x, below, zero(), n)));
 }
-inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store(uint16_t* p, __m512 v, __mmask16 m) {  // rounded to nearest even
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+
+// Round-to-nearest-even bfloat16 bits of a float32 with subnormals flushed to zero and NaNs kept quiet: the
+// scalar statement of what every backend's bfloat16 store does.
+inline uint16_t bfloat16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7F800000u) == 0) u &= 0x80000000u;
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// exp(x) for x <= 0, to about 2 ulp (Cephes' expf polynomial); -inf and very small x give exactly 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
+inline float bfloat16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
+// Where weight (output o % 32, input i % 2) of a block's pair of inputs lies among its 64 int8 bytes: the
+// order the backend's int8 loader reads.
+inline int int8_slot(int o, int e) { return int8_slot_of(o * 2 + e); }
+
+}  // namespace simd

@@ -1,0 +1,247 @@
+// y = x W^T (+ b) in bfloat16 for the few rows of a decoding step, at the speed of reading W once, stated
+// once over simd.h's layer. W is bfloat16; or int8 with one scale per output (y = scale * x q^T + b); or
+// int4 with a scale and a zero per output and group of 32 inputs (w = (q - 8) * scale + zero, q in 0..15).
+//
+// W is packed at load (pack_dense, pack_int4) as (N/32, K/2, 32, 2): for each block of 32 outputs, each pair
+// of inputs is one run of 32 pairs (128 bytes in bfloat16; 64 in int8, in the order the backend's loader
+// reads, simd::int8_slot; 32 in int4, the first 16 outputs' nibbles low and the other 16's high), so a block
+// is one contiguous stream and the hardware prefetcher sees a single sequential read (a block also asks for
+// its bytes 16 KiB ahead). Each int4 group's sum is corrected by 136 times the group's input sum (the
+// nibbles are read as 128 + q) before its scale and zero apply.
+// simd::dot multiplies a broadcast input pair by the pairs of 16 outputs at once, so accumulators hold
+// outputs directly (no horizontal sums). Several rows share each weight load, and each output sums even
+// and odd pairs in two chains, so a lone row does not wait on the multiply-add's latency. Every output is
+// accumulated over the input pairs in the same order whatever the number of rows, the row's place in the
+// batch, the thread count or the backend, so results are batch-invariant and the same on every CPU.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace simd {
+
+constexpr int kVectors = 2;            // 16-output vectors per block
+constexpr int kBlock = 16 * kVectors;  // outputs per block
+constexpr int kGroup = 32;             // int4 inputs per scale and zero
+constexpr int kGroupPairs = kGroup / 2;
+constexpr int kPrefetchBytes = 16384;  // how far ahead of its reads a block asks for its weights
+
+// Pair loaders: one pair of inputs for the block's 32 outputs as two Pairs of 16 outputs each.
+struct Bfloat16Loader {
+  using Weight = uint16_t;
+  void operator()(const uint16_t* w, Pairs* v) const { bfloat16_pairs(w, v); }
+};
+struct Int8Loader {
+  using Weight = int8_t;
+  Int8Pairs widen;
+  void operator()(const int8_t* w, Pairs* v) const { widen(w, v); }
+};
+
+// Asks for the weight bytes [p, p + bytes) kPrefetchBytes ahead, one cache line at a time: a core's stream
+// of weights reaches the memory bandwidth only with more reads in flight than the hardware prefetcher starts.
+inline void prefetch_ahead(const void* p, int bytes) {
+  for (int line = 0; line < bytes; line += 64) prefetch(static_cast<const char*>(p) + kPrefetchBytes + line);
+}
+
+// f(std::integral_constant<int, R>{}) with R = rows (1 <= rows <= Max): the tile's row count as a
+// compile-time constant, so its accumulators stay in registers.
+template <int Max, typename F>
+void with_rows(int rows, F&& f) {
+  if constexpr (Max > 1) {
+    if (rows < Max) return with_rows<Max - 1>(rows, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
+// One block of bfloat16 or int8 weights (pairs, 32 outputs) for Rows rows. Even and odd pairs add into
+// separate sums, added at the end.
+template <int Rows, typename Loader>
+void block(const Loader& shared, const typename Loader::Weight* w, const uint16_t* x, int64_t ldx, int64_t pairs, Vec* acc) {
+  const Loader load = shared;
+  Vec odd[Rows * kVectors];
+  for (int i = 0; i < Rows * kVectors; ++i) acc[i] = odd[i] = zero();
+  const auto add_pair = [&](int64_t p, Vec* sums) {
+    prefetch_ahead(w + p * kBlock * 2, kBlock * 2 * sizeof(*w));
+    Pairs wv[kVectors];
+    load(w + p * kBlock * 2, wv);
+    for (int r = 0; r < Rows; ++r) {
+      const XPair xv = broadcast_pair(x + r * ldx + 2 * p);
+      for (int j = 0; j < kVectors; ++j) sums[r * kVectors + j] = dot(sums[r * kVectors + j], xv, wv[j]);
+    }
+  };
+  for (int64_t p = 0; p < pairs; p += 2) {
+    add_pair(p, acc);
+    if (p + 1 < pairs) add_pair(p + 1, odd);
+  }
+  for (int i = 0; i < Rows * kVectors; ++i) acc[i] = add(acc[i], odd[i]);
+}
+
+// acc + one int4 group's share of 16 outputs: dot is the group's sum of x (128 + q), sum its inputs' sum,
+// so sum x (q - 8) = dot - 136 sum, then scale and zero apply.
+inline Vec add_group(Vec acc, Vec dot_sum, float sum, Vec scale, Vec zero_point) {
+  const Vec s = set1(sum);
+  const Vec centered = fnmadd(set1(136.0f), s, dot_sum);  // 128 from the exponent, 8 from q - 8
+  return fmadd(zero_point, s, fmadd(centered, scale, acc));
+}
+
+// One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) bfloat16 scales and zeros, sums
+// (Rows, groups) each row's input sum per group. Within a group, even and odd pairs add into separate sums.
+template <int Rows>
+void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx, const float* sums, int64_t groups,
+                Vec* acc) {
+  static_assert(kGroupPairs % 2 == 0, "a group's pairs split evenly over two sums");
+  for (int i = 0; i < Rows * kVectors; ++i) acc[i] = zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch_ahead(w + g * kGroupPairs * kBlock, kGroupPairs * kBlock);
+    Vec even[Rows * kVectors], odd[Rows * kVectors];
+    for (int i = 0; i < Rows * kVectors; ++i) even[i] = odd[i] = zero();
+    const auto add_pair = [&](int64_t p, Vec* dots) {
+      Pairs wv[kVectors];
+      int4_pairs(w + p * kBlock, wv);
+      for (int r = 0; r < Rows; ++r) {
+        const XPair xv = broadcast_pair(x + r * ldx + 2 * p);
+        for (int j = 0; j < kVectors; ++j) dots[r * kVectors + j] = dot(dots[r * kVectors + j], xv, wv[j]);
+      }
+    };
+    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; p += 2) {
+      add_pair(p, even);
+      add_pair(p + 1, odd);
+    }
+    for (int j = 0; j < kVectors; ++j) {
+      const Vec scale = load(sz + (g * 2) * kBlock + j * 16), zero_point = load(sz + (g * 2 + 1) * kBlock + j * 16);
+      for (int r = 0; r < Rows; ++r) {
+        const int i = r * kVectors + j;
+        acc[i] = add_group(acc[i], add(even[i], odd[i]), sums[r * groups + g], scale, zero_point);
+      }
+    }
+  }
+}
+
+// y[col..col + 16) of one row (up to the n outputs) = round_bf16(v * scale[col] + bias[col]).
+inline void emit(Vec v, int64_t col, int64_t n, const float* scales, const float* bias, uint16_t* y) {
+  const int64_t left = n - col;
+  if (scales) v = mul(v, load(scales + col, left));
+  if (bias) v = add(v, load(bias + col, left));
+  store(y + col, v, left);
+}
+
+// Every block of outputs for every row, `RowTile` rows at a time: tile(b, r0, rows, acc) sums block b for
+// rows [r0, r0 + rows) into acc, then y[r, col] = round_bf16(acc * scale[col] + bias[col]).
+template <int RowTile, typename Tile>
+void run(int64_t rows, int64_t n, int64_t blocks, const float* scales, const float* bias, uint16_t* y, Tile&& tile) {
+  parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    Vec acc[RowTile * kVectors];
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t r0 = 0; r0 < rows; r0 += RowTile) {
+        const int count = static_cast<int>(std::min<int64_t>(RowTile, rows - r0));
+        tile(b, r0, count, acc);
+        for (int r = 0; r < count; ++r)
+          for (int j = 0; j < kVectors && b * kBlock + j * 16 < n; ++j)
+            emit(acc[r * kVectors + j], b * kBlock + j * 16, n, scales, bias, y + (r0 + r) * n);
+      }
+    }
+  });
+}
+
+// y (rows, n) = x (rows, 2 pairs) W^T for bfloat16 or int8 weights packed by pack_dense.
+template <typename Loader>
+void dense_rows(const Loader& load, const uint16_t* x, const typename Loader::Weight* w, int64_t rows, int64_t n,
+                int64_t blocks, int64_t pairs, const float* scales, const float* bias, uint16_t* y) {
+  run<kRowTile>(rows, n, blocks, scales, bias, y, [&](int64_t b, int64_t r0, int count, Vec* acc) {
+    with_rows<kRowTile>(count, [&](auto tile) {
+      block<decltype(tile)::value>(load, w + b * pairs * kBlock * 2, x + r0 * 2 * pairs, 2 * pairs, pairs, acc);
+    });
+  });
+}
+
+// Each row's inputs summed per int4 group, in a fixed order: (rows, k / kGroup).
+inline std::vector<float> group_sums(const uint16_t* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  std::vector<float> sums(rows * groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* xg = x + r * k + g * kGroup;
+      sums[r * groups + g] = reduce_add(add(load(xg), load(xg + 16)));
+    }
+  return sums;
+}
+
+// y (rows, n) = x (rows, k) W^T for int4 weights and scales packed by pack_int4; sums from group_sums.
+inline void int4_rows(const uint16_t* x, const uint8_t* w, const uint16_t* sz, const float* sums, int64_t rows, int64_t n,
+                      int64_t blocks, int64_t pairs, const float* bias, uint16_t* y) {
+  const int64_t k = 2 * pairs, groups = k / kGroup;
+  run<kInt4RowTile>(rows, n, blocks, nullptr, bias, y, [&](int64_t b, int64_t r0, int count, Vec* acc) {
+    with_rows<kInt4RowTile>(count, [&](auto tile) {
+      block_int4<decltype(tile)::value>(w + b * pairs * kBlock, sz + b * groups * 2 * kBlock, x + r0 * k, k,
+                                        sums + r0 * groups, groups, acc);
+    });
+  });
+}
+
+// Where weight (o, i) of an (n, k) matrix lies in its packed form (bfloat16: in uint16 units; int8: bytes).
+inline int64_t dense_offset(int64_t o, int64_t i, int64_t k, bool int8) {
+  const int64_t run = (o / kBlock * (k / 2) + i / 2) * kBlock * 2;
+  const int position = static_cast<int>(o % kBlock) * 2 + static_cast<int>(i % 2);
+  return run + (int8 ? int8_slot_of(position) : position);
+}
+
+// Lays out an (n, k) weight (k even) in blocks of 32 outputs: out holds ceil(n / 32) * 32 * k values (the
+// rows past n zero). int8 weights follow the backend's loader order.
+template <typename T>
+void pack_dense(const T* w, int64_t n, int64_t k, T* out) {
+  constexpr bool int8 = std::is_same_v<T, int8_t>;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t o = b * kBlock; o < (b + 1) * kBlock; ++o)
+        for (int64_t i = 0; i < k; ++i) out[dense_offset(o, i, k, int8)] = o < n ? w[o * k + i] : T{};
+  });
+}
+
+// pack_dense's inverse: the (n, k) weight back.
+template <typename T>
+void unpack_dense(const T* packed, int64_t n, int64_t k, T* out) {
+  constexpr bool int8 = std::is_same_v<T, int8_t>;
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t i = 0; i < k; ++i) out[o * k + i] = packed[dense_offset(o, i, k, int8)];
+}
+
+// Lays out (n, k) 4-bit values (k a multiple of kGroup) and (n, k / kGroup, 2) bfloat16 scales and zeros:
+// out (blocks, k / 2, 32) bytes, a pair's 32 bytes as (output % 16, element) with the block's first 16
+// outputs in the low nibbles; sz_out (blocks, groups, 2, 32).
+inline void pack_int4(const uint8_t* q, const uint16_t* sz, int64_t n, int64_t k, uint8_t* out, uint16_t* sz_out) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock, groups = k / kGroup;
+  parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t p = 0; p < k / 2; ++p)
+        for (int j = 0; j < 16; ++j)
+          for (int e = 0; e < 2; ++e) {
+            const int64_t low = b * kBlock + j, high = low + 16, i = 2 * p + e;
+            const uint8_t lo = low < n ? q[low * k + i] : 0, hi = high < n ? q[high * k + i] : 0;
+            out[(b * (k / 2) + p) * kBlock + 2 * j + e] = static_cast<uint8_t>(lo | hi << 4);
+          }
+      for (int64_t g = 0; g < groups; ++g)
+        for (int s = 0; s < 2; ++s)
+          for (int o = 0; o < kBlock; ++o) {
+            const int64_t row = b * kBlock + o;
+            sz_out[((b * groups + g) * 2 + s) * kBlock + o] = row < n ? sz[(row * groups + g) * 2 + s] : 0;
+          }
+    }
+  });
+}
+
+// pack_int4's inverse for the values: (n, k) nibbles back.
+inline void unpack_int4(const uint8_t* packed, int64_t n, int64_t k, uint8_t* q) {
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t b = o / kBlock, j = o % 16, p = i / 2, e = i % 2;
+      const uint8_t byte = packed[(b * (k / 2) + p) * kBlock + 2 * j + e];
+      q[o * k + i] = static_cast<uint8_t>(o % kBlock < 16 ? byte & 15 : byte >> 4);
+    }
+}
+
+}  // namespace simd
