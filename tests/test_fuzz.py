@@ -170,6 +170,7 @@ class Target:
 
     max_context = 64  # what its sessions ask for
     overlaps = False
+    row_invariant = True
 
     def __init__(self, url: str, files: ModelFiles, client_model, prompt: list[int], expected: list[int], bystander) -> None:  # type: ignore[no-untyped-def]
         self.url, self.files, self.client_model = url, files, client_model

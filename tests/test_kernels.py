@@ -28,13 +28,37 @@ KERNELS = cpu_kernels.load()
 
 
 def test_kernels_build_wherever_the_cpu_runs_them() -> None:
-    """A missing compiler must fail here, not fall back silently to the slower kernels."""
-    assert (KERNELS is not None) == cpu_kernels.cpu_has_instructions()
+    """A missing compiler must fail here, not fall back silently to the slower kernels; SPLITLLM_KERNELS
+    picks a narrower variant, and the default is the widest this CPU runs."""
+    variant = cpu_kernels.chosen()
+    switch = os.environ.get(cpu_kernels.SWITCH, "auto")
+    assert (KERNELS is not None) == (variant is not None)
+    if switch == "auto":
+        assert variant == next(iter(cpu_kernels.runnable()), None)
+    elif switch != "off":
+        assert variant is not None and variant.name == switch
+
+
+def test_a_variant_the_cpu_cannot_run_or_a_misspelt_one_is_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv(cpu_kernels.SWITCH, "avx512")
+    with pytest.raises(RuntimeError, match="SPLITLLM_KERNELS=avx512: this CPU lacks avx512_bf16, avx512bw"):
+        cpu_kernels.chosen()
+    monkeypatch.setenv(cpu_kernels.SWITCH, "avx-2")
+    with pytest.raises(ValueError, match="auto, off or one of avx512, avx2, neon"):
+        cpu_kernels.chosen()
+    monkeypatch.setenv(cpu_kernels.SWITCH, "auto")
+    assert cpu_kernels.chosen().name == "avx2"  # an AVX2-only CPU (Zen 3, Intel client chips) gets the AVX2 kernels
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"fp", "asimd", "bf16"}))
+    assert cpu_kernels.chosen().name == "neon"
 
 
 @pytest.mark.parametrize(
     ("missing", "said"),
-    [("instructions", "the CPU lacks AVX-512 BF16 or VBMI"), ("compiler", "no C++ compiler (/nowhere/c++)"),
+    [("instructions", "no kernel variant for this CPU (x86-64 needs AVX2 and FMA; ARM64 NEON)"),
+     ("compiler", "no C++ compiler (/nowhere/c++)"),
      ("build", "the build failed: kernels/linear.cpp:9:1: error: 'x' was not declared")],
 )
 def test_each_fallback_says_why_in_one_line(missing, said, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -44,7 +68,10 @@ def test_each_fallback_says_why_in_one_line(missing, said, monkeypatch, caplog) 
     def fails(*args: object, **kwargs: object) -> None:
         raise RuntimeError(f"Error building extension: [1/4] c++ ...\n{said.split(': ', 1)[1]}\nninja: build stopped")
 
-    monkeypatch.setattr(cpu_kernels, "cpu_has_instructions", lambda: missing != "instructions")
+    monkeypatch.delenv(cpu_kernels.SWITCH, raising=False)
+    if missing == "instructions":
+        monkeypatch.setattr(cpu_kernels, "runnable", lambda: [])
+    monkeypatch.setattr(cpu_kernels, "prebuilt", lambda variant: None)  # as if `make` had not built them
     compiler = "/nowhere/c++" if missing == "compiler" else sys.executable  # any executable stands in for one
     monkeypatch.setattr(cpp_extension, "get_cxx_compiler", lambda: compiler)
     monkeypatch.setattr(cpp_extension, "load", fails)
@@ -53,7 +80,49 @@ def test_each_fallback_says_why_in_one_line(missing, said, monkeypatch, caplog) 
     assert [r.getMessage() for r in caplog.records] == [f"CPU kernels unavailable, using PyTorch's: {said}"]
 
 
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU lacks AVX-512 BF16 or VBMI (the kernels do not run here)")
+def test_install_builds_every_variant_the_cpu_runs_so_no_first_use_compiles() -> None:
+    """`make` runs `python -m splitllm.kernels`: each variant is in the package, loaded without a compiler."""
+    for variant in cpu_kernels.runnable():
+        assert cpu_kernels.prebuilt_path(variant).is_file(), f"{variant.name} was not built at install"
+
+
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no kernel variant runs on this CPU (or SPLITLLM_KERNELS=off)")
+VARIANTS = {v.name: built for v in cpu_kernels.runnable() if (built := cpu_kernels.prebuilt(v)) is not None}
+
+
+@pytest.mark.skipif(len(VARIANTS) < 2, reason="one kernel variant runs here")
+def test_every_variant_gives_the_same_bits() -> None:
+    """The SIMD layer states each kernel once: AVX-512 BF16's dot products and AVX2's fused multiply-adds
+    (odd input first) round alike, so the linear in every form and the attention agree bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    w, bias = torch.randn(70, 96, generator=gen).bfloat16(), torch.randn(70, generator=gen)
+    q8, scales = torch.randint(-127, 128, (70, 96), generator=gen, dtype=torch.int8), torch.rand(70, generator=gen) / 50
+    q4 = torch.randint(0, 16, (70, 96), generator=gen, dtype=torch.uint8)
+    sz = torch.randn(70, 3, 2, generator=gen).bfloat16()
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen) for h, n in ((8, 3), (2, 37), (2, 37)))
+    mask = torch.zeros(3, 37).masked_fill(torch.rand(3, 37, generator=gen) < 0.3, float("-inf"))
+
+    def outputs(kernels: object) -> list[torch.Tensor]:
+        int4, packed_sz = kernels.pack_int4(q4, sz)
+        return [kernels.linear(x, kernels.pack(w), 70, bias, None), kernels.linear(x, kernels.pack(q8), 70, None, scales),
+                kernels.linear(x, int4, 70, bias, packed_sz), kernels.attention(q, k, v, mask, 0.125)]
+
+    first, *others = (outputs(kernels) for kernels in VARIANTS.values())
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other))
+
+
+@pytest.mark.slow  # a pytest run of its own
+@pytest.mark.skipif("avx2" not in VARIANTS or cpu_kernels.chosen() is None or cpu_kernels.chosen().name == "avx2",
+                    reason="no wider variant runs here")
+def test_the_avx2_path_holds_on_a_wider_cpu() -> None:
+    """CPUs without AVX-512 BF16 (AMD Zen 3, Intel client chips) take the AVX2 kernels; their tests run here
+    with SPLITLLM_KERNELS=avx2, in a process of their own since the choice is made once per process."""
+    env = {**os.environ, cpu_kernels.SWITCH: "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "tests/test_precision.py",
+                          "-m", "not slow"], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:]
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> bool:
@@ -98,8 +167,9 @@ def test_tiles_follow_the_cpu_and_the_switch() -> None:
     """AMX's tiles run the bfloat16, int8 and int4 linears where the CPU has them, unless SPLITLLM_TILES=0."""
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
     wanted = {"amx_tile", "amx_bf16"} <= set(flags) and os.environ.get("SPLITLLM_TILES") != "0"
+    wanted = wanted and cpu_kernels.chosen().name == "avx512"  # the tile path is the AVX-512 build's
     assert KERNELS.tiles_available() == wanted
-    assert cpu_kernels.linear_path() == ("amx-tiles" if wanted else "avx512-dot-products")  # what benchmarks record
+    assert cpu_kernels.linear_path() == ("amx-tiles" if wanted else cpu_kernels.chosen().path)  # what benchmarks record
 
 
 @pytest.mark.slow  # a pytest run of its own

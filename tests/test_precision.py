@@ -128,6 +128,10 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
 
     prompt = [7, 8, 9, 10, 11] * 4 + [7, 8]
     expected = run(decode_sequential)
+    if cpu_kernels.load() is None:  # PyTorch's 16-bit kernels: speculation is refused, never diverging silently
+        with pytest.raises(ValueError, match="would not reproduce sequential decoding"):
+            run(SpeculativeDecoder(SpeculationConfig(next(iter(SPECULATIVE_MODES)))))
+        return
     for mode in SPECULATIVE_MODES:
         assert run(SpeculativeDecoder(SpeculationConfig(mode))) == expected, mode
     kernels = cpu_kernels.load()
@@ -135,6 +139,22 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
     # (as many as share a read of the weights); every row the bits it gets alone.
     dot_rows = {"none": 4, "int8": 2, "int4": 2}[precision.quant]
     assert client_model.shared_logit_rows == (1 if kernels is None else 32 if kernels.tiles_available() else dot_rows)
+
+
+@pytest.mark.parametrize("precision", [Precision(torch.float16), Precision(torch.float32, "int8")], ids=lambda p: p.name)
+def test_speculation_is_refused_where_a_rows_bits_depend_on_its_step(precision, tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """float16 and float32-int8 run PyTorch's kernels on every CPU: the client refuses to speculate with
+    them, and a server in such a precision says so when a session opens, so its client refuses too."""
+    files = ModelFiles(tiny_models["mistral"])
+    exact_client, lossy_client = ClientModel(files, 1, 1), ClientModel(files, 1, 1, precision)
+    lossy_middle = Stage.load(files, 1, files.config.num_layers - 1, precision)
+    assert exact_client.row_invariant and not lossy_client.row_invariant and not lossy_middle.row_invariant
+    exact_middle = Stage.load(files, 1, files.config.num_layers - 1, Precision())
+    for client_model, middle in [(lossy_client, exact_middle), (exact_client, lossy_middle)]:
+        pipeline = SplitPipeline(client_model, InProcessMiddle(middle, 64), 64)
+        with pytest.raises(ValueError, match="would not reproduce sequential decoding"):
+            next(SpeculativeDecoder(SpeculationConfig(next(iter(SPECULATIVE_MODES))))(pipeline, [3, 4, 5], 4, frozenset()))
+        assert len([t for out in decode_sequential(pipeline, [3, 4, 5], 4, frozenset()) for t in out.tokens]) == 4
 
 
 def test_lm_head_precision_is_its_own(tiny_models) -> None:  # type: ignore[no-untyped-def]

@@ -203,6 +203,7 @@ class _HostileMiddle:
     """A server session that receives, before each real step, every hostile variation of it."""
 
     overlaps = False
+    row_invariant = True
     max_context = CONTEXT  # what its sessions ask for (`_open_header`)
 
     def __init__(self, raw: RawClient, session: str, other_session: str, max_position: int, hostile_steps: int) -> None:

@@ -139,6 +139,7 @@ _HIDDEN = torch.arange(6, dtype=torch.float32).view(2, 3)
         OpenMessage("ab" * 32, (2, 28), "float16", 512, id=1),
         OpenMessage("ab" * 32, (2, 28), "float32"),
         OpenedMessage("s" * 24, 512, 256, 1),
+        OpenedMessage("s" * 24, 512, 256, row_invariant=False),
         StepMessage("s", _HIDDEN, "float32", (0, 1), (0, 2), parents=(-1, 0), id=7),
         StepMessage("s", _HIDDEN, "float32", (4, 4), bits=b"\xd0", id="x"),
         StepMessage("s", _HIDDEN, "float32", (0, 1)),
@@ -157,6 +158,14 @@ def test_every_message_round_trips(message: messages.Message) -> None:
         assert replace(got, hidden=message.hidden) == message  # type: ignore[type-var]
     else:
         assert got == message
+
+
+def test_an_opened_reply_without_row_invariance_means_it_and_a_non_boolean_is_refused() -> None:
+    """Servers from before the field computed in float32 or splitllm's kernels: their rows never depended on the step."""
+    header = {"op": "opened", "session": "s", "max_context": 8, "max_nodes": 4}
+    assert messages.decode(wire.encode(header), messages.REPLIES) == OpenedMessage("s", 8, 4)
+    with pytest.raises(ProtocolError, match="row_invariant"):
+        messages.decode(wire.encode({**header, "row_invariant": 1}), messages.REPLIES)
 
 
 def test_a_step_is_framed_as_before_the_messages_were_typed() -> None:

@@ -69,6 +69,11 @@ class ClientModel(ModelEnds):
             self.draft_model
 
     @property
+    def row_invariant(self) -> bool:
+        """Whether the client's stages and LM head give a row the same bits in any step."""
+        return self.first.row_invariant and (self.last is None or self.last.row_invariant) and self.lm_head_row_invariant
+
+    @property
     def tap_layers(self) -> tuple[int, int]:
         """The layers whose outputs this client holds besides the top one: its first stage's (K) and the
         middle's it receives (N - M). A tapped drafter reads some of them."""

@@ -24,6 +24,7 @@ class Middle(Protocol):
     max_context: int  # positions its cache holds (a server may grant fewer than asked)
     max_nodes: int  # positions one step may send
     overlaps: bool  # whether the client's core is free while a step is in flight (the middle computes elsewhere)
+    row_invariant: bool  # whether a row's outputs are the same bits in any step (Stage.row_invariant)
 
     def step(self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
         """The middle's outputs for the step's hidden states, its times added to `timing`. `while_waiting` is
@@ -57,6 +58,7 @@ class InProcessMiddle:
     def __init__(self, stage: Stage, max_context: int) -> None:
         self.stage = stage
         self.max_context = self.max_nodes = max_context
+        self.row_invariant = stage.row_invariant
         self.cache: KVCache = stage.new_cache(max_context)
         self._ahead: torch.Tensor | None = None  # the output of the step sent ahead, computed when sent
         self._in_step = False
@@ -138,6 +140,12 @@ class SplitPipeline:
     def overlaps(self) -> bool:
         """Whether the client's core is free while a step is in flight, for work that can go there."""
         return self.middle.overlaps
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether every part of the split gives a row the same bits in any step: speculation reproduces
+        sequential decoding only then."""
+        return self.client_model.row_invariant and self.middle.row_invariant
 
     def room(self, start: int) -> int:
         """How many positions a step starting at absolute position `start` may send: what the caches

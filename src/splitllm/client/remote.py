@@ -178,6 +178,7 @@ class RemoteMiddle:
                 self.session: str = opened.session
                 self.max_context: int = opened.max_context
                 self.max_nodes: int = opened.max_nodes
+                self.row_invariant: bool = opened.row_invariant
                 self._replay()
                 return
             except Exception as exc:

@@ -36,6 +36,11 @@ class Scorer(Protocol):
         """Whether the client's core is free while a step is in flight (the middle runs elsewhere)."""
         ...
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether every part of the model gives a position the same bits in a step of any size."""
+        ...
+
     def room(self, start: int) -> int:
         """How many positions a step starting at absolute position `start` may send."""
         ...

@@ -175,6 +175,13 @@ class SpeculativeDecoder:
         The proposers read `sampler.history` (everything the model has seen and emitted so far, which
         the sampler extends with each emitted token), so a conversation's earlier turns feed lookups too.
         """
+        if not pipeline.row_invariant:
+            raise ValueError(
+                "speculative decoding would not reproduce sequential decoding here: a part of the split runs "
+                "PyTorch's 16-bit or quantized kernels, whose rows depend on the step's size (splitllm's CPU kernels "
+                "and the float32 exact mode do not); use --decode sequential, --exact, or bfloat16 where the "
+                "kernels run"
+            )
         sampler = sampler or Sampler(history=prompt)
         generation = _Generation(self, pipeline, prompt, max_new_tokens, stop_ids, sampler, keep)
         try:

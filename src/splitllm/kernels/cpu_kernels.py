@@ -57,9 +57,8 @@ class Variant:
         import torch
 
         digest = hashlib.sha256(f"{self.flags}{COMMON_FLAGS}{torch.__version__}".encode())
-        for source in sorted(CSRC.rglob("*")):
-            if source.is_file() and source.suffix in (".h", ".cpp"):
-                digest.update(source.relative_to(CSRC).as_posix().encode() + source.read_bytes())
+        for source in sorted([*SOURCES, *CSRC.rglob("*.h")]):
+            digest.update(source.relative_to(CSRC).as_posix().encode() + source.read_bytes())
         return f"splitllm_kernels_{self.name}_{digest.hexdigest()[:12]}"
 
 

@@ -105,6 +105,11 @@ class ModelEnds:
         hp = self.lm_head_precision
         return rms_norm(hidden.to(hp.torch_device, hp.dtype), self.norm, self.cfg.rms_norm_eps)
 
+    @property
+    def lm_head_row_invariant(self) -> bool:
+        """Whether a row's logits are the same bits in any batch: splitllm's kernel, or a float head taken row by row."""
+        return isinstance(self.lm_head, BlockedLinear) or self._row_by_row
+
     @cached_property
     def _approx_lm_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The LM head `approx_logits` reads: a float32 one again as bfloat16; any other is cheap already."""

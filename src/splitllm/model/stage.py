@@ -234,6 +234,12 @@ class Stage(nn.Module):
         return x[0]
 
     @property
+    def row_invariant(self) -> bool:
+        """Whether a row's output bits are the same alone as in any step (what speculation's exactness needs):
+        the float32 exact mode and splitllm's kernel stage; PyTorch's 16-bit and quantized kernels are not."""
+        return not self.layers or self.precision.exact or self.runs_kernel_stage
+
+    @property
     def runs_kernel_stage(self) -> bool:
         """Whether a step runs as one `KernelStage` call (else layer by layer)."""
         return self._active_kernel_stage() is not None

@@ -66,22 +66,27 @@ class OpenMessage:
 
 @dataclass(frozen=True)
 class OpenedMessage:
-    """The session's id, the context it was granted and the most positions one step may carry."""
+    """The session's id, the context it was granted, the most positions one step may carry, and whether the
+    server's layers give a row the same bits in any step (absent: they do), which speculation needs."""
 
     OP: ClassVar[str] = "opened"
     session: str
     max_context: int
     max_nodes: int
     id: RequestId = None
+    row_invariant: bool = True
 
     def header(self) -> dict[str, Any]:
         return {"op": self.OP, "id": self.id, "session": self.session, "max_context": self.max_context,
-                "max_nodes": self.max_nodes}
+                "max_nodes": self.max_nodes, "row_invariant": self.row_invariant}
 
     @classmethod
     def parse(cls, frame: wire.Frame) -> OpenedMessage:
         h = frame.header
-        return cls(_text(h, "session"), _count(h, "max_context"), _count(h, "max_nodes"), request_id(frame))
+        invariant = h.get("row_invariant", True)
+        if not isinstance(invariant, bool):
+            raise ProtocolError("bad_request", "row_invariant must be true or false")
+        return cls(_text(h, "session"), _count(h, "max_context"), _count(h, "max_nodes"), request_id(frame), invariant)
 
 
 @dataclass(frozen=True)

@@ -338,7 +338,8 @@ class MiddleServer:
             request.dtype,
         )
         self.metrics.sessions_opened.labels(principal).inc()
-        return messages.encode(OpenedMessage(session.id, max_context, self.settings.max_nodes_per_step, request.id))
+        return messages.encode(OpenedMessage(session.id, max_context, self.settings.max_nodes_per_step, request.id,
+                                             self.stage.row_invariant))
 
     async def reap(self) -> None:
         while True:

@@ -51,6 +51,7 @@ class _Recorder:
         self.calls: list[Call] = []
         self._last = time.perf_counter()
         self.max_context, self.max_nodes, self.overlaps = inner.max_context, inner.max_nodes, inner.overlaps
+        self.row_invariant = inner.row_invariant
 
     def step(self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
         client_ms = (time.perf_counter() - self._last) * 1000

@@ -94,6 +94,10 @@ class NoisyMiddle:
     def overlaps(self) -> bool:
         return self.inner.overlaps
 
+    @property
+    def row_invariant(self) -> bool:
+        return self.inner.row_invariant
+
     def step(self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None) -> torch.Tensor:
         return self.inner.step(step.with_inputs(self.noise(step.inputs, self.gen)), timing, while_waiting)
 
