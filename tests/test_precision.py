@@ -44,7 +44,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("kernels", ["splitllm", "pytorch"])  # PyTorch's: CPUs without AVX-512 BF16 or VBMI
+@pytest.mark.parametrize("kernels", ["splitllm", "pytorch"])  # PyTorch's: no kernel variant, or SPLITLLM_KERNELS=off
 @pytest.mark.parametrize(("module", "tolerance"), [(Int8Linear, 0.01), (Int4Linear, 0.1)])
 def test_quantized_linear_is_close_to_float32(module, tolerance, kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     if kernels == "pytorch":

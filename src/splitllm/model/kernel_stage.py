@@ -5,7 +5,7 @@ reads; with the weights streamed at the memory bandwidth those calls cost more t
 kernel stage runs the same layers (the same packed weights, the same attention kernel) with everything
 in between as plain loops, and gives each row the same bits whatever else is in the step, so
 speculation stays exact. It runs where every linear of the stage is a `BlockedLinear` and attention is
-the kernel's, i.e. bfloat16 compute with bfloat16, int8 or int4 weights on a CPU with AVX-512 BF16 and VBMI; the
+the kernel's, i.e. bfloat16 compute with bfloat16, int8 or int4 weights where a kernel variant runs; the
 rounding differs slightly from the layer-by-layer path, so a stage always takes the same one.
 """
 
