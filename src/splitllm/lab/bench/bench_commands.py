@@ -12,8 +12,8 @@ import typer
 from splitllm.commands.wiring import Values, command, fail, need_extra, numbers, parse_setting, sampling
 from splitllm.decoding.modes import DECODERS
 from splitllm.options import (
-    BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_DEFAULTS, BENCH_EXACTNESS, BENCH_LOAD, BENCH_QUALITY, BENCH_SPECULATION,
-    BENCH_SPEED, BENCH_STREAMING, BENCH_STRUCTURED, BENCH_SWEEP,
+    BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_DEFAULTS, BENCH_EXACTNESS, BENCH_KERNELS, BENCH_LOAD, BENCH_QUALITY,
+    BENCH_SPECULATION, BENCH_SPEED, BENCH_STREAMING, BENCH_STRUCTURED, BENCH_SWEEP,
 )
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks over the real client, server and WAN proxy.")
@@ -202,6 +202,24 @@ def structured(model: str, rtt_ms: float, max_tokens: int, cores: str, out: str,
     result = {"provenance": _provenance()}
     result |= run_structured(_models(model), rtt_ms, max_tokens, _core_layout(cores), _progress)
     _write(result, "structured", markdown(result), out, "usage.md" if publish else None)
+
+
+@command(app, BENCH_KERNELS)
+def kernels(
+    model: str, max_new_tokens: int, settings: str | None, variants: str | None, prompts: int, out: str, publish: bool
+) -> None:
+    """The whole model in one process on one core per CPU kernel variant and setting, beside llama.cpp built
+    for the same instructions; writes kernels.json and kernels.md into --out (--publish: also docs/results/
+    and docs/precision.md's table)."""
+    from splitllm.lab.bench.kernels import SETTINGS, KernelsBench, markdown, run_kernels
+
+    bench = KernelsBench(_models(model), _models(variants or ""), _models(settings) if settings else SETTINGS, prompts,
+                         max_new_tokens)
+    try:
+        result = {"provenance": _provenance()} | run_kernels(bench, _progress)
+    except ValueError as exc:
+        fail(exc, code=2)
+    _write(result, "kernels", markdown(result), out, "precision.md" if publish else None)
 
 
 @command(app, BENCH_EXACTNESS)

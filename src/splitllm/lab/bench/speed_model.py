@@ -37,7 +37,7 @@ Progress = Callable[[str], None]
 MODEL_SETTINGS = ("bfloat16-int8", "bfloat16-int4")
 
 
-def _decode_speed(client: SplitClient, prompts: Sequence[str], new_tokens: int) -> dict[str, Any]:
+def decode_speed(client: SplitClient, prompts: Sequence[str], new_tokens: int) -> dict[str, Any]:
     client.generate(prompts[0], 4, decode="sequential")  # warm every code path (and the connection)
     gens = [client.generate(p, new_tokens, decode="sequential") for p in prompts]
     steps = [s for g in gens for s in g.steps[1:]]
@@ -116,7 +116,7 @@ def _in_process(split: _Split, settings: Sequence[str], progress: Progress) -> d
     rows = {}
     for setting in settings:
         client = split.client(None, Precision.from_name(setting))
-        row = rows[setting] = _decode_speed(client, split.texts, split.new_tokens)
+        row = rows[setting] = decode_speed(client, split.texts, split.new_tokens)
         progress(f"  splitllm {setting}: {row['tok_s']:.2f} tok/s")
         del client
     return rows
@@ -135,10 +135,10 @@ def _server_step(
     set_compute_threads(len(client_cores))
     with ServerProcess(*serve, cores=server_cores) as server, on_cores(client_cores):
         client = split.client(server.url, precision)
-        direct = _decode_speed(client, split.texts[:1], split.new_tokens)
+        direct = decode_speed(client, split.texts[:1], split.new_tokens)
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=rtt_ms)) if rtt_ms else nullcontext() as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}" if proxy else server.url
-            wan = _decode_speed(client, split.texts, split.new_tokens)
+            wan = decode_speed(client, split.texts, split.new_tokens)
     set_compute_threads(len(server_cores))
     own = direct["mean_step_ms"]["server_ms"]
     one = forward["tokens"]["1"]["median_ms"]

@@ -125,14 +125,12 @@ struct XPair {
 constexpr int kRowTile = 2;      // rows per pass over a block (16 registers: accumulators and weights)
 constexpr int kInt4RowTile = 2;
 
-inline XPair broadcast_pair(const uint16_t* p) {
-  uint32_t pair;
+inline XPair broadcast_pair(const uint16_t* p) {  // one 32-bit broadcast, then each half under a zero half
+  int32_t pair;
   std::memcpy(&pair, p, sizeof pair);
-  const uint32_t even = pair << 16, odd = pair & 0xFFFF0000u;
-  float e, o;
-  std::memcpy(&e, &even, sizeof e);
-  std::memcpy(&o, &odd, sizeof o);
-  return {_mm256_set1_ps(e), _mm256_set1_ps(o)};
+  const __m256i both = _mm256_set1_epi32(pair);
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(both, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(both, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
 }
 inline Vec dot(Vec acc, XPair x, const Pairs& w) {
   return {_mm256_fmadd_ps(x.even, w.even[0], _mm256_fmadd_ps(x.odd, w.odd[0], acc.lo)),

@@ -29,7 +29,6 @@ inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }
 inline Vec abs(Vec a) { return _mm512_abs_ps(a); }
-inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec less_select(Vec a, Vec b, Vec x, Vec y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
 inline Vec round_even(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
 inline Vec times_pow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }

@@ -122,14 +122,11 @@ struct XPair {
 constexpr int kRowTile = 2;
 constexpr int kInt4RowTile = 2;
 
-inline XPair broadcast_pair(const uint16_t* p) {
+inline XPair broadcast_pair(const uint16_t* p) {  // one 32-bit broadcast, then each half under a zero half
   uint32_t pair;
   std::memcpy(&pair, p, sizeof pair);
-  const uint32_t even = pair << 16, odd = pair & 0xFFFF0000u;
-  float e, o;
-  std::memcpy(&e, &even, sizeof e);
-  std::memcpy(&o, &odd, sizeof o);
-  return {vdupq_n_f32(e), vdupq_n_f32(o)};
+  const uint32x4_t both = vdupq_n_u32(pair);
+  return {vreinterpretq_f32_u32(vshlq_n_u32(both, 16)), vreinterpretq_f32_u32(vandq_u32(both, vdupq_n_u32(0xFFFF0000u)))};
 }
 inline Vec dot(Vec acc, XPair x, const Pairs& w) {
   return each([&](int i) { return vfmaq_f32(vfmaq_f32(acc.q[i], x.odd, w.odd[i]), x.even, w.even[i]); });
