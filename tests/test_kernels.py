@@ -452,3 +452,20 @@ def test_a_stages_weights_share_one_huge_page_mapping(tiny_models) -> None:  # t
     on_huge_pages(linears[4:5])  # moved again: the same weights, the same bits
     assert linears[4].packed.untyped_storage().data_ptr() != linears[3].packed.untyped_storage().data_ptr()
     assert torch.equal(linears[4](x), before)
+
+
+def test_the_kernels_report_sets_each_variant_beside_its_own_llama_cpp_build() -> None:
+    """`bench kernels`: the AVX2 kernels are compared with llama.cpp kept to AVX2, a missing build said so."""
+    from splitllm.lab.bench.kernels import _ratios, markdown
+
+    splitllm = {"avx512": {"bfloat16-int8": {"tokens_per_second": 200.0}, "bfloat16-int4": {"tokens_per_second": 240.0}},
+                "avx2": {"bfloat16-int8": {"tokens_per_second": 150.0}, "bfloat16-int4": {"tokens_per_second": 160.0}}}
+    llama = {"native": {"tokens_per_second": 160.0}, "avx2": {"skipped": "no llama.cpp build"}}
+    ratios = _ratios(splitllm, llama)
+    assert ratios["avx512"] == {"fastest_setting": "bfloat16-int4", "default": 1.25, "fastest": 1.5}
+    assert ratios["avx2"] == {"fastest_setting": "bfloat16-int4", "default": None, "fastest": None}
+    result = {"settings": {"settings": ["bfloat16-int8", "bfloat16-int4"], "max_new_tokens": 64},
+              "models": {"default": {"splitllm": splitllm, "llama_cpp": llama, "against_llama_cpp": ratios}}}
+    table = markdown(result)
+    assert "| avx512 | 200.00 | 240.00 | 160.00 (native) | 1.25x |" in table
+    assert "| avx2 | 150.00 | 160.00 | not built | - |" in table

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -65,9 +66,13 @@ class Tally:
     identical: int = 0
     first_step_ms: float = 0.0  # the prefill steps' time: the first token's wait, the prompt read by every side
     steps: list[StepStats] = field(default_factory=list)
+    client_cpu_ms: float = 0.0  # the client process's CPU time over whole generations (prompt included)
+    generated: int = 0
 
     def add(self, run: dict, identical: bool) -> None:
         steps = [StepStats.from_flat(s) for s in run["steps"]]
+        self.client_cpu_ms += run.get("client_cpu_ms", 0.0)
+        self.generated += len(run["ids"])
         self.prompts += 1
         self.identical += identical
         self.first_step_ms += steps[0].timing.total_ms if steps else 0.0
@@ -109,6 +114,8 @@ class Tally:
             "ahead_share": per_step(sent_ahead),  # steps that sent the next step before their reply came back
             "ahead_used_share": ran_ahead / sent_ahead if sent_ahead else 0.0,  # steps sent ahead whose guess held
             "first_step_ms": self.first_step_ms / self.prompts if self.prompts else 0.0,
+            # what the device pays: the client process's CPU time (its WAN proxy thread included) per token
+            "client_cpu_ms_per_token": self.client_cpu_ms / self.generated if self.generated else 0.0,
             "proposers": {p: {"steps_won": won[p], "draft_tokens_accepted": accepted_drafts[p]} for p in sorted(won)},
             # share of all emitted tokens that were draft tokens of nodes with these sources ("a+b": both)
             "sources": {
@@ -129,9 +136,12 @@ def measure(
     runs = []
     for i, (category, text) in enumerate(prompts):
         for mode in modes:
+            cpu = time.process_time()
             gen = client.generate(text, max_new_tokens, decode=decoders[mode], sampling=sampling)
+            cpu_ms = (time.process_time() - cpu) * 1000
             steps = [s.as_dict() for s in gen.steps]
-            runs.append({"prompt": i, "category": category, "mode": mode, "ids": gen.ids, "steps": steps})
+            runs.append({"prompt": i, "category": category, "mode": mode, "ids": gen.ids, "steps": steps,
+                         "client_cpu_ms": cpu_ms})
             progress(f"{category} #{i} {mode}: {len(gen.ids)} tokens, {gen.tokens_per_step:.2f} tok/step, "
                      f"{gen.tokens_per_second:.2f} tok/s")
     return runs
