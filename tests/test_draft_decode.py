@@ -30,6 +30,7 @@ from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.sampling import Sampler
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
+from splitllm.kernels import cpu_kernels
 from splitllm.drafting.draft_model import DraftModel, drafting_precision
 from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage, Step
@@ -277,13 +278,20 @@ def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> 
         torch.testing.assert_close(a[..., :26, :], b[..., :26, :], rtol=0, atol=1e-10)
 
 
-def test_a_draft_model_keeps_int4_weights_beside_quantized_client_layers() -> None:
-    """Its guesses are only verified, so beside quantized layers on the CPU it reads half of int8's
-    bytes; beside dense or exact layers (and off the CPU) it follows the client's."""
-    assert drafting_precision(Precision(torch.bfloat16, "int8")) == Precision(torch.bfloat16, "int4")
-    assert drafting_precision(Precision(torch.bfloat16, "int4")) == Precision(torch.bfloat16, "int4")
+@pytest.mark.parametrize(("variant", "leanest"), [("avx512", "int4"), ("avx2", "int8"), ("neon", "int8")])
+def test_a_draft_model_takes_the_leanest_weights_the_kernels_run_beside_quantized_client_layers(
+    variant: str, leanest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its guesses are only verified, so beside quantized layers on the CPU it takes the quantization
+    this CPU's kernels run fastest (int4 with AVX-512 BF16, int8 on AVX2); beside dense or exact layers
+    (and off the CPU, or without the kernels) it follows the client's."""
+    monkeypatch.setattr(cpu_kernels, "chosen", lambda: next(v for v in cpu_kernels.VARIANTS if v.name == variant))
+    assert drafting_precision(Precision(torch.bfloat16, "int8")) == Precision(torch.bfloat16, leanest)
+    assert drafting_precision(Precision(torch.bfloat16, "int4")) == Precision(torch.bfloat16, leanest)
     for same in (Precision(), Precision(torch.bfloat16), Precision(torch.bfloat16, "int8", "cuda")):
         assert drafting_precision(same) == same
+    monkeypatch.setattr(cpu_kernels, "chosen", lambda: None)
+    assert drafting_precision(Precision(torch.bfloat16, "int8")) == Precision(torch.bfloat16, "int8")
 
 
 def test_the_likely_path_of_a_step_taken_up_begins_at_its_entry(draft_model_split) -> None:  # type: ignore[no-untyped-def]

@@ -42,13 +42,16 @@ COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-Werror=missing-declara
 @dataclass(frozen=True)
 class Variant:
     """The kernels compiled for one instruction set: `features` are the CPU flags it needs (as Linux's
-    /proc/cpuinfo names them), `path` what benchmark records call its linear kernel."""
+    /proc/cpuinfo names them), `path` what benchmark records call its linear kernel, `leanest` the
+    quantization its linear runs fastest for a lone row (`bench kernels`: int4 where unpacking nibbles is
+    a single OR into the dot product's operand, int8 where it costs more than the bytes it saves)."""
 
     name: str
     machines: tuple[str, ...]
     features: frozenset[str]
     flags: tuple[str, ...]
     path: str
+    leanest: str
 
     @property
     def module(self) -> str:
@@ -66,10 +69,11 @@ _X86 = ("x86_64", "AMD64")
 VARIANTS = (  # widest first: a process takes the first its CPU runs
     Variant("avx512", _X86, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"}),
             ("-DSPLITLLM_SIMD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
-             "-mamx-tile", "-mamx-bf16"), "avx512-dot-products"),
+             "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", "int4"),
     Variant("avx2", _X86, frozenset({"avx2", "fma", "f16c"}), ("-DSPLITLLM_SIMD_AVX2", "-mavx2", "-mfma", "-mf16c"),
-            "avx2-fma"),
-    Variant("neon", ("aarch64", "arm64"), frozenset({"asimd"}), ("-DSPLITLLM_SIMD_NEON",), "neon-fma"),
+            "avx2-fma", "int8"),
+    # NEON unpacks nibbles as AVX2 does (not measured on ARM here): int8 taken as its leanest too.
+    Variant("neon", ("aarch64", "arm64"), frozenset({"asimd"}), ("-DSPLITLLM_SIMD_NEON",), "neon-fma", "int8"),
 )
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitllm.kernels import cpu_kernels
 from splitllm.testing.launch import free_port, pinned
 from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.weights.packaged import PACKAGED_MODELS
@@ -42,6 +43,13 @@ ISA_FLAGS = {  # the instructions ggml is built for: this CPU's, or x86-64-v3's 
     "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
              "-DGGML_AVX512=OFF"),
 }
+
+
+def matching() -> str:
+    """The llama.cpp build to weigh this process against: `avx2` where it runs splitllm's AVX2 kernels on a
+    CPU that has wider ones (SPLITLLM_KERNELS=avx2), else `native`."""
+    variant, here = cpu_kernels.chosen(), cpu_kernels.runnable()
+    return "avx2" if variant is not None and variant.name == "avx2" and here and here[0] != variant else "native"
 
 
 def install_dir(isa: str = "native") -> Path:
@@ -99,6 +107,7 @@ class PeerResult:
     threads: int
     tokens: int
     rtt_ms: float | None = None
+    build: str = "native"  # ISA_FLAGS' key
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -116,11 +125,13 @@ def _bench(tools: Path, gguf: Path, threads: int, tokens: int, extra: list[str],
     return rows[-1]
 
 
-def whole_model(gguf: Path, threads: int, tokens: int = 128, cores: set[int] | None = None, isa: str = "native") -> PeerResult:
-    """llama.cpp's own decoder, every layer in this machine's process: the local peer."""
-    tools = _require(isa)
-    row = _bench(tools, gguf, threads, tokens, [], cores)
-    return PeerResult("llama.cpp whole model", row["avg_ts"], row["stddev_ts"], threads, tokens)
+def whole_model(
+    gguf: Path, threads: int, tokens: int = 128, cores: set[int] | None = None, isa: str | None = None
+) -> PeerResult:
+    """llama.cpp's own decoder, every layer in this machine's process: the local peer (`isa` None: `matching()`)."""
+    isa = isa or matching()
+    row = _bench(_require(isa), gguf, threads, tokens, [], cores)
+    return PeerResult("llama.cpp whole model", row["avg_ts"], row["stddev_ts"], threads, tokens, build=isa)
 
 
 def rpc(
@@ -128,7 +139,8 @@ def rpc(
     client_cores: set[int] | None = None,
 ) -> PeerResult:
     """llama.cpp's RPC backend: every layer on a `ggml-rpc-server` behind the WAN emulator at `rtt_ms`."""
-    tools = _require()
+    isa = matching()
+    tools = _require(isa)
     port = free_port()
     server = subprocess.Popen(
         [str(tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
@@ -141,7 +153,7 @@ def rpc(
     finally:
         server.terminate()
         server.wait(timeout=10)
-    return PeerResult("llama.cpp RPC", row["avg_ts"], row["stddev_ts"], threads, tokens, rtt_ms)
+    return PeerResult("llama.cpp RPC", row["avg_ts"], row["stddev_ts"], threads, tokens, rtt_ms, isa)
 
 
 def _no_build(isa: str = "native") -> str:
@@ -160,8 +172,8 @@ def measured(model: str, run: Callable[[Path], PeerResult], progress: Callable[[
     """`run` on the model's GGUF as a benchmark's peer figure, or why it cannot run here (no GGUF, no build)."""
     if model not in PACKAGED_MODELS:
         return {"skipped": "llama.cpp needs the model's GGUF: only packaged models have one here"}
-    if find() is None:
-        return {"skipped": _no_build()}
+    if find(matching()) is None:
+        return {"skipped": _no_build(matching())}
     result = run(packaged_gguf_path(model)).as_dict()
     progress(f"  {result['name']}: {result['tokens_per_second']:.2f} tok/s")
     return result

@@ -13,9 +13,9 @@ inline bool is_cpu(const torch::Tensor& t, torch::ScalarType type) {
 }
 
 // linear.cpp: weights packed in blocks of 32 outputs, and y = x W^T (+ b) with them.
-// Whether this process uses AMX's bfloat16 tiles: the CPU has them (CPUID leaf 7), Linux granted the
-// tile state (asked once per process; the grant covers every thread) and SPLITLLM_TILES is not 0
-// (which runs the dot-product path, as on CPUs without tiles).
+// Whether this process uses AMX's bfloat16 tiles (tiles_amx.h): an AVX-512 build, the CPU has them (CPUID
+// leaf 7), Linux granted the tile state (asked once per process; the grant covers every thread) and
+// SPLITLLM_TILES is not 0 (which runs the dot-product path, as on CPUs without tiles).
 bool tiles_available();
 torch::Tensor pack(const torch::Tensor& weight);
 std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros);
