@@ -137,7 +137,8 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
     kernels = cpu_kernels.load()
     # On AMX's tiles a tree's logits come from one LM-head call, on the dot-product path a few rows at once
     # (as many as share a read of the weights); every row the bits it gets alone.
-    dot_rows = {"none": 4, "int8": 2, "int4": 2}[precision.quant]
+    variant = cpu_kernels.chosen()
+    dot_rows = variant.shared_rows[precision.quant != "none"] if variant else 1
     assert client_model.shared_logit_rows == (1 if kernels is None else 32 if kernels.tiles_available() else dot_rows)
 
 

@@ -44,7 +44,10 @@ class Variant:
     """The kernels compiled for one instruction set: `features` are the CPU flags it needs (as Linux's
     /proc/cpuinfo names them), `path` what benchmark records call its linear kernel, `leanest` the
     quantization its linear runs fastest for a lone row (`bench kernels`: int4 where unpacking nibbles is
-    a single OR into the dot product's operand, int8 where it costs more than the bytes it saves)."""
+    a single OR into the dot product's operand, int8 where it costs more than the bytes it saves), and
+    `shared_rows` how many rows one pass over bfloat16 and over quantized weights takes for about the cost
+    of one (rows share each weight load while the memory's bandwidth bounds the pass; AVX2's and NEON's
+    multiply-adds do a quarter of VDPBF16PS's work per instruction, so their extra rows cost more)."""
 
     name: str
     machines: tuple[str, ...]
@@ -52,6 +55,7 @@ class Variant:
     flags: tuple[str, ...]
     path: str
     leanest: str
+    shared_rows: tuple[int, int]
 
     @property
     def module(self) -> str:
@@ -69,11 +73,11 @@ _X86 = ("x86_64", "AMD64")
 VARIANTS = (  # widest first: a process takes the first its CPU runs
     Variant("avx512", _X86, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"}),
             ("-DSPLITLLM_SIMD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
-             "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", "int4"),
+             "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", "int4", (4, 2)),
     Variant("avx2", _X86, frozenset({"avx2", "fma", "f16c"}), ("-DSPLITLLM_SIMD_AVX2", "-mavx2", "-mfma", "-mf16c"),
-            "avx2-fma", "int8"),
-    # NEON unpacks nibbles as AVX2 does (not measured on ARM here): int8 taken as its leanest too.
-    Variant("neon", ("aarch64", "arm64"), frozenset({"asimd"}), ("-DSPLITLLM_SIMD_NEON",), "neon-fma", "int8"),
+            "avx2-fma", "int8", (2, 1)),
+    # NEON unpacks nibbles and multiplies as AVX2 does (not measured on ARM here): taken as AVX2's.
+    Variant("neon", ("aarch64", "arm64"), frozenset({"asimd"}), ("-DSPLITLLM_SIMD_NEON",), "neon-fma", "int8", (2, 1)),
 )
 
 

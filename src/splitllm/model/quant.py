@@ -99,9 +99,11 @@ class BlockedLinear(nn.Module):
             raise RuntimeError("splitllm's CPU kernels do not run on this machine (see BlockedLinear.available)")
         self._kernels = kernels
         self._out, self._in = weight.shape
-        # Rows that cost about one on the dot-product path: the kernel reads each weight block once for a
-        # few rows, so while bandwidth bounds it they come almost free (bfloat16 streams the most bytes).
-        self._dot_rows = 4 if weight.dtype not in (torch.int8, torch.uint8) else 2
+        # Rows that cost about one on the dot-product path (`Variant.shared_rows`): the kernel reads each
+        # weight block once for a few rows, so while bandwidth bounds it they come almost free.
+        variant = cpu_kernels.chosen()
+        assert variant is not None  # the kernels loaded
+        self._dot_rows = variant.shared_rows[weight.dtype in (torch.int8, torch.uint8)]
         if weight.dtype == torch.uint8:
             packed, scales = kernels.pack_int4(weight.contiguous(), scales.to(torch.bfloat16).contiguous())
         else:
