@@ -81,8 +81,9 @@ VARIANTS = (  # widest first: a process takes the first its CPU runs
 )
 
 
+@functools.cache
 def cpu_features() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (x86 `flags`, ARM `Features`); empty elsewhere."""
+    """The CPU's feature flags as Linux lists them (x86 `flags`, ARM `Features`); empty elsewhere (read once)."""
     if platform.system() != "Linux":
         return frozenset()
     try:
@@ -113,7 +114,7 @@ def chosen() -> Variant | None:
         return here[0] if here else None
     variant = next(v for v in VARIANTS if v.name == wanted)
     if variant not in here:
-        raise RuntimeError(f"{SWITCH}={wanted}: this CPU lacks {', '.join(sorted(variant.features - cpu_features()))}")
+        raise ValueError(f"{SWITCH}={wanted}: this CPU lacks {', '.join(sorted(variant.features - cpu_features()))}")
     return variant
 
 
