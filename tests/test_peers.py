@@ -9,13 +9,16 @@ from splitllm.lab import peers
 from splitllm.weights.sources import packaged_gguf_path
 
 
-def test_without_a_build_the_benchmarks_name_the_make_target(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(("isa", "how"), [("native", "make peers"), ("avx2", "python -m splitllm.lab.peers build avx2")])
+def test_without_a_build_the_benchmarks_name_the_command_that_builds_it(isa, how, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The build a run is weighed against follows its kernels: `avx2` beside SPLITLLM_KERNELS=avx2 on a wider CPU."""
     monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path))
-    assert peers.find() is None and str(tmp_path) in str(peers.install_dir())
+    monkeypatch.setattr(peers, "matching", lambda: isa)
+    assert peers.find(isa) is None and str(tmp_path) in str(peers.install_dir(isa))
     never = lambda _: pytest.fail("no build: nothing may run")  # noqa: E731
-    assert "make peers" in peers.measured("default", never, lambda _: None)["skipped"]
+    assert how in peers.measured("default", never, lambda _: None)["skipped"]
     assert "GGUF" in peers.measured("/some/hf/folder", never, lambda _: None)["skipped"]
-    with pytest.raises(RuntimeError, match="make peers"):
+    with pytest.raises(RuntimeError, match=how):
         peers.whole_model(packaged_gguf_path("default"), 1, 8)
 
 
