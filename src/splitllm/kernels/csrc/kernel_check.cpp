@@ -83,6 +83,14 @@ std::vector<float> float_normal(Random& rng, size_t count, float scale) {
 
 // The largest |out - ref| (less an allowance `slack`, if any) relative to max(|ref|, the reference's root
 // mean square): a relative error that does not blow up where an output happens to lie near zero.
+// rsqrt(mean(x^2) + eps) in float64: the reference of rows.h's norms.
+template <typename T>
+double reference_inverse_rms(const T* x, int64_t size, double eps) {
+  double squares = 0;
+  for (int64_t i = 0; i < size; ++i) squares += value(x[i]) * value(x[i]);
+  return 1.0 / std::sqrt(squares / static_cast<double>(size) + eps);
+}
+
 template <typename T>
 double error(const T* out, const std::vector<double>& ref, const std::vector<double>& slack = {}) {
   double squares = 0;
@@ -392,14 +400,21 @@ std::vector<double> magnitudes(const std::vector<double>& w) {
 
 int64_t blocks_of(int64_t n) { return (n + simd::kBlock - 1) / simd::kBlock; }
 
+// An (n, k) bfloat16 or int8 weight packed, checked to unpack to itself.
+template <typename T>
+std::vector<T> packed_checked(Checks& c, const std::vector<T>& weight, int64_t n, int64_t k, const char* form) {
+  std::vector<T> packed(blocks_of(n) * simd::kBlock * k), back(n * k);
+  simd::pack_dense(weight.data(), n, k, packed.data());
+  simd::unpack_dense(packed.data(), n, k, back.data());
+  c.expect(back == weight, std::string(form) + " " + name("pack", n, k) + ": unpacking does not give the weight back");
+  return packed;
+}
+
 void check_bfloat16_linear(Checks& c, Random& rng, int64_t n, int64_t k, bool with_bias) {
   std::vector<uint16_t> weight = bf16_normal(rng, n * k, 0.1f);
   for (int64_t o = 0; o < n; ++o) weight[o * k + 2] = weight[o * k];  // see kBig
   const std::vector<float> bias = float_normal(rng, n, 0.5f);
-  std::vector<uint16_t> packed(blocks_of(n) * simd::kBlock * k), back(n * k);
-  simd::pack_dense(weight.data(), n, k, packed.data());
-  simd::unpack_dense(packed.data(), n, k, back.data());
-  c.expect(back == weight, name("bfloat16 pack", n, k) + ": unpacking does not give the weight back");
+  const std::vector<uint16_t> packed = packed_checked(c, weight, n, k, "bfloat16");
   std::vector<double> w(n * k);
   for (int64_t i = 0; i < n * k; ++i) w[i] = value(weight[i]);
   const float* b = with_bias ? bias.data() : nullptr;
@@ -415,10 +430,7 @@ void check_int8_linear(Checks& c, Random& rng, int64_t n, int64_t k, bool with_b
   std::vector<float> scales(n);
   for (auto& s : scales) s = (0.5f + rng.uniform()) * (0.1f / 127.0f);
   const std::vector<float> bias = float_normal(rng, n, 0.5f);
-  std::vector<int8_t> packed(blocks_of(n) * simd::kBlock * k), back(n * k);
-  simd::pack_dense(q.data(), n, k, packed.data());
-  simd::unpack_dense(packed.data(), n, k, back.data());
-  c.expect(back == q, name("int8 pack", n, k) + ": unpacking does not give the weight back");
+  const std::vector<int8_t> packed = packed_checked(c, q, n, k, "int8");
   std::vector<double> w(n * k);
   for (int64_t o = 0; o < n; ++o)
     for (int64_t i = 0; i < k; ++i) w[o * k + i] = static_cast<double>(q[o * k + i]) * scales[o];
@@ -554,9 +566,7 @@ void check_norm(Checks& c, Random& rng, int64_t size, bool with_weight, const ch
     c.expect(same, label + ": not the input");
     return;
   }
-  double squares = 0;
-  for (int64_t i = 0; i < size; ++i) squares += value(x[i]) * value(x[i]);
-  const double inv = 1.0 / std::sqrt(squares / static_cast<double>(size) + eps);
+  const double inv = reference_inverse_rms(x.data(), size, eps);
   std::vector<double> ref(size);
   for (int64_t i = 0; i < size; ++i) ref[i] = value(x[i]) * inv * w[i];
   const double err = error(y.data(), ref), tolerance = std::is_same_v<Out, uint16_t> ? 1e-2 : 1e-5;
@@ -632,9 +642,7 @@ void check_add(Checks& c, Random& rng, int64_t size, bool with_weight) {
     c.expect(same, what + ": not bf16(x + a)");
     return;
   }
-  double squares = 0;
-  for (int64_t i = 0; i < size; ++i) squares += value(a[i]) * value(a[i]);
-  const double inv = 1.0 / std::sqrt(squares / static_cast<double>(size) + eps);
+  const double inv = reference_inverse_rms(a.data(), size, eps);
   std::vector<double> ref(size);
   for (int64_t i = 0; i < size; ++i) ref[i] = value(x[i]) + value(a[i]) * inv * w[i];
   const double err = error(y.data(), ref);
