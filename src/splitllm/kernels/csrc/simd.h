@@ -20,8 +20,8 @@
 //   VDPBF16PS rounds: checked against it by tests/test_kernels.py where both run), and loaders of 32 outputs'
 //   pairs from bfloat16 (64 bytes), int8 (64 bytes in `int8_slot` order) and int4 (32 bytes: the first 16
 //   outputs in the low nibbles, as 128 + q) weights.
-// The one place backends may differ: VDPBF16PS and AVX-512's bfloat16 conversion flush float32 subnormals
-// (below 1.2e-38) to zero; the fused multiply-adds of the other backends keep them (stores flush everywhere).
+// The one place backends may differ: VDPBF16PS flushes float32 subnormals (below 1.2e-38) to zero, the
+// fused multiply-adds of the other backends keep them; bfloat16 stores flush them on every backend.
 //
 // reduce_add(v): ((v0+v8 + v4+v12) + (v2+v10 + v6+v14)) + ((v1+v9 + v5+v13) + (v3+v11 + v7+v15)), i.e.
 //   halves added lane-wise (lanes i and i + 8), then quarters, then pairs [0]+[2] and [1]+[3], then those two.
