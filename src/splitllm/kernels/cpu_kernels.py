@@ -57,10 +57,10 @@ class Variant:
     leanest: str
     shared_rows: tuple[int, int]
 
-    @property
+    @functools.cached_property
     def module(self) -> str:
         """The extension's name: the variant and a digest of its sources, flags and PyTorch's version, so a
-        build from other sources is never loaded."""
+        build from other sources is never loaded (read once per process)."""
         import torch
 
         digest = hashlib.sha256(f"{self.flags}{COMMON_FLAGS}{torch.__version__}".encode())
@@ -100,10 +100,15 @@ def runnable() -> list[Variant]:
     return [v for v in VARIANTS if machine in v.machines and v.features <= features]
 
 
+def _switch() -> str:
+    """`SPLITLLM_KERNELS` as given, `auto` when unset or empty."""
+    return os.environ.get(SWITCH, "").strip().lower() or "auto"
+
+
 def chosen() -> Variant | None:
     """The variant this process uses: `SPLITLLM_KERNELS`'s, else the widest this CPU runs (None: PyTorch's
     kernels). Naming one the CPU cannot run is an error, not a silent fallback."""
-    wanted = os.environ.get(SWITCH, "auto").strip().lower() or "auto"
+    wanted = _switch()
     names = [v.name for v in VARIANTS]
     if wanted not in (*names, "auto", "off"):
         raise ValueError(f"{SWITCH} must be auto, off or one of {', '.join(names)}; got {wanted!r}")
@@ -123,8 +128,8 @@ def load() -> ModuleType | None:
     """The compiled kernels, or None where they cannot run here (cached, so the reason is logged once per process)."""
     variant = chosen()
     if variant is None:
-        reason = f"{SWITCH}=off" if os.environ.get(SWITCH, "").strip().lower() == "off" else (
-            "no kernel variant for this CPU (x86-64 needs AVX2 and FMA; ARM64 NEON)")
+        no_variant = "no kernel variant for this CPU (x86-64 needs AVX2 and FMA; ARM64 NEON)"
+        reason = f"{SWITCH}=off" if _switch() == "off" else no_variant
     else:
         built = prebuilt(variant)
         if built is not None:

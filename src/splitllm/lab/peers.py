@@ -172,8 +172,9 @@ def measured(model: str, run: Callable[[Path], PeerResult], progress: Callable[[
     """`run` on the model's GGUF as a benchmark's peer figure, or why it cannot run here (no GGUF, no build)."""
     if model not in PACKAGED_MODELS:
         return {"skipped": "llama.cpp needs the model's GGUF: only packaged models have one here"}
-    if find(matching()) is None:
-        return {"skipped": _no_build(matching())}
+    isa = matching()
+    if find(isa) is None:
+        return {"skipped": _no_build(isa)}
     result = run(packaged_gguf_path(model)).as_dict()
     progress(f"  {result['name']}: {result['tokens_per_second']:.2f} tok/s")
     return result
