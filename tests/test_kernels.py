@@ -165,7 +165,7 @@ def test_every_variant_gives_the_same_bits() -> None:
     w, bias = torch.randn(70, 96, generator=gen).bfloat16(), torch.randn(70, generator=gen)
     q8, scales = torch.randint(-127, 128, (70, 96), generator=gen, dtype=torch.int8), torch.rand(70, generator=gen) / 50
     q4 = torch.randint(0, 16, (70, 96), generator=gen, dtype=torch.uint8)
-    sz = torch.randn(70, 3, 2, generator=gen).bfloat16()
+    sz = (torch.randn(70, 3, 2, generator=gen) / 50).half()
     q, k, v = (torch.randn(1, h, n, 64, generator=gen) for h, n in ((8, 3), (2, 37), (2, 37)))
     mask = torch.zeros(3, 37).masked_fill(torch.rand(3, 37, generator=gen) < 0.3, float("-inf"))
 
@@ -210,9 +210,9 @@ def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, 
     elif form == "int4":
         stored = Int4Linear.quantize(w)
         linear = Int4Linear.from_stored(stored, bias, torch.device("cpu"))
-        nibbles, sz = stored["nibbles"], stored["scales_zeros"].float()
+        nibbles, sz = stored["nibbles"], stored["scales_mins"].float()
         q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(outputs, inputs).float().view(outputs, -1, 32)
-        w = ((q - 8) * sz[..., :1] + sz[..., 1:]).view(outputs, inputs)
+        w = (q * sz[..., :1] + sz[..., 1:]).view(outputs, inputs)
     else:
         linear = Precision(torch.bfloat16).linear({"weight": w.bfloat16()}, bias.bfloat16())
         w, bias = w.bfloat16().float(), bias.bfloat16().float()
@@ -255,7 +255,7 @@ def test_linear_kernel_rejects_what_does_not_fit() -> None:
     """A malformed call raises instead of reading past its tensors."""
     packed = KERNELS.pack(torch.zeros(40, 64, dtype=torch.bfloat16))  # two blocks of 32 outputs
     int8 = KERNELS.pack(torch.zeros(40, 64, dtype=torch.int8))
-    int4, sz = KERNELS.pack_int4(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40, 2, 2, dtype=torch.bfloat16))
+    int4, sz = KERNELS.pack_int4(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40, 2, 2, dtype=torch.float16))
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
     for args, said in [
         ((x[:, :62].contiguous(), packed, 40, None, None), "input width 62 and 40 outputs"),
@@ -265,7 +265,7 @@ def test_linear_kernel_rejects_what_does_not_fit() -> None:
         ((x, packed, 40, torch.zeros(39), None), "one value per output"),
         ((x, packed, 40, None, torch.ones(40)), "bfloat16 weights none"),
         ((x, int8, 40, None, torch.ones(39)), "one value per output"),
-        ((x, int4, 40, None, sz[:1].contiguous()), "scales and zeros"),
+        ((x, int4, 40, None, sz[:1].contiguous()), "scales and minimums"),
     ]:
         with pytest.raises(RuntimeError, match=said):
             KERNELS.linear(*args)

@@ -95,7 +95,8 @@ PRECISION = (
     Option("dtype", Optional[str], None, "compute dtype of this side's layers: float32, bfloat16 or float16 "
            f"(default: the fastest here; given alone, --quant is none; {COSTS})", (SERVE, *CLIENTS),
            group="precision"),
-    Option("quant", Optional[str], None, "weight-only quantization of this side's layers: none, int8 or int4 "
+    Option("quant", Optional[str], None, "weight-only quantization of this side's layers: none, int8, int4, or "
+           "mixed (int4 where a GGUF shipped 4-bit blocks, kept exactly; int8 elsewhere) "
            "(default: the fastest here; given alone, --dtype is float32)", (SERVE, *CLIENTS), group="precision"),
     Option("device", str, "cpu", "cpu, cuda or mps (only cpu is verified)", (SERVE, *CLIENTS), group="precision"),
     Option("exact", bool, False, "float32 with the checkpoint's weights (a client's in-process middle too): "
@@ -226,7 +227,7 @@ ANSWERS = (
            "(Authorization: Bearer KEY), and each key's conversations are kept apart", (CLIENT_API,), "file"),
 )
 LAB = (
-    Option("setting", Optional[str], None, "dtype-quant of both sides: bfloat16-int8, bfloat16-int4, bfloat16-none "
+    Option("setting", Optional[str], None, "dtype-quant of both sides: bfloat16-mixed, bfloat16-int8, bfloat16-int4, bfloat16-none "
            f"or float32-none (exact) (default: the fastest here; {COSTS})",
            (DEMO, BENCH_SWEEP, BENCH_SPECULATION, BENCH_EXACTNESS)),
     Option("rtt_ms", float, 80.0, "emulated round-trip time",
