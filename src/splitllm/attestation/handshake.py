@@ -35,12 +35,19 @@ from splitllm.attestation.verify import AttestationError, Verified, verify_evide
 NONCE_SIZE = 32
 KEY_SIZE = 32
 _LABEL = b"splitllm attestation\x00"
+_GPU_LABEL = b"splitllm attestation with gpus\x00"
 
 
 def report_data(nonce: bytes, server_key: bytes, fingerprint: str, layers: tuple[int, int], version: int) -> bytes:
     """The 64 bytes a report must carry to answer this handshake."""
     split = struct.pack(">III", layers[0], layers[1], version)
     return hashlib.sha512(_LABEL + nonce + server_key + bytes.fromhex(fingerprint) + split).digest()
+
+
+def composite_report_data(session: bytes, gpu_digest: bytes) -> bytes:
+    """The 64 bytes a report carries when the server's GPUs attest too: this handshake's `report_data` and the
+    digest of the GPUs' evidence (`gpu.gpu_evidence_digest`), so the attested guest vouches for that evidence."""
+    return hashlib.sha512(_GPU_LABEL + session + gpu_digest).digest()
 
 
 def _raw(key: X25519PublicKey) -> bytes:
@@ -111,8 +118,10 @@ class ClientHandshake:
     def request(self, request_id: Any) -> dict[str, Any]:
         return {"op": "attest", "id": request_id, "version": self.version, "nonce": self.nonce, "key": _raw(self._key.public_key())}
 
-    def finish(self, evidence: Evidence) -> tuple[SealedChannel, Verified]:
-        """Verify `evidence` (AttestationError naming the first failed check) and derive the channel."""
+    def finish(self, evidence: Evidence, gpu_digest: bytes | None = None) -> tuple[SealedChannel, Verified]:
+        """Verify `evidence` (AttestationError naming the first failed check) and derive the channel.
+
+        With `gpu_digest` (`gpu.finish_with_gpus`), the report must commit to the GPUs' evidence as well."""
         if evidence.platform != "sev-snp":
             raise AttestationError("platform", f"the server offers {evidence.platform} evidence; this client verifies sev-snp")
         if "vcek" not in evidence.certs:
@@ -124,6 +133,8 @@ class ClientHandshake:
         except ValueError as exc:
             raise AttestationError("evidence", str(exc)) from None
         expected = report_data(self.nonce, evidence.server_key, evidence.fingerprint, evidence.layers, evidence.version)
+        if gpu_digest is not None:
+            expected = composite_report_data(expected, gpu_digest)
         verified = verify_evidence(report, vcek, ask, self.policy, expected)
         # The binding holds: the attested server runs what it claims. Is that what we expect?
         if evidence.version != self.version:
