@@ -458,14 +458,18 @@ def test_the_kernels_report_sets_each_variant_beside_its_own_llama_cpp_build() -
     """`bench kernels`: the AVX2 kernels are compared with llama.cpp kept to AVX2, a missing build said so."""
     from splitllm.lab.bench.kernels import _ratios, markdown
 
-    splitllm = {"avx512": {"bfloat16-int8": {"tokens_per_second": 200.0}, "bfloat16-int4": {"tokens_per_second": 240.0}},
-                "avx2": {"bfloat16-int8": {"tokens_per_second": 150.0}, "bfloat16-int4": {"tokens_per_second": 160.0}}}
+    settings = ("bfloat16-mixed", "bfloat16-int8", "bfloat16-int4")
+    splitllm = {"avx512": dict(zip(settings, ({"tokens_per_second": t} for t in (220.0, 200.0, 240.0)))),
+                "avx2": dict(zip(settings, ({"tokens_per_second": t} for t in (140.0, 150.0, 160.0))))}
     llama = {"native": {"tokens_per_second": 160.0}, "avx2": {"skipped": "no llama.cpp build"}}
     ratios = _ratios(splitllm, llama)
-    assert ratios["avx512"] == {"fastest_setting": "bfloat16-int4", "default": 1.25, "fastest": 1.5}
-    assert ratios["avx2"] == {"fastest_setting": "bfloat16-int4", "default": None, "fastest": None}
-    result = {"settings": {"settings": ["bfloat16-int8", "bfloat16-int4"], "max_new_tokens": 64},
+    # each variant's default is the setting `fastest` picks there: mixed on AVX-512, int8 on AVX2
+    assert ratios["avx512"] == {"fastest_setting": "bfloat16-int4", "default_setting": "bfloat16-mixed", "default": 1.375,
+                                "fastest": 1.5}
+    assert ratios["avx2"] == {"fastest_setting": "bfloat16-int4", "default_setting": "bfloat16-int8", "default": None,
+                              "fastest": None}
+    result = {"settings": {"settings": list(settings), "max_new_tokens": 64},
               "models": {"default": {"splitllm": splitllm, "llama_cpp": llama, "against_llama_cpp": ratios}}}
     table = markdown(result)
-    assert "| avx512 | 200.00 | 240.00 | 160.00 (native) | 1.25x |" in table
-    assert "| avx2 | 150.00 | 160.00 | not built | - |" in table
+    assert "| avx512 | 220.00 | 200.00 | 240.00 | 160.00 (native) | 1.38x |" in table
+    assert "| avx2 | 140.00 | 150.00 | 160.00 | not built | - |" in table

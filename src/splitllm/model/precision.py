@@ -137,7 +137,12 @@ def fastest(device: str = "cpu") -> Precision:
     variant = cpu_kernels.chosen() if device == "cpu" and cpu_kernels.load() is not None else None
     if variant is None:
         return Precision(device=device)
-    return Precision(torch.bfloat16, "mixed" if variant.leanest == "int4" else "int8", device)
+    return Precision(torch.bfloat16, default_quant(variant), device)
+
+
+def default_quant(variant: cpu_kernels.Variant) -> str:
+    """The quantization `fastest` picks on a kernel variant (and `bench kernels` reports as the default)."""
+    return "mixed" if variant.leanest == "int4" else "int8"
 
 
 @functools.cache

@@ -256,7 +256,7 @@ class Int4Linear(nn.Module):
         g = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)
         low, high = g.amin(-1), g.amax(-1)
         step = _grid_step(g, low, high)
-        scales, mins = step.half(), low.half()
+        scales, mins = step.half(), _grid_origin(low, high, step).half()
         q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None])
         q = q.nan_to_num(0).clamp(0, 15).to(torch.uint8).view(out, inp)  # a constant group: scale 0, every q 0
         return {"nibbles": q[:, ::2] << 4 | q[:, 1::2], "scales_mins": torch.stack([scales, mins], -1)}
@@ -304,6 +304,18 @@ def _grid_step(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.
     return step
 
 
+def _grid_origin(low: torch.Tensor, high: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Where each group's grid starts: its lowest value, or a level below it that float16 holds exactly (a
+    Q4_0 or Q4_1 block whose lowest levels are unused has its float16 minimum down there), so storing the
+    minimum in float16 loses nothing."""
+    used = torch.round((high - low) / step).nan_to_num(15)
+    origin = low
+    for below in range(15, 0, -1):  # the nearest such level wins, so it is tried last
+        candidate = low - below * step
+        origin = torch.where((candidate.half().float() == candidate) & (used + below <= 15), candidate, origin)
+    return torch.where(low.half().float() == low, low, origin)
+
+
 QUANTIZED: dict[str, type[Int8Linear] | type[Int4Linear]] = {"int8": Int8Linear, "int4": Int4Linear}
 # How close int4 must come to a weight for `mixed` to keep it in 4 bits (relative mean square error): a GGUF
 # 4-bit block found again is within float16's rounding of its scale (1e-6 or less), int8 is ~1e-4 away.
@@ -315,12 +327,12 @@ def store_mixed(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     so nothing is lost; else int8 (a wider source, such as Q6_K or Q8_0, loses less there than in 4 bits)."""
     four = Int4Linear.quantize(weight)
     w = weight.float()
-    if float((_int4_values(four) - w).square().sum()) <= _LOSSLESS * float(w.square().sum()):
+    if float((int4_values(four) - w).square().sum()) <= _LOSSLESS * float(w.square().sum()):
         return four
     return Int8Linear.quantize(weight)
 
 
-def _int4_values(stored: dict[str, torch.Tensor]) -> torch.Tensor:
+def int4_values(stored: dict[str, torch.Tensor]) -> torch.Tensor:
     """The float32 weight an int4 stored form stands for."""
     nibbles = stored["nibbles"]
     q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(nibbles.shape[0], -1, INT4_GROUP).float()
@@ -332,7 +344,7 @@ def fuse(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stored linear weights concatenated along their outputs (a layer's q, k and v as one linear). Under
     `mixed` the parts may differ in form: then they are fused as int8, the wider one."""
     if any(p.keys() != parts[0].keys() for p in parts):
-        parts = [Int8Linear.quantize(_int4_values(p)) if "nibbles" in p else p for p in parts]
+        parts = [Int8Linear.quantize(int4_values(p)) if "nibbles" in p else p for p in parts]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
