@@ -29,8 +29,11 @@ from splitllm.attestation.snp import (
 from splitllm.attestation.verify import (
     AttestationError, verify_chain, verify_evidence, verify_report_signature, verify_vcek_binding,
 )
+from splitllm.options import option
+from splitllm.protocol.messages import PROTOCOL_VERSION
 
 DATA = Path(__file__).parent / "data" / "sev-snp"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 FINGERPRINT = "ab" * 32
 LAYERS = (2, 28)
 VERSION = 2
@@ -389,6 +392,12 @@ def test_a_root_named_like_amds_but_not_amds_is_refused(vendor: Path, tmp_path: 
     with pytest.raises(PolicyError, match="bears the name of AMD's genoa root but is not that root"):
         _policy(tmp_path, {"simulated": True, "measurements": ["00" * 48],
                            "trust_anchors": [{"product": "genoa", "ark": "ark.pem", "ask": "ask.pem"}]})
+
+
+def test_the_docs_name_the_protocol_version_and_what_each_attestation_protects() -> None:
+    assert set(re.findall(r"protocol version \((\d+)\)", (DOCS / "protocol.md").read_text())) == {str(PROTOCOL_VERSION)}
+    said = option("serve", "attestation").help
+    assert "simulated" in said and "protects nothing" in said and "no client verifies it yet" in said
 
 
 def test_a_simulated_root_is_refused_unless_the_policy_says_so(vendor: Path) -> None:
