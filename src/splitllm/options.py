@@ -134,9 +134,10 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
            "MiB", "server"),
     Option("batch_window_ms", float, 2.0, "steps of different sessions this close together share one forward; "
            "0 disables", (SERVE,), "ms", "server"),
-    Option("attestation", str, "none", "evidence offered to clients: none, sev-snp or tdx (from this confidential "
-           "VM's firmware), or simulated; anything but none serves sealed sessions only, and a machine without the "
-           "device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
+    Option("attestation", str, "none", "evidence offered to clients: none; sev-snp (this SEV-SNP guest's report, "
+           "which clients verify); tdx (this TD's quote; no client verifies it yet); simulated (a simulated vendor's "
+           "report: protects nothing, for tests only). Anything but none serves sealed sessions only, and a machine "
+           "without the device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -88,20 +89,27 @@ class Evidence:
 
     @classmethod
     def from_header(cls, h: dict[str, Any]) -> Evidence:
-        """Malformed evidence is the `evidence` check failing, never a crash."""
-        try:
-            certs = h["certs"]
-            layers = h["layers"]
-            ev = cls(
-                str(h["platform"]), bytes(h["report"]), {str(k): bytes(v) for k, v in certs.items()},
-                bytes(h["key"]), str(h["fingerprint"]), (int(layers[0]), int(layers[1])), int(h["version"]),
-            )
-            bytes.fromhex(ev.fingerprint)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise AttestationError("evidence", f"the server's evidence is malformed ({type(exc).__name__}: {exc})") from None
-        if len(ev.server_key) != KEY_SIZE:
-            raise AttestationError("evidence", "the server's key is not an X25519 public key")
-        return ev
+        """Malformed evidence is the `evidence` check failing, never a crash: every field must have its
+        exact type, since a converted one (an int turned into that many zero bytes, a string into
+        digits) is a different value than the server sent."""
+        certs, layers, fingerprint = h.get("certs"), h.get("layers"), h.get("fingerprint")
+        valid = {
+            "platform": isinstance(h.get("platform"), str),
+            "report": isinstance(h.get("report"), bytes),
+            "certs": isinstance(certs, dict) and all(isinstance(k, str) and isinstance(v, bytes) for k, v in certs.items()),
+            "key": isinstance(h.get("key"), bytes) and len(h["key"]) == KEY_SIZE,
+            "fingerprint": isinstance(fingerprint, str) and re.fullmatch("[0-9a-f]{64}", fingerprint) is not None,
+            "layers": isinstance(layers, list) and len(layers) == 2 and all(_is_count(n) for n in layers),
+            "version": _is_count(h.get("version")),
+        }
+        malformed = [name for name, ok in valid.items() if not ok]
+        if malformed:
+            raise AttestationError("evidence", f"the server's evidence is malformed in {', '.join(malformed)}")
+        return cls(h["platform"], h["report"], dict(certs), h["key"], fingerprint, (layers[0], layers[1]), h["version"])
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass
@@ -129,13 +137,12 @@ class ClientHandshake:
         try:
             report = SnpReport.parse(evidence.report)
             vcek = load_certificate(evidence.certs["vcek"])
-            ask = load_certificate(evidence.certs["ask"]) if "ask" in evidence.certs else None
         except ValueError as exc:
             raise AttestationError("evidence", str(exc)) from None
         expected = report_data(self.nonce, evidence.server_key, evidence.fingerprint, evidence.layers, evidence.version)
         if gpu_digest is not None:
             expected = composite_report_data(expected, gpu_digest)
-        verified = verify_evidence(report, vcek, ask, self.policy, expected)
+        verified = verify_evidence(report, vcek, self.policy, expected)
         # The binding holds: the attested server runs what it claims. Is that what we expect?
         if evidence.version != self.version:
             raise AttestationError("version", f"the server speaks protocol {evidence.version}, this client {self.version}")
