@@ -46,7 +46,7 @@ def test_a_variant_the_cpu_cannot_run_or_a_misspelt_one_is_refused(monkeypatch) 
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setenv(cpu_kernels.SWITCH, "avx512")
-    with pytest.raises(ValueError, match="SPLITLLM_KERNELS=avx512: this CPU lacks avx512_bf16, avx512bw"):
+    with pytest.raises(ValueError, match="SPLITLLM_KERNELS=avx512: this CPU lacks avx512_bf16, avx512_vnni, avx512bw"):
         cpu_kernels.chosen()
     monkeypatch.setenv(cpu_kernels.SWITCH, "avx-2")
     with pytest.raises(ValueError, match="auto, off or one of avx512, avx2, neon"):

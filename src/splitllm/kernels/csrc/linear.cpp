@@ -31,12 +31,13 @@ void run_dense(const Loader& load, const uint16_t* x, const typename Loader::Wei
 
 void run_int4(const uint16_t* x, const uint8_t* w, const uint16_t* sz, int64_t rows, int64_t n, int64_t blocks,
               int64_t pairs, const float* bias, uint16_t* y) {
-  const std::vector<float> sums = group_sums(x, rows, 2 * pairs);
 #ifdef SPLITLLM_SIMD_AVX512
-  if (amx_usable())  // an int4 width is a multiple of 32: always whole tile steps
+  if (amx_usable()) {  // an int4 width is a multiple of 32: always whole tile steps
+    const std::vector<float> sums = group_sums(x, rows, 2 * pairs);
     return run_tiles(Int4Tiles{w, sz, sums.data(), pairs, 2 * pairs / kGroup}, x, rows, n, blocks, pairs, nullptr, bias, y);
+  }
 #endif
-  int4_rows(x, w, sz, sums.data(), rows, n, blocks, pairs, bias, y);
+  int4_rows(int16_inputs(x, rows, 2 * pairs), w, sz, rows, n, blocks, pairs, bias, y);
 }
 
 bool is_int4(const torch::Tensor& packed) { return packed.scalar_type() == torch::kByte; }

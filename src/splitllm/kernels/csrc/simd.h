@@ -18,8 +18,11 @@
 //   Pairs (16 outputs' bfloat16-valued weights for one pair of inputs), XPair (a row's pair of inputs),
 //   broadcast_pair(x), dot(acc, xpair, pairs) = acc + x1 w1, then + x0 w0 (each fused, as AVX-512 BF16's
 //   VDPBF16PS rounds: checked against it by tests/test_kernels.py where both run), and loaders of 32 outputs'
-//   pairs from bfloat16 (64 bytes), int8 (64 bytes in `int8_slot` order) and int4 (32 bytes: the first 16
-//   outputs in the low nibbles, as 128 + q) weights.
+//   pairs from bfloat16 (64 bytes) and int8 (64 bytes in `int8_slot` order) weights;
+//   and for int4, exact integer arithmetic: IVec (16 int32 lanes), izero(), to_float(v) (exact below 2^24),
+//   IPairs (16 outputs' nibble pairs as int16), XIPair, broadcast_ipair(x) (a row's int16 pair),
+//   idot(acc, xpair, pairs) = acc + x0 w0 + x1 w1, and int4_ipairs(w, pairs) (32 bytes: the first 16 outputs
+//   in the low nibbles).
 // The one place backends may differ: VDPBF16PS flushes float32 subnormals (below 1.2e-38) to zero, the
 // fused multiply-adds of the other backends keep them; bfloat16 stores flush them on every backend.
 //

@@ -84,6 +84,14 @@ struct DenseTiles {
   }
 };
 
+// acc + one int4 group's share of 16 outputs on the tiles (bfloat16 inputs times nibbles read as 128 + q): dot is the group's sum of x (128 + q), sum its inputs' sum,
+// so sum x q = dot - 128 sum, then scale and minimum apply.
+inline Vec add_group(Vec acc, Vec dot_sum, float sum, Vec scale, Vec minimum) {
+  const Vec s = set1(sum);
+  const Vec centered = fnmadd(set1(128.0f), s, dot_sum);  // 128 from the bfloat16 exponent the nibble sits under
+  return fmadd(minimum, s, fmadd(centered, scale, acc));
+}
+
 // int4: a K step is one group of 32 inputs, so each step's products are read out and corrected with
 // the group's scale, minimum and input sums (as block_int4 does) before the next step.
 struct Int4Tiles {
