@@ -127,22 +127,16 @@ EXACT = Precision()
 def fastest(device: str = "cpu") -> Precision:
     """The fastest setting this machine runs well, what every command and `SplitClient` use unless told.
 
-    On a CPU where splitllm's kernels load, bfloat16 compute with quantized weights (`splitllm bench
-    kernels` and `bench quality`; figures in `docs/precision.md`): `mixed` where the kernels run int4
-    fastest (`Variant.leanest`), since the weights a GGUF ships in 4-bit blocks stay exact there and
-    read half of int8's bytes, else int8, which loses almost nothing to float32. Elsewhere the exact
-    mode: without the kernels a 16-bit row's bits depend on its batch, so speculation would no longer
-    give sequential decoding's output, and other devices are not verified.
+    On a CPU where splitllm's kernels load: bfloat16 compute with `mixed` weights, the fastest setting
+    every kernel variant runs (`splitllm bench kernels`), and closer to float32 than int8 (`bench
+    quality`): the weights a GGUF ships in 4-bit blocks stay exact in int4, at half of int8's bytes, and
+    the others are int8 (figures in `docs/precision.md`). Elsewhere the exact mode: without the kernels a
+    16-bit row's bits depend on its batch, so speculation would no longer give sequential decoding's
+    output, and other devices are not verified.
     """
-    variant = cpu_kernels.chosen() if device == "cpu" and cpu_kernels.load() is not None else None
-    if variant is None:
-        return Precision(device=device)
-    return Precision(torch.bfloat16, default_quant(variant), device)
-
-
-def default_quant(variant: cpu_kernels.Variant) -> str:
-    """The quantization `fastest` picks on a kernel variant (and `bench kernels` reports as the default)."""
-    return "mixed" if variant.leanest == "int4" else "int8"
+    if device == "cpu" and cpu_kernels.load() is not None:
+        return Precision(torch.bfloat16, "mixed", device)
+    return Precision(device=device)
 
 
 @functools.cache
