@@ -112,7 +112,7 @@ def test_policy_files_are_refused_with_the_reason(tmp_path: Path) -> None:
         ({"trust_anchors": ["amd-milan"], "measurements": [measurement], "allow_debug": "no"}, "'allow_debug' must be"),
         ({"trust_anchors": ["amd-milan"], "measurements": [measurement], "min_tcbs": {}}, "unknown keys min_tcbs"),
         ({"trust_anchors": ["amd-milan"], "measurements": [measurement], "min_tcb": {"snp": 300}}, "levels 0-255"),
-        ({"platform": "tdx", "trust_anchors": ["amd-milan"], "measurements": [measurement]}, "SEV-SNP evidence only"),
+        ({"platform": "tdx", "trust_anchors": ["amd-milan"], "measurements": [measurement]}, "requirements in a .tdx. section"),
         ({"measurements": [measurement]}, "at least one root"),
     ]
     for fields, reason in cases:

@@ -138,6 +138,9 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
            "device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
+    Option("attestation_collateral", str, "https://api.trustedservices.intel.com", "where --attestation tdx fetches "
+           "the collateral clients verify its quotes with (TCB info, QE identity, CRLs): Intel's PCS or a PCCS",
+           (SERVE,), "URL", "server"),
 )
 SERVING = (
     Option("host", str, "127.0.0.1", "address to listen on (client-api: keep it on the trusted device)",
@@ -236,7 +239,9 @@ LAB = (
     Option("target", str, REQUIRED, "HOST:PORT to forward to", (NETEM,)),
     Option("jitter_ms", float, 0.0, "jitter", (NETEM,), "ms"),
     Option("bandwidth_mbit", Optional[float], None, "cap each way", (NETEM,), "Mbit/s"),
-    Option("product", str, "milan", "AMD product line the simulation imitates: milan, genoa or turin",
+    Option("platform", str, "sev-snp", "the vendor the simulation imitates: sev-snp (AMD) or tdx (Intel)",
+           (ATTEST_SIM_INIT,)),
+    Option("product", str, "milan", "AMD product line the simulation imitates: milan, genoa or turin (sev-snp)",
            (ATTEST_SIM_INIT,)),
     Option("out", str, "results", "folder the command writes its files into (its help names them)", REPORTING,
            "folder", defaults={BENCH_SWEEP: "results/sweep", BENCH_LOAD: "results/load",

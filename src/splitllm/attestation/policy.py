@@ -17,6 +17,9 @@ A policy is a JSON file:
 not one of AMD's roots is a simulated vendor and is accepted only with `"simulated": true`.
 `host_data` and `image_ids` are optional: when given, the report's field must be one of them.
 Every other key is refused, so a misspelt requirement is never silently dropped.
+
+A policy for Intel TDX says `"platform": "tdx"` and has its requirements in a `tdx` section
+(splitllm/attestation/tdx.py reads it; docs/confidential.md shows one).
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 
 from splitllm.attestation.snp import Tcb
 
+if TYPE_CHECKING:
+    from splitllm.attestation.tdx import TdxPolicy
+
 PRODUCTS = ("milan", "genoa", "turin")
-_KEYS = {"platform", "trust_anchors", "measurements", "min_tcb", "allow_debug", "host_data", "image_ids", "simulated"}
+PLATFORMS = ("sev-snp", "tdx")
+_KEYS = {"platform", "trust_anchors", "measurements", "min_tcb", "allow_debug", "host_data", "image_ids", "simulated",
+         "tdx"}
 
 
 class PolicyError(ValueError):
@@ -89,6 +97,11 @@ class AttestationPolicy:
     image_ids: frozenset[bytes] | None = None
     simulated: bool = False
     source: str = "<policy>"
+    tdx: TdxPolicy | None = None  # a TDX policy's requirements (then the SEV-SNP fields are empty)
+
+    @property
+    def platform(self) -> str:
+        return "sev-snp" if self.tdx is None else "tdx"
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> AttestationPolicy:
@@ -110,13 +123,13 @@ class AttestationPolicy:
         if unknown:
             raise PolicyError(f"unknown keys {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
         platform = data.get("platform", "sev-snp")
-        if platform != "sev-snp":
-            raise PolicyError(
-                f"platform {platform!r}: this release verifies AMD SEV-SNP evidence only (TDX: docs/confidential.md)"
-            )
+        if platform not in PLATFORMS:
+            raise PolicyError(f"platform {platform!r}: one of {', '.join(PLATFORMS)}")
         simulated = data.get("simulated", False)
         if not isinstance(simulated, bool):
             raise PolicyError("'simulated' must be true or false")
+        if platform == "tdx" or "tdx" in data:
+            return cls._tdx(data, base, source, simulated)
         anchors = tuple(_anchor(a, base) for a in data.get("trust_anchors", []))
         if not anchors:
             raise PolicyError("'trust_anchors' must name at least one root (amd-milan, amd-genoa, amd-turin)")
@@ -153,6 +166,23 @@ class AttestationPolicy:
             simulated=simulated,
             source=source,
         )
+
+    @classmethod
+    def _tdx(cls, data: dict, base: Path, source: str, simulated: bool) -> AttestationPolicy:
+        from splitllm.attestation.tdx import TdxPolicy  # here, not above: tdx.py builds on this module
+
+        if data.get("platform") != "tdx" or "tdx" not in data:
+            raise PolicyError("a TDX policy says \"platform\": \"tdx\" and has its requirements in a 'tdx' section")
+        stray = sorted(set(data) - {"platform", "simulated", "tdx"})
+        if stray:
+            raise PolicyError(f"{', '.join(stray)} do not apply to platform \"tdx\" (its requirements are in 'tdx')")
+        tdx = TdxPolicy.from_dict(data["tdx"], base)
+        if not tdx.pinned and not simulated:
+            raise PolicyError(
+                "it trusts a root that is not Intel's (a simulated vendor, which protects nothing); "
+                "it is accepted only in a policy that says \"simulated\": true"
+            )
+        return cls(anchors=(), measurements=frozenset(), simulated=simulated, source=source, tdx=tdx)
 
 
 def _anchor(spec: Any, base: Path) -> Anchor:
