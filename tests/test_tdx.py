@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 import threading
 import time
 import urllib.parse
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from splitllm.attestation.evidence import load_attester
@@ -357,6 +360,54 @@ def test_an_attested_td_running_another_image_or_model_is_refused(tdx_vendor: Pa
         with pytest.raises(AttestationError) as err:
             client.finish(evidence)
         assert err.value.check == check
+
+
+def test_tdx_policy_sections_are_parsed_strictly(tmp_path: Path) -> None:
+    """The `tdx` section obeys the same rules as an SEV-SNP policy: no key twice, no unknown key, every
+    value exactly its type, and a trust anchor that is Intel's root or plainly a simulated vendor."""
+    image = {"mrtd": "00" * 48, "rtmr0": "00" * 48, "rtmr1": "00" * 48, "rtmr2": "00" * 48}
+    doubled = tmp_path / "doubled.json"
+    doubled.write_text('{"platform": "tdx", "tdx": {"measurements": [' + json.dumps(image) + '], '
+                       '"tcb_statuses": ["UpToDate", "OutOfDate"], "tcb_statuses": ["UpToDate"]}}')
+    with pytest.raises(PolicyError, match="doubled.json: key 'tcb_statuses' is given twice"):
+        AttestationPolicy.load(doubled)
+    inner = tmp_path / "inner.json"
+    inner.write_text('{"platform": "tdx", "tdx": {"measurements": [{"mrtd": "' + "00" * 48 + '", "mrtd": "' + "11" * 48
+                     + '", "rtmr0": "' + "00" * 48 + '", "rtmr1": "' + "00" * 48 + '", "rtmr2": "' + "00" * 48 + '"}]}}')
+    with pytest.raises(PolicyError, match="key 'mrtd' is given twice"):
+        AttestationPolicy.load(inner)
+    impostor_key = ec.generate_private_key(ec.SECP384R1())
+    impostor = (x509.CertificateBuilder().subject_name(intel_root().subject).issuer_name(intel_root().subject)
+                .public_key(impostor_key.public_key()).serial_number(1).not_valid_before(WHEN)
+                .not_valid_after(WHEN + datetime.timedelta(days=1)).sign(impostor_key, hashes.SHA256()))
+    (tmp_path / "impostor.pem").write_bytes(impostor.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "intel.pem").write_bytes(intel_root().public_bytes(serialization.Encoding.PEM))
+    tdx = {"measurements": [image]}
+    cases = [
+        ({"platform": "tdx", "tdx": tdx, "simulated": "yes"}, "'simulated' must be true or false"),
+        ({"platform": "tdx", "tdx": tdx, "min_tcb": {}}, "min_tcb do not apply"),
+        ({"platform": "tdx", "tdx": [tdx]}, "'tdx' must be a JSON object"),
+        ({"platform": "tdx", "tdx": {**tdx, "tcb_statuses": "UpToDate"}}, "UpToDate and any"),
+        ({"platform": "tdx", "tdx": {**tdx, "tcb_statuses": [["UpToDate"]]}}, "UpToDate and any"),
+        ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": None}}, "'mr_config_ids' must be a list of hex strings"),
+        ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": "00" * 48}}, "'mr_config_ids' must be a list of hex strings"),
+        ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": ["zz" * 48]}}, "is not hex"),
+        ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": ["00" * 32]}}, "32 bytes, expected 48"),
+        ({"platform": "tdx", "tdx": {"measurements": [{**image, "rtmr1": 0}]}}, "'rtmr1' must be a hex string"),
+        ({"platform": "tdx", "tdx": {"measurements": image}}, "needs 'measurements'"),
+        ({"platform": "tdx", "tdx": {**tdx, "trust_anchor": None}}, "'trust_anchor' is"),
+        ({"platform": "tdx", "tdx": {**tdx, "trust_anchor": {"root": 1}}}, "'trust_anchor' is"),
+        ({"platform": "tdx", "tdx": {**tdx, "trust_anchor": {"root": "impostor.pem"}}, "simulated": True},
+         "bears the name of Intel's SGX root but is not that root"),
+        ({"platform": "tdx", "tdx": tdx, "simulated": True}, "never both"),
+        ({"platform": "tdx", "tdx": {**tdx, "trust_anchor": {"root": "intel.pem"}}, "simulated": True}, "never both"),
+        ({"platform": ["tdx"], "tdx": tdx}, "one of sev-snp, tdx"),
+    ]
+    for fields, reason in cases:
+        with pytest.raises(PolicyError, match=re.escape(reason)):
+            AttestationPolicy.from_dict(fields, tmp_path)
+    from_file = AttestationPolicy.from_dict({"platform": "tdx", "tdx": {**tdx, "trust_anchor": {"root": "intel.pem"}}}, tmp_path)
+    assert from_file.tdx is not None and from_file.tdx.pinned and not from_file.simulated
 
 
 def test_a_simulated_intel_root_needs_a_policy_that_says_so(tdx_vendor: Path) -> None:

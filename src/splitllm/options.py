@@ -95,7 +95,8 @@ PRECISION = (
     Option("dtype", Optional[str], None, "compute dtype of this side's layers: float32, bfloat16 or float16 "
            f"(default: the fastest here; given alone, --quant is none; {COSTS})", (SERVE, *CLIENTS),
            group="precision"),
-    Option("quant", Optional[str], None, "weight-only quantization of this side's layers: none, int8 or int4 "
+    Option("quant", Optional[str], None, "weight-only quantization of this side's layers: none, int8, int4, or "
+           "mixed (int4 where a GGUF shipped 4-bit blocks, kept exactly; int8 elsewhere) "
            "(default: the fastest here; given alone, --dtype is float32)", (SERVE, *CLIENTS), group="precision"),
     Option("device", str, "cpu", "cpu, cuda or mps (only cpu is verified)", (SERVE, *CLIENTS), group="precision"),
     Option("exact", bool, False, "float32 with the checkpoint's weights (a client's in-process middle too): "
@@ -133,9 +134,10 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
            "MiB", "server"),
     Option("batch_window_ms", float, 2.0, "steps of different sessions this close together share one forward; "
            "0 disables", (SERVE,), "ms", "server"),
-    Option("attestation", str, "none", "evidence offered to clients: none, sev-snp or tdx (from this confidential "
-           "VM's firmware), or simulated; anything but none serves sealed sessions only, and a machine without the "
-           "device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
+    Option("attestation", str, "none", "evidence offered to clients: none; sev-snp (this SEV-SNP guest's report, "
+           "which clients verify); tdx (this TD's quote with its collateral, which clients verify); simulated (a simulated "
+           "vendor's report or quote: protects nothing, for tests only). Anything but none serves sealed sessions only, and a machine "
+           "without the device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
     Option("attestation_collateral", str, "https://api.trustedservices.intel.com", "where --attestation tdx fetches "
@@ -229,7 +231,7 @@ ANSWERS = (
            "(Authorization: Bearer KEY), and each key's conversations are kept apart", (CLIENT_API,), "file"),
 )
 LAB = (
-    Option("setting", Optional[str], None, "dtype-quant of both sides: bfloat16-int8, bfloat16-int4, bfloat16-none "
+    Option("setting", Optional[str], None, "dtype-quant of both sides: bfloat16-mixed, bfloat16-int8, bfloat16-int4, bfloat16-none "
            f"or float32-none (exact) (default: the fastest here; {COSTS})",
            (DEMO, BENCH_SWEEP, BENCH_SPECULATION, BENCH_EXACTNESS)),
     Option("rtt_ms", float, 80.0, "emulated round-trip time",

@@ -9,14 +9,17 @@ The report's `report_data` is SHA-512 over a label, the nonce, the server's key,
 fingerprint, the split and the protocol version (`report_data`), so a report answers exactly this
 handshake, from a server that holds that key inside the attested guest, running that model and
 split. The same 64 bytes are an SEV-SNP report's `report_data` and a TDX quote's (whose evidence
-carries the quote's collateral in `certs`). Keys: X25519 between the two ephemeral keys, then
-HKDF-SHA256 salted with the transcript (report_data and the client's key), one key per direction.
+carries the quote's collateral in `certs`); when the server's GPUs attest too, either carries
+`composite_report_data` of them and the GPUs' evidence digest instead. Keys: X25519 between the two
+ephemeral keys, then HKDF-SHA256 salted with the transcript (report_data and the client's key), one
+key per direction.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -37,12 +40,19 @@ from splitllm.attestation.verify import AttestationError, Verified, verify_evide
 NONCE_SIZE = 32
 KEY_SIZE = 32
 _LABEL = b"splitllm attestation\x00"
+_GPU_LABEL = b"splitllm attestation with gpus\x00"
 
 
 def report_data(nonce: bytes, server_key: bytes, fingerprint: str, layers: tuple[int, int], version: int) -> bytes:
     """The 64 bytes a report must carry to answer this handshake."""
     split = struct.pack(">III", layers[0], layers[1], version)
     return hashlib.sha512(_LABEL + nonce + server_key + bytes.fromhex(fingerprint) + split).digest()
+
+
+def composite_report_data(session: bytes, gpu_digest: bytes) -> bytes:
+    """The 64 bytes a report carries when the server's GPUs attest too: this handshake's `report_data` and the
+    digest of the GPUs' evidence (`gpu.gpu_evidence_digest`), so the attested guest vouches for that evidence."""
+    return hashlib.sha512(_GPU_LABEL + session + gpu_digest).digest()
 
 
 def _raw(key: X25519PublicKey) -> bytes:
@@ -83,20 +93,27 @@ class Evidence:
 
     @classmethod
     def from_header(cls, h: dict[str, Any]) -> Evidence:
-        """Malformed evidence is the `evidence` check failing, never a crash."""
-        try:
-            certs = h["certs"]
-            layers = h["layers"]
-            ev = cls(
-                str(h["platform"]), bytes(h["report"]), {str(k): bytes(v) for k, v in certs.items()},
-                bytes(h["key"]), str(h["fingerprint"]), (int(layers[0]), int(layers[1])), int(h["version"]),
-            )
-            bytes.fromhex(ev.fingerprint)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise AttestationError("evidence", f"the server's evidence is malformed ({type(exc).__name__}: {exc})") from None
-        if len(ev.server_key) != KEY_SIZE:
-            raise AttestationError("evidence", "the server's key is not an X25519 public key")
-        return ev
+        """Malformed evidence is the `evidence` check failing, never a crash: every field must have its
+        exact type, since a converted one (an int turned into that many zero bytes, a string into
+        digits) is a different value than the server sent."""
+        certs, layers, fingerprint = h.get("certs"), h.get("layers"), h.get("fingerprint")
+        valid = {
+            "platform": isinstance(h.get("platform"), str),
+            "report": isinstance(h.get("report"), bytes),
+            "certs": isinstance(certs, dict) and all(isinstance(k, str) and isinstance(v, bytes) for k, v in certs.items()),
+            "key": isinstance(h.get("key"), bytes) and len(h["key"]) == KEY_SIZE,
+            "fingerprint": isinstance(fingerprint, str) and re.fullmatch("[0-9a-f]{64}", fingerprint) is not None,
+            "layers": isinstance(layers, list) and len(layers) == 2 and all(_is_count(n) for n in layers),
+            "version": _is_count(h.get("version")),
+        }
+        malformed = [name for name, ok in valid.items() if not ok]
+        if malformed:
+            raise AttestationError("evidence", f"the server's evidence is malformed in {', '.join(malformed)}")
+        return cls(h["platform"], h["report"], dict(certs), h["key"], fingerprint, (layers[0], layers[1]), h["version"])
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass
@@ -113,12 +130,17 @@ class ClientHandshake:
     def request(self, request_id: Any) -> dict[str, Any]:
         return {"op": "attest", "id": request_id, "version": self.version, "nonce": self.nonce, "key": _raw(self._key.public_key())}
 
-    def finish(self, evidence: Evidence) -> tuple[SealedChannel, Verified | TdxVerified]:
-        """Verify `evidence` (AttestationError naming the first failed check) and derive the channel."""
+    def finish(self, evidence: Evidence, gpu_digest: bytes | None = None) -> tuple[SealedChannel, Verified | TdxVerified]:
+        """Verify `evidence` (AttestationError naming the first failed check) and derive the channel.
+
+        With `gpu_digest` (`gpu.finish_with_gpus`), the report (SEV-SNP) or quote (TDX) must commit to the
+        GPUs' evidence as well."""
         if evidence.platform != self.policy.platform:
             raise AttestationError("platform", f"the server offers {evidence.platform} evidence; this client's policy "
                                                f"requires {self.policy.platform}")
         expected = report_data(self.nonce, evidence.server_key, evidence.fingerprint, evidence.layers, evidence.version)
+        if gpu_digest is not None:
+            expected = composite_report_data(expected, gpu_digest)
         verified: Verified | TdxVerified
         if self.policy.tdx is not None:
             verified = verify_tdx(evidence.report, evidence.certs.get(COLLATERAL), self.policy.tdx, expected)
@@ -142,10 +164,9 @@ class ClientHandshake:
         try:
             report = SnpReport.parse(evidence.report)
             vcek = load_certificate(evidence.certs["vcek"])
-            ask = load_certificate(evidence.certs["ask"]) if "ask" in evidence.certs else None
         except ValueError as exc:
             raise AttestationError("evidence", str(exc)) from None
-        return verify_evidence(report, vcek, ask, self.policy, expected)
+        return verify_evidence(report, vcek, self.policy, expected)
 
 
 def answer(request: dict[str, Any], attester: Any, fingerprint: str, layers: tuple[int, int], version: int) -> tuple[Evidence, SealedChannel]:

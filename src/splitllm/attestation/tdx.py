@@ -27,7 +27,7 @@ import dcap_qvl
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from splitllm.attestation.policy import PolicyError
+from splitllm.attestation.policy import PolicyError, _hex_set
 from splitllm.attestation.verify import AttestationError
 
 PLATFORM = "tdx"
@@ -126,21 +126,18 @@ class TdxPolicy:
         if not isinstance(images, list) or not images:
             raise PolicyError("'tdx' needs 'measurements': the MRTD and RTMR0-2 of each server image to trust")
         statuses = data.get("tcb_statuses", ["UpToDate"])
-        if not isinstance(statuses, list) or not set(statuses) <= set(STATUSES) or "UpToDate" not in statuses:
+        if (not isinstance(statuses, list) or not all(isinstance(s, str) for s in statuses)
+                or not set(statuses) <= set(STATUSES) or "UpToDate" not in statuses):
             raise PolicyError(f"'tcb_statuses' lists the TCB statuses accepted: UpToDate and any of "
                               f"{', '.join(STATUSES[1:])}")
-        configs = data.get("mr_config_ids")
-        if configs is not None and not isinstance(configs, list):
-            raise PolicyError("'mr_config_ids' must be a list of hex strings")
-        return cls(
-            root=root, pinned=pinned, images=tuple(TdImage.from_dict(i) for i in images),
-            tcb_statuses=frozenset(statuses),
-            mr_config_ids=None if configs is None else frozenset(_hex(c, "mr_config_ids", _MEASUREMENT_SIZE) for c in configs),
-        )
+        configs = _hex_set(data["mr_config_ids"], "mr_config_ids", _MEASUREMENT_SIZE) if "mr_config_ids" in data else None
+        return cls(root=root, pinned=pinned, images=tuple(TdImage.from_dict(i) for i in images),
+                   tcb_statuses=frozenset(statuses), mr_config_ids=configs)
 
 
 def _anchor(spec: Any, base: Path) -> tuple[x509.Certificate, bool]:
-    """Intel's pinned root by name, or a root from a file (a simulated vendor unless it is Intel's)."""
+    """Intel's pinned root by name, or a root from a file: Intel's own, or a simulated vendor that does not
+    bear the name of Intel's root."""
     if spec == INTEL_ROOT:
         return intel_root(), True
     if not isinstance(spec, dict) or set(spec) != {"root"} or not isinstance(spec["root"], str):
@@ -149,6 +146,8 @@ def _anchor(spec: Any, base: Path) -> tuple[x509.Certificate, bool]:
         root = x509.load_pem_x509_certificate((base / spec["root"]).read_bytes())
     except (OSError, ValueError) as exc:
         raise PolicyError(f"trust anchor {spec}: {exc}") from None
+    if root.subject == intel_root().subject and root != intel_root():
+        raise PolicyError(f"trust anchor {spec['root']}: it bears the name of Intel's SGX root but is not that root")
     return root, root == intel_root()
 
 

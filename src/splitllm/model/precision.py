@@ -17,11 +17,12 @@ from torch import nn
 
 from splitllm.kernels import cpu_kernels
 from splitllm.model.attention import Attention, KernelAttention, torch_attention
+from splitllm.model import quant
 from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "mixed")
 DEVICES = ("cpu", "cuda", "mps")
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class Precision:
         """The tensors a linear weight is kept as on disk in this precision."""
         if self.quant == "none":
             return {"weight": weight.to(self.dtype)}
+        if self.quant == "mixed":
+            return quant.store_mixed(weight)
         return QUANTIZED[self.quant].quantize(weight)
 
     def linear(self, stored: dict[str, torch.Tensor], bias: torch.Tensor | None = None) -> nn.Module:
@@ -112,7 +115,7 @@ class Precision:
                 if fast.available(self.dtype, dev):
                     return fast(weight, bias)
             return Linear(weight, bias)
-        return QUANTIZED[self.quant].from_stored(stored, bias, dev)
+        return quant.from_stored(stored, bias, dev)
 
     def dense(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.torch_device, self.dtype)
@@ -124,15 +127,22 @@ EXACT = Precision()
 def fastest(device: str = "cpu") -> Precision:
     """The fastest setting this machine runs well, what every command and `SplitClient` use unless told.
 
-    On a CPU where splitllm's kernels load: bfloat16 compute with int8 weights (`splitllm bench speed`
-    and `bench quality`: faster than bfloat16 weights for a one-row step at almost no cost in
-    perplexity; figures in `docs/precision.md`). Elsewhere the exact mode:
-    without the kernels a 16-bit row's bits depend on its batch, so speculation would no longer give
-    sequential decoding's output, and other devices are not verified.
+    On a CPU where splitllm's kernels load, bfloat16 compute with quantized weights (`splitllm bench
+    kernels` and `bench quality`; figures in `docs/precision.md`): `mixed` where the kernels run int4
+    fastest (`Variant.leanest`), since the weights a GGUF ships in 4-bit blocks stay exact there and
+    read half of int8's bytes, else int8, which loses almost nothing to float32. Elsewhere the exact
+    mode: without the kernels a 16-bit row's bits depend on its batch, so speculation would no longer
+    give sequential decoding's output, and other devices are not verified.
     """
-    if device == "cpu" and cpu_kernels.load() is not None:
-        return Precision(torch.bfloat16, "int8", device)
-    return Precision(device=device)
+    variant = cpu_kernels.chosen() if device == "cpu" and cpu_kernels.load() is not None else None
+    if variant is None:
+        return Precision(device=device)
+    return Precision(torch.bfloat16, default_quant(variant), device)
+
+
+def default_quant(variant: cpu_kernels.Variant) -> str:
+    """The quantization `fastest` picks on a kernel variant (and `bench kernels` reports as the default)."""
+    return "mixed" if variant.leanest == "int4" else "int8"
 
 
 @functools.cache

@@ -18,12 +18,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from splitllm.model import quant
 from splitllm.model.precision import Precision
 from splitllm.weights.sources import ModelFiles, cache_root
 from splitllm.progress import working
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _PART = "::"  # a linear weight's stored parts are kept as "<name>::<part>"
+STORED_FORM = 2  # bumped when a stored part changes meaning (2: int4 as float16 scales and minimums)
 
 
 def _is_linear(name: str, quantized: bool) -> bool:
@@ -50,9 +52,9 @@ class StoredWeights:
 
     @cached_property
     def folder(self) -> Path:
-        """Where this precision's files live: keyed by the source folder and its files' sizes and times,
-        so replaced weights convert again."""
-        h = hashlib.sha256(str(self.files.path.resolve()).encode())
+        """Where this precision's files live: keyed by the stored form, the source folder and its files'
+        sizes and times, so replaced weights (or a changed form) convert again."""
+        h = hashlib.sha256(f"{STORED_FORM}|{self.files.path.resolve()}".encode())
         for f in self.files.weight_files:
             st = f.stat()
             h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -72,7 +74,7 @@ class StoredWeights:
             parts = [{"weight": w} for w in self.files.read(names, self.precision.dtype).values()]
         else:
             parts = [self._linear_parts(n) for n in names]
-        stored = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        stored = quant.fuse(parts)
         fused_bias = torch.cat(list(self.dense(bias).values())) if bias else None
         return self.precision.linear(stored, fused_bias)
 

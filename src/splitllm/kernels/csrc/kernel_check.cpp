@@ -343,7 +343,7 @@ using Linear = std::function<void(const uint16_t* x, int64_t rows, uint16_t* y)>
 
 // One packed weight (its float64 values w, (n, k)) over batches of 1..7 and 16 rows: close to the reference,
 // and every row (and the batch less its first row) the same bits as computed inside the batch. `size` (n, k)
-// bounds the magnitude of each weight as the kernel multiplies it (int4: 128 + q, and 136 times the input
+// bounds the magnitude of each weight as the kernel multiplies it (int4: 128 + q, and 128 times the input
 // sum, before the scale).
 // Odd rows add +-kBig at inputs 0 and 2, whose weights are equal: the two terms cancel, but only after the
 // kernel's even and odd sums have each carried one of them, so these rows' outputs show the order and the
@@ -446,10 +446,10 @@ void check_int4_linear(Checks& c, Random& rng, int64_t n, int64_t k, bool with_b
   std::vector<uint8_t> q(n * k);
   for (auto& v : q) v = static_cast<uint8_t>(rng.below(16));
   for (int64_t o = 0; o < n; ++o) q[o * k + 2] = q[o * k];  // see kBig
-  std::vector<uint16_t> sz(n * groups * 2);  // (n, groups, 2): scale, zero
+  std::vector<uint16_t> sz(n * groups * 2);  // (n, groups, 2): float16 scale (2^-8..2^-5) and minimum (+-2^-7..2^-4)
   for (int64_t i = 0; i < n * groups; ++i) {
-    sz[2 * i] = simd::bfloat16_bits((0.5f + rng.uniform()) * 0.02f);
-    sz[2 * i + 1] = simd::bfloat16_bits(rng.symmetric() * 0.02f);
+    sz[2 * i] = static_cast<uint16_t>((7 + rng.below(3)) << 10 | rng.below(1024));
+    sz[2 * i + 1] = static_cast<uint16_t>(rng.below(2) << 15 | (8 + rng.below(3)) << 10 | rng.below(1024));
   }
   const std::vector<float> bias = float_normal(rng, n, 0.5f);
   std::vector<uint8_t> packed(blocks * simd::kBlock * k / 2), back(n * k);
@@ -461,8 +461,9 @@ void check_int4_linear(Checks& c, Random& rng, int64_t n, int64_t k, bool with_b
   for (int64_t o = 0; o < n; ++o)
     for (int64_t i = 0; i < k; ++i) {
       const uint16_t* g = sz.data() + (o * groups + i / simd::kGroup) * 2;
-      w[o * k + i] = (static_cast<double>(q[o * k + i]) - 8.0) * value(g[0]) + value(g[1]);
-      size[o * k + i] = (264.0 + q[o * k + i]) * std::fabs(value(g[0])) + std::fabs(value(g[1]));  // 128 + q, and 136
+      const double scale = simd::half_value(g[0]), minimum = simd::half_value(g[1]);
+      w[o * k + i] = static_cast<double>(q[o * k + i]) * scale + minimum;
+      size[o * k + i] = (256.0 + q[o * k + i]) * scale + std::fabs(minimum);  // 128 + q, and 128
     }
   const float* b = with_bias ? bias.data() : nullptr;
   check_linear(c, rng, "int4", n, k, w, size, b, [&](const uint16_t* x, int64_t rows, uint16_t* y) {

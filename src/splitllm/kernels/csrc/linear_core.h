@@ -1,13 +1,14 @@
 // y = x W^T (+ b) in bfloat16 for the few rows of a decoding step, at the speed of reading W once, stated
 // once over simd.h's layer. W is bfloat16; or int8 with one scale per output (y = scale * x q^T + b); or
-// int4 with a scale and a zero per output and group of 32 inputs (w = (q - 8) * scale + zero, q in 0..15).
+// int4 with a float16 scale and minimum per output and group of 32 inputs (w = q * scale + min, q in 0..15:
+// the form of GGUF's 4-bit blocks, so a model shipped in Q4_0, Q4_1 or Q4_K keeps its exact weights).
 //
 // W is packed at load (pack_dense, pack_int4) as (N/32, K/2, 32, 2): for each block of 32 outputs, each pair
 // of inputs is one run of 32 pairs (128 bytes in bfloat16; 64 in int8, in the order the backend's loader
 // reads, simd::int8_slot; 32 in int4, the first 16 outputs' nibbles low and the other 16's high), so a block
 // is one contiguous stream and the hardware prefetcher sees a single sequential read (a block also asks for
-// its bytes 16 KiB ahead). Each int4 group's sum is corrected by 136 times the group's input sum (the
-// nibbles are read as 128 + q) before its scale and zero apply.
+// its bytes 16 KiB ahead). Each int4 group's sum is corrected by 128 times the group's input sum (the
+// nibbles are read as 128 + q) before its scale and minimum apply.
 // simd::dot multiplies a broadcast input pair by the pairs of 16 outputs at once, so accumulators hold
 // outputs directly (no horizontal sums). Several rows share each weight load, and each output sums even
 // and odd pairs in two chains, so a lone row does not wait on the multiply-add's latency. Every output is
@@ -26,7 +27,7 @@ namespace simd {
 
 constexpr int kVectors = 2;            // 16-output vectors per block
 constexpr int kBlock = 16 * kVectors;  // outputs per block
-constexpr int kGroup = 32;             // int4 inputs per scale and zero
+constexpr int kGroup = 32;             // int4 inputs per scale and minimum
 constexpr int kGroupPairs = kGroup / 2;
 constexpr int kPrefetchBytes = 16384;  // how far ahead of its reads a block asks for its weights
 
@@ -81,14 +82,14 @@ void block(const Loader& shared, const typename Loader::Weight* w, const uint16_
 }
 
 // acc + one int4 group's share of 16 outputs: dot is the group's sum of x (128 + q), sum its inputs' sum,
-// so sum x (q - 8) = dot - 136 sum, then scale and zero apply.
-inline Vec add_group(Vec acc, Vec dot_sum, float sum, Vec scale, Vec zero_point) {
+// so sum x q = dot - 128 sum, then scale and minimum apply.
+inline Vec add_group(Vec acc, Vec dot_sum, float sum, Vec scale, Vec minimum) {
   const Vec s = set1(sum);
-  const Vec centered = fnmadd(set1(136.0f), s, dot_sum);  // 128 from the exponent, 8 from q - 8
-  return fmadd(zero_point, s, fmadd(centered, scale, acc));
+  const Vec centered = fnmadd(set1(128.0f), s, dot_sum);  // 128 from the bfloat16 exponent the nibble sits under
+  return fmadd(minimum, s, fmadd(centered, scale, acc));
 }
 
-// One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) bfloat16 scales and zeros, sums
+// One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) float16 scales and minimums, sums
 // (Rows, groups) each row's input sum per group. Within a group, even and odd pairs add into separate sums.
 template <int Rows>
 void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx, const float* sums, int64_t groups,
@@ -112,10 +113,10 @@ void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t
       add_pair(p + 1, odd);
     }
     for (int j = 0; j < kVectors; ++j) {
-      const Vec scale = load(sz + (g * 2) * kBlock + j * 16), zero_point = load(sz + (g * 2 + 1) * kBlock + j * 16);
+      const Vec scale = load_half(sz + (g * 2) * kBlock + j * 16), minimum = load_half(sz + (g * 2 + 1) * kBlock + j * 16);
       for (int r = 0; r < Rows; ++r) {
         const int i = r * kVectors + j;
-        acc[i] = add_group(acc[i], add(even[i], odd[i]), sums[r * groups + g], scale, zero_point);
+        acc[i] = add_group(acc[i], add(even[i], odd[i]), sums[r * groups + g], scale, minimum);
       }
     }
   }
@@ -210,7 +211,7 @@ void unpack_dense(const T* packed, int64_t n, int64_t k, T* out) {
     for (int64_t i = 0; i < k; ++i) out[o * k + i] = packed[dense_offset(o, i, k, int8)];
 }
 
-// Lays out (n, k) 4-bit values (k a multiple of kGroup) and (n, k / kGroup, 2) bfloat16 scales and zeros:
+// Lays out (n, k) 4-bit values (k a multiple of kGroup) and (n, k / kGroup, 2) float16 scales and minimums:
 // out (blocks, k / 2, 32) bytes, a pair's 32 bytes as (output % 16, element) with the block's first 16
 // outputs in the low nibbles; sz_out (blocks, groups, 2, 32).
 inline void pack_int4(const uint8_t* q, const uint16_t* sz, int64_t n, int64_t k, uint8_t* out, uint16_t* sz_out) {

@@ -31,6 +31,10 @@ inline Vec load(const uint16_t* p, int64_t left = 16) {
   }
   return {widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
+inline Vec load_half(const uint16_t* p) {  // F16C: exact
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 inline void store(float* p, Vec v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);

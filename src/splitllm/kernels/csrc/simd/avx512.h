@@ -18,6 +18,7 @@ inline Vec load(const float* p, int64_t left) { return _mm512_maskz_loadu_ps(lan
 inline Vec load(const uint16_t* p, int64_t left = 16) {  // bfloat16 widens exactly
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes(left), p)), 16));
 }
+inline Vec load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline void store(float* p, Vec v, int64_t left) { _mm512_mask_storeu_ps(p, lanes(left), v); }
 inline void store(uint16_t* p, Vec v, int64_t left = 16) { _mm256_mask_storeu_epi16(p, lanes(left), (__m256i)_mm512_cvtneps_pbh(v)); }

@@ -35,6 +35,11 @@ inline Vec load(const uint16_t* p, int64_t left = 16) {
   }
   return v;
 }
+inline Vec load_half(const uint16_t* p) {  // float16 widens exactly
+  Vec v;
+  for (int i = 0; i < 4; ++i) v.q[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));
+  return v;
+}
 inline void store(float* p, Vec v) {
   for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, v.q[i]);
 }

@@ -10,6 +10,7 @@ namespace simd {
 
 inline uint16_t bfloat16_bits(float f);
 inline float bfloat16_value(uint16_t b);
+inline float half_value(uint16_t h);
 
 struct Vec {
   float f[16];
@@ -28,6 +29,7 @@ inline Vec load(const float* p, int64_t left = 16) { return each([=](int i) { re
 inline Vec load(const uint16_t* p, int64_t left = 16) {
   return each([=](int i) { return i < left ? bfloat16_value(p[i]) : 0.0f; });
 }
+inline Vec load_half(const uint16_t* p) { return each([=](int i) { return half_value(p[i]); }); }
 inline void store(float* p, Vec v, int64_t left = 16) {
   for (int i = 0; i < 16 && i < left; ++i) p[i] = v.f[i];
 }
