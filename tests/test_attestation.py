@@ -340,7 +340,7 @@ def test_policy_files_are_refused_with_the_reason(tmp_path: Path) -> None:
         ({**amd, "min_tcb": {"snp": 30}}, "'min_tcb' maps products"),
         ({**amd, "min_tcb": {"milan": {"fmc": 1}}}, "milan: maps some of bootloader, tee, snp, microcode"),
         ({**amd, "min_tcb": {"genoa": {"snp": True}}}, "levels 0-255"),
-        ({"platform": "tdx", "trust_anchors": ["amd-milan"], "measurements": [measurement]}, "SEV-SNP evidence only"),
+        ({"platform": "tdx", "trust_anchors": ["amd-milan"], "measurements": [measurement]}, "requirements in a .tdx. section"),
         ({"measurements": [measurement]}, "at least one root"),
         ({**amd, "trust_anchors": "amd-milan"}, "'trust_anchors' must list"),
         ({**amd, "trust_anchors": {"amd-milan": True}}, "'trust_anchors' must list"),
@@ -397,7 +397,7 @@ def test_a_root_named_like_amds_but_not_amds_is_refused(vendor: Path, tmp_path: 
 def test_the_docs_name_the_protocol_version_and_what_each_attestation_protects() -> None:
     assert set(re.findall(r"protocol version \((\d+)\)", (DOCS / "protocol.md").read_text())) == {str(PROTOCOL_VERSION)}
     said = option("serve", "attestation").help
-    assert "simulated" in said and "protects nothing" in said and "no client verifies it yet" in said
+    assert "simulated" in said and "protects nothing" in said and "tdx (this TD's quote with its collateral, which clients verify)" in said
 
 
 def test_a_simulated_root_is_refused_unless_the_policy_says_so(vendor: Path) -> None:

@@ -27,6 +27,8 @@ from splitllm.attestation.gpu import (
 from splitllm.attestation.handshake import ClientHandshake, Evidence, _raw, composite_report_data, report_data
 from splitllm.attestation.policy import AttestationPolicy
 from splitllm.attestation.simulation import SimulatedSnp
+from splitllm.attestation.tdx import TdxVerified
+from splitllm.attestation.tdx_simulation import SimulatedTdx, tdx_sim_init
 from splitllm.attestation.verify import AttestationError
 
 DATA = Path(__file__).parent / "data" / "nvidia"
@@ -242,13 +244,15 @@ def test_a_report_signed_under_another_root_passes_only_where_that_root_is_trust
     assert _refused(forged, nonce).check == "gpu-chain"
 
 
-def _server_evidence(vendor: Path, nonce: bytes, bound: bytes | None) -> Evidence:
-    """A simulated CVM's evidence for the handshake with `nonce`, its report_data committing to the GPU
-    digest `bound` (or, with None, to the handshake alone, as a server without GPUs reports)."""
+def _server_evidence(vendor: Path, nonce: bytes, bound: bytes | None, attester: Any = SimulatedSnp) -> Evidence:
+    """A simulated CVM's evidence (SEV-SNP, or TDX with `attester=SimulatedTdx`) for the handshake with
+    `nonce`, its report_data committing to the GPU digest `bound` (or, with None, to the handshake alone,
+    as a server without GPUs reports)."""
     server_key = _raw(X25519PrivateKey.generate().public_key())
     session = report_data(nonce, server_key, FINGERPRINT, LAYERS, VERSION)
-    report, certs = SimulatedSnp(vendor).report(session if bound is None else composite_report_data(session, bound))
-    return Evidence("sev-snp", report, certs, server_key, FINGERPRINT, LAYERS, VERSION)
+    cvm = attester(vendor)
+    report, certs = cvm.report(session if bound is None else composite_report_data(session, bound))
+    return Evidence(cvm.platform, report, certs, server_key, FINGERPRINT, LAYERS, VERSION)
 
 
 def test_the_cvm_report_must_commit_to_exactly_the_gpu_evidence_presented(vendor: Path) -> None:
@@ -270,3 +274,26 @@ def test_the_cvm_report_must_commit_to_exactly_the_gpu_evidence_presented(vendor
     fresh = ClientHandshake(policy, FINGERPRINT, LAYERS, VERSION)  # a new handshake, the old GPU reports
     with pytest.raises(AttestationError, match=r"\(gpu-nonce\)"):
         finish_with_gpus(fresh, _server_evidence(vendor, fresh.nonce, gpu_evidence_digest(gpus)), gpus, now=WHEN)
+
+
+@pytest.fixture(scope="module")
+def tdx_vendor(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tdx-vendor")
+    tdx_sim_init(folder)
+    return folder
+
+
+def test_a_td_quote_must_commit_to_exactly_the_gpu_evidence_presented(tdx_vendor: Path) -> None:
+    """The same binding on TDX: the quote's report_data is the composite, checked before the measurements."""
+    gpus, nonce = hopper()
+    client = ClientHandshake(AttestationPolicy.load(tdx_vendor / "policy.json"), FINGERPRINT, LAYERS, VERSION, nonce=nonce)
+    evidence = _server_evidence(tdx_vendor, nonce, gpu_evidence_digest(gpus), SimulatedTdx)
+    channel, cvm, verified = finish_with_gpus(client, evidence, gpus, now=WHEN)
+    assert isinstance(cvm, TdxVerified) and cvm.simulated and len(verified) == 8 and channel.seal(b"x") != b"x"
+    for presented in (gpus[:7], gpus[::-1]):
+        with pytest.raises(AttestationError, match=r"\(binding\)"):
+            finish_with_gpus(client, evidence, presented, now=WHEN)
+    with pytest.raises(AttestationError, match=r"\(binding\)"):  # a TD that vouches for no GPU evidence
+        finish_with_gpus(client, _server_evidence(tdx_vendor, nonce, None, SimulatedTdx), gpus, now=WHEN)
+    with pytest.raises(AttestationError, match=r"\(binding\)"):  # GPU-bound evidence to a client that expects none
+        client.finish(evidence)

@@ -135,11 +135,14 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
     Option("batch_window_ms", float, 2.0, "steps of different sessions this close together share one forward; "
            "0 disables", (SERVE,), "ms", "server"),
     Option("attestation", str, "none", "evidence offered to clients: none; sev-snp (this SEV-SNP guest's report, "
-           "which clients verify); tdx (this TD's quote; no client verifies it yet); simulated (a simulated vendor's "
-           "report: protects nothing, for tests only). Anything but none serves sealed sessions only, and a machine "
+           "which clients verify); tdx (this TD's quote with its collateral, which clients verify); simulated (a simulated "
+           "vendor's report or quote: protects nothing, for tests only). Anything but none serves sealed sessions only, and a machine "
            "without the device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
+    Option("attestation_collateral", str, "https://api.trustedservices.intel.com", "where --attestation tdx fetches "
+           "the collateral clients verify its quotes with (TCB info, QE identity, CRLs): Intel's PCS or a PCCS",
+           (SERVE,), "URL", "server"),
 )
 SERVING = (
     Option("host", str, "127.0.0.1", "address to listen on (client-api: keep it on the trusted device)",
@@ -238,7 +241,9 @@ LAB = (
     Option("target", str, REQUIRED, "HOST:PORT to forward to", (NETEM,)),
     Option("jitter_ms", float, 0.0, "jitter", (NETEM,), "ms"),
     Option("bandwidth_mbit", Optional[float], None, "cap each way", (NETEM,), "Mbit/s"),
-    Option("product", str, "milan", "AMD product line the simulation imitates: milan, genoa or turin",
+    Option("platform", str, "sev-snp", "the vendor the simulation imitates: sev-snp (AMD) or tdx (Intel)",
+           (ATTEST_SIM_INIT,)),
+    Option("product", str, "milan", "AMD product line the simulation imitates: milan, genoa or turin (sev-snp)",
            (ATTEST_SIM_INIT,)),
     Option("out", str, "results", "folder the command writes its files into (its help names them)", REPORTING,
            "folder", defaults={BENCH_SWEEP: "results/sweep", BENCH_LOAD: "results/load",

@@ -29,6 +29,7 @@ from cryptography.x509.oid import ExtensionOID, SignatureAlgorithmOID
 
 from splitllm.attestation.handshake import ClientHandshake, Evidence
 from splitllm.attestation.sealing import SealedChannel
+from splitllm.attestation.tdx import TdxVerified
 from splitllm.attestation.verify import AttestationError, Verified
 
 NONCE_SIZE = 32
@@ -289,9 +290,10 @@ def finish_with_gpus(
     gpus: Sequence[GpuEvidence],
     policy: GpuPolicy | None = None,
     now: datetime.datetime | None = None,
-) -> tuple[SealedChannel, Verified, tuple[VerifiedGpu, ...]]:
+) -> tuple[SealedChannel, Verified | TdxVerified, tuple[VerifiedGpu, ...]]:
     """`ClientHandshake.finish` for a server whose GPUs hold the hidden states: each GPU's report must answer
-    this handshake's nonce (fresh), and the CVM's report must commit to exactly this GPU evidence (bound)."""
+    this handshake's nonce (fresh), and the CVM's report (SEV-SNP) or quote (TDX) must commit to exactly this
+    GPU evidence (bound)."""
     if not gpus:
         raise AttestationError("gpu-evidence", "the server presents no GPU evidence")
     verified = tuple(verify_gpu_evidence(gpu, handshake.nonce, policy, now) for gpu in gpus)

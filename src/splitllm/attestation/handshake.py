@@ -8,8 +8,11 @@ server, and the sealed channel both derive from it.
 The report's `report_data` is SHA-512 over a label, the nonce, the server's key, the model
 fingerprint, the split and the protocol version (`report_data`), so a report answers exactly this
 handshake, from a server that holds that key inside the attested guest, running that model and
-split. Keys: X25519 between the two ephemeral keys, then HKDF-SHA256 salted with the transcript
-(report_data and the client's key), one key per direction.
+split. The same 64 bytes are an SEV-SNP report's `report_data` and a TDX quote's (whose evidence
+carries the quote's collateral in `certs`); when the server's GPUs attest too, either carries
+`composite_report_data` of them and the GPUs' evidence digest instead. Keys: X25519 between the two
+ephemeral keys, then HKDF-SHA256 salted with the transcript (report_data and the client's key), one
+key per direction.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from cryptography.utils import CryptographyDeprecationWarning
 from splitllm.attestation.policy import AttestationPolicy
 from splitllm.attestation.sealing import SealedChannel
 from splitllm.attestation.snp import SnpReport
+from splitllm.attestation.tdx import COLLATERAL, TdxVerified, verify_tdx
 from splitllm.attestation.verify import AttestationError, Verified, verify_evidence
 
 NONCE_SIZE = 32
@@ -126,23 +130,22 @@ class ClientHandshake:
     def request(self, request_id: Any) -> dict[str, Any]:
         return {"op": "attest", "id": request_id, "version": self.version, "nonce": self.nonce, "key": _raw(self._key.public_key())}
 
-    def finish(self, evidence: Evidence, gpu_digest: bytes | None = None) -> tuple[SealedChannel, Verified]:
+    def finish(self, evidence: Evidence, gpu_digest: bytes | None = None) -> tuple[SealedChannel, Verified | TdxVerified]:
         """Verify `evidence` (AttestationError naming the first failed check) and derive the channel.
 
-        With `gpu_digest` (`gpu.finish_with_gpus`), the report must commit to the GPUs' evidence as well."""
-        if evidence.platform != "sev-snp":
-            raise AttestationError("platform", f"the server offers {evidence.platform} evidence; this client verifies sev-snp")
-        if "vcek" not in evidence.certs:
-            raise AttestationError("evidence", "the evidence carries no VCEK certificate")
-        try:
-            report = SnpReport.parse(evidence.report)
-            vcek = load_certificate(evidence.certs["vcek"])
-        except ValueError as exc:
-            raise AttestationError("evidence", str(exc)) from None
+        With `gpu_digest` (`gpu.finish_with_gpus`), the report (SEV-SNP) or quote (TDX) must commit to the
+        GPUs' evidence as well."""
+        if evidence.platform != self.policy.platform:
+            raise AttestationError("platform", f"the server offers {evidence.platform} evidence; this client's policy "
+                                               f"requires {self.policy.platform}")
         expected = report_data(self.nonce, evidence.server_key, evidence.fingerprint, evidence.layers, evidence.version)
         if gpu_digest is not None:
             expected = composite_report_data(expected, gpu_digest)
-        verified = verify_evidence(report, vcek, self.policy, expected)
+        verified: Verified | TdxVerified
+        if self.policy.tdx is not None:
+            verified = verify_tdx(evidence.report, evidence.certs.get(COLLATERAL), self.policy.tdx, expected)
+        else:
+            verified = self._verify_snp(evidence, expected)
         # The binding holds: the attested server runs what it claims. Is that what we expect?
         if evidence.version != self.version:
             raise AttestationError("version", f"the server speaks protocol {evidence.version}, this client {self.version}")
@@ -152,8 +155,18 @@ class ClientHandshake:
         if evidence.layers != self.layers:
             raise AttestationError("split", f"the attested server runs layers [{evidence.layers[0]}, {evidence.layers[1]}), "
                                             f"this client needs [{self.layers[0]}, {self.layers[1]})")
-        transcript = hashlib.sha256(report.report_data + _raw(self._key.public_key())).digest()
+        transcript = hashlib.sha256(expected + _raw(self._key.public_key())).digest()
         return _channel(self._key, evidence.server_key, transcript, client=True), verified
+
+    def _verify_snp(self, evidence: Evidence, expected: bytes) -> Verified:
+        if "vcek" not in evidence.certs:
+            raise AttestationError("evidence", "the evidence carries no VCEK certificate")
+        try:
+            report = SnpReport.parse(evidence.report)
+            vcek = load_certificate(evidence.certs["vcek"])
+        except ValueError as exc:
+            raise AttestationError("evidence", str(exc)) from None
+        return verify_evidence(report, vcek, self.policy, expected)
 
 
 def answer(request: dict[str, Any], attester: Any, fingerprint: str, layers: tuple[int, int], version: int) -> tuple[Evidence, SealedChannel]:

@@ -20,6 +20,9 @@ only without AMD's roots beside it. Each product has a TCB floor (`TCB_FLOORS`) 
 raise and never lower. `host_data` and `image_ids` are optional: when given, the report's field must
 be one of them. Every other key, at every level, and every key given twice are refused, so a
 misspelt or doubled requirement is never silently dropped.
+
+A policy for Intel TDX says `"platform": "tdx"` and has its requirements in a `tdx` section
+(splitllm/attestation/tdx.py reads it with the same strictness; docs/confidential.md shows one).
 """
 
 from __future__ import annotations
@@ -32,15 +35,19 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 
 from splitllm.attestation.snp import TCB_FIELDS, Tcb
 
+if TYPE_CHECKING:
+    from splitllm.attestation.tdx import TdxPolicy
+
 PRODUCTS = ("milan", "genoa", "turin")
+PLATFORMS = ("sev-snp", "tdx")
 _KEYS = {"platform", "trust_anchors", "measurements", "min_tcb", "allow_debug", "allow_migration_agent", "host_data",
-         "image_ids", "simulated"}
+         "image_ids", "simulated", "tdx"}
 _ANCHOR_KEYS = {"product", "ark", "ask"}
 
 # The lowest TCB accepted on each product, whatever the policy says: the reported TCB of the genuine
@@ -134,6 +141,11 @@ class AttestationPolicy:
     image_ids: frozenset[bytes] | None = None
     simulated: bool = False
     source: str = "<policy>"
+    tdx: TdxPolicy | None = None  # a TDX policy's requirements (then the SEV-SNP fields are empty)
+
+    @property
+    def platform(self) -> str:
+        return "sev-snp" if self.tdx is None else "tdx"
 
     def __post_init__(self) -> None:
         """The floors hold however a policy is made: from a file, or in code."""
@@ -162,11 +174,11 @@ class AttestationPolicy:
         if unknown:
             raise PolicyError(f"unknown keys {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
         platform = data.get("platform", "sev-snp")
-        if platform != "sev-snp":
-            raise PolicyError(
-                f"platform {platform!r}: this release verifies AMD SEV-SNP evidence only (TDX: docs/confidential.md)"
-            )
+        if platform not in PLATFORMS:
+            raise PolicyError(f"platform {platform!r}: one of {', '.join(PLATFORMS)}")
         simulated = _flag(data, "simulated")
+        if platform == "tdx" or "tdx" in data:
+            return cls._tdx(data, base, source, simulated)
         specs = data.get("trust_anchors", [])
         if not isinstance(specs, list) or not specs:
             raise PolicyError("'trust_anchors' must list at least one root (amd-milan, amd-genoa, amd-turin)")
@@ -195,6 +207,26 @@ class AttestationPolicy:
             simulated=simulated,
             source=source,
         )
+
+    @classmethod
+    def _tdx(cls, data: dict, base: Path, source: str, simulated: bool) -> AttestationPolicy:
+        from splitllm.attestation.tdx import TdxPolicy  # here, not above: tdx.py builds on this module
+
+        if data.get("platform") != "tdx" or "tdx" not in data:
+            raise PolicyError("a TDX policy says \"platform\": \"tdx\" and has its requirements in a 'tdx' section")
+        stray = sorted(set(data) - {"platform", "simulated", "tdx"})
+        if stray:
+            raise PolicyError(f"{', '.join(stray)} do not apply to platform \"tdx\" (its requirements are in 'tdx')")
+        tdx = TdxPolicy.from_dict(data["tdx"], base)
+        if simulated and tdx.pinned:
+            raise PolicyError("\"simulated\": true with Intel's root: a policy trusts Intel or a simulated vendor, "
+                              "never both")
+        if not tdx.pinned and not simulated:
+            raise PolicyError(
+                "it trusts a root that is not Intel's (a simulated vendor, which protects nothing); "
+                "it is accepted only in a policy that says \"simulated\": true"
+            )
+        return cls(anchors=(), measurements=frozenset(), simulated=simulated, source=source, tdx=tdx)
 
 
 def _anchor(spec: Any, base: Path) -> Anchor:

@@ -78,7 +78,7 @@ def serve(
         from splitllm.attestation.evidence import load_attester
 
         with reported(ValueError, OSError):  # here, before any replica starts
-            load_attester(settings.attestation, settings.attestation_sim)
+            load_attester(settings.attestation, settings.attestation_sim, settings.attestation_collateral)
         _serve_on_ray(split.model, settings, access, threads, log_format, deployment, host, port)
         return
     with reported(ValueError, OSError):
