@@ -125,11 +125,19 @@ def _packed(drafter: Drafter, meta: dict[str, Any]) -> Drafter:
 
 
 def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
-    """The shipped drafter folder trained for the model with this fingerprint, if any."""
+    """The shipped drafter folder trained for the model with this fingerprint; None when none was trained
+    for it (that model drafts from its context only). The package ships its drafters whole, so a
+    drafters folder that is missing or empty, or a drafter missing one of its files, is a broken
+    installation: a FileNotFoundError naming what is missing, never a silent run without the drafter."""
     root = root or shipped_drafters_root()
-    if not root.is_dir():
-        return None
-    for folder in sorted(p for p in root.iterdir() if (p / METADATA).is_file()):
+    reinstall = "this installation of splitllm lacks part of what it ships (reinstall it)"
+    folders = [p for p in sorted(root.iterdir()) if (p / METADATA).is_file() or (p / WEIGHTS).is_file()] if root.is_dir() else []
+    if not folders:
+        raise FileNotFoundError(f"{root} holds no drafter: {reinstall}")
+    for folder in folders:
+        for name in (METADATA, WEIGHTS):
+            if not (folder / name).is_file():
+                raise FileNotFoundError(f"{folder / name} is missing: {reinstall}")
         if read_metadata(folder)[FINGERPRINT_KEY] == fingerprint:
             return folder
     return None
@@ -140,8 +148,8 @@ def load_drafter(
 ) -> Drafter | None:
     """`path` (a folder written by `splitllm drafter train`) if given: refused with a clear ValueError when its
     target fingerprint differs from files.fingerprint. Otherwise the drafter shipped in the package for this
-    model (matched by fingerprint), or None when there is none. `packed`: for drafting (see
-    `Drafter.packed`); else the plain modules, to train on."""
+    model (matched by fingerprint), or None when none was trained for it (`find_shipped`). `packed`: for
+    drafting (see `Drafter.packed`); else the plain modules, to train on."""
     folder = find_shipped(files.fingerprint) if path is None else Path(path)
     if folder is None:
         return None
