@@ -7,7 +7,8 @@ import pytest
 from splitllm.client.client import SplitClient
 from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, BudgetYield
 from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
-from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.sizing.policies import AdaptivePolicy, ValuePolicy, split_rows
 from splitllm.decoding.speculative import SpeculativeDecoder

@@ -1,11 +1,15 @@
 """The command line's vocabulary: every option declared once in the option table (the commands' options,
 their environment variables and docs/cli.md generated from it), decoding modes offered and checked up
-front, the precision each side runs chosen and said at start, clear errors, and small command functions."""
+front, the precision each side runs chosen and said at start, clear errors, small command functions, and
+help and parsing that load neither the model code nor the lab."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +24,8 @@ from splitllm.cli import app
 from splitllm.commands.wiring import need_extra, resolve_precision
 from splitllm.lab import results
 from splitllm.model.precision import EXACT, fastest
-from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE
+from splitllm.decoding.mode_names import DEFAULT_DECODE
+from splitllm.decoding.modes import DECODERS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "splitllm"
 COMMAND_FILES = [*sorted((SRC / "commands").glob("*.py")), SRC / "cli.py", *sorted((SRC / "lab").rglob("*_commands.py"))]
@@ -135,8 +140,10 @@ def test_a_missing_extra_names_what_is_missing_and_the_install_line(
 
 
 def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
-    """Every command under a (typer's own click) group, by the words that run it."""
-    for name, cmd in group.commands.items():
+    """Every command under a (typer's own click) group, by the words that run it (listing the root adds the lab's)."""
+    ctx = typer.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
         if hasattr(cmd, "commands"):
             yield from _commands(cmd, (*path, name))
         else:
@@ -182,3 +189,43 @@ def test_command_functions_are_small(path: Path) -> None:
             count = len(args.posonlyargs + args.args + args.kwonlyargs) + bool(args.vararg) + bool(args.kwarg)
             lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
             assert count <= 12 and lines <= 60, f"{node.name}: {count} parameters, {lines} lines"
+
+
+def _in_a_fresh_interpreter(*invocations: list[str]) -> tuple[list[tuple[int, str]], set[str]]:
+    """Each invocation's exit code and output, run in turn by a new Python that imports only the CLI, and which
+    of torch, transformers, numpy and the lab it had imported by the end."""
+    code = (
+        "import json, sys; from typer.testing import CliRunner; from splitllm.cli import app; "
+        f"runs = [CliRunner().invoke(app, a, env={{'COLUMNS': '400'}}) for a in {list(invocations)!r}]; "
+        "heavy = [m for m in ('torch', 'transformers', 'numpy', 'splitllm.lab') if m in sys.modules]; "
+        "print(json.dumps([[[r.exit_code, r.output] for r in runs], heavy]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    runs, heavy = json.loads(run.stdout)
+    return [tuple(r) for r in runs], set(heavy)
+
+
+def test_help_and_a_mistyped_flag_answer_without_loading_torch_or_transformers() -> None:
+    """The model code loads when a command runs, not to list the commands, show one's options or refuse a flag."""
+    runs, heavy = _in_a_fresh_interpreter(["--help"], ["generate", "--help"], ["serve", "--help"], ["generate", "hi", "--bogus"])
+    assert [code for code, _ in runs] == [0, 0, 0, 2]
+    (_, root), (_, generate), (_, serve), (_, bogus) = runs
+    assert all(name in root for name in ("generate", "serve", "attest", "bench", "privacy", "drafter"))
+    assert "|".join(DECODERS) in generate and "SPLITLLM_GENERATE_DECODE" in generate
+    assert "SPLITLLM_SERVE_MAX_KV_GIB" in serve and "No such option: --bogus" in bogus
+    assert not heavy & {"torch", "transformers", "numpy"}, heavy
+
+
+def test_the_runtimes_commands_never_import_the_lab() -> None:
+    runs, heavy = _in_a_fresh_interpreter(
+        ["generate", "--help"], ["serve", "--help"], ["chat", "--bogus"], ["attest", "sim-init", "--help"],
+        ["client-api", "--port", "0"],
+    )
+    assert [code for code, _ in runs] == [0, 0, 2, 0, 2]
+    assert "splitllm.lab" not in heavy
+
+
+def test_a_mistyped_command_is_matched_against_the_labs_commands_too() -> None:
+    result = CliRunner().invoke(app, ["benh"], env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "Did you mean 'bench'?" in result.output

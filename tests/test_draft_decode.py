@@ -22,7 +22,8 @@ from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.decoding.sizing.budget import NodeCost, SpecBudget
 from splitllm.decoding.sizing.gate import AheadGate, DraftGate, GateConfig
-from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.speculation_config import SpeculationConfig, TreeShape
 from splitllm.decoding.sizing.policies import StaticPolicy
 from splitllm.drafting import draft_model_proposer
 from splitllm.drafting.draft_model_proposer import DraftModelProposer

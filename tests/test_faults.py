@@ -28,7 +28,8 @@ from splitllm.server.settings import ServerSettings
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.sizing.policies import StaticPolicy
-from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.drafting.draft_model import DraftModel
 from splitllm.model.stage import Stage, Step

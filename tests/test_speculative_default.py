@@ -14,7 +14,8 @@ from splitllm.lab.data.workload import workload
 from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
 from splitllm.decoding.sizing.budget import AUTO_BUDGET
-from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.sizing.policies import StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 

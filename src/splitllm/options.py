@@ -18,8 +18,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, Optional, get_args, get_origin
 
-from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE
-from splitllm.protocol.wire import WIRE_DTYPES
+from splitllm.decoding.mode_names import DEFAULT_DECODE, Mode
+from splitllm.protocol.wire_dtypes import WIRE_DTYPE_NAMES
 from splitllm.weights.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 
 ENV_PREFIX = "SPLITLLM"
@@ -167,7 +167,7 @@ SERVING = (
 CLIENT = (  # the fields of commands.client_commands.ClientSettings
     Option("server", Optional[str], None, "ws(s)://host:port of a splitllm server; omit to run in-process", CLIENTS,
            group="client"),
-    Option("wire_dtype", _choices(WIRE_DTYPES), "float16", "hidden states on the wire, each session its own "
+    Option("wire_dtype", _choices(WIRE_DTYPE_NAMES), "float16", "hidden states on the wire, each session its own "
            "(float32 makes every mode's output sequential's, bit for bit)", (*CLIENTS, BENCH_SPEED, BENCH_SPECULATION), group="client",
            defaults={BENCH_SPECULATION: "float32"}),
     Option("threads", Optional[int], None, "compute threads (default: the cores this process may use)",
@@ -209,7 +209,7 @@ SAMPLING = tuple(
     )
 )
 ANSWERS = (
-    Option("decode", _choices(DECODERS), DEFAULT_DECODE, "decoding mode: auto sizes speculation for the link; "
+    Option("decode", _choices(Mode), DEFAULT_DECODE, "decoding mode: auto sizes speculation for the link; "
            "greedy output is the same in all", (*CLIENTS, DEMO)),
     Option("max_new_tokens", int, 128, "the most tokens of an answer",
            (GENERATE, CHAT, DEMO, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP, BENCH_SPECULATION,

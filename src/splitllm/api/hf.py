@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from splitllm.client.client import SplitClient
-from splitllm.decoding.modes import DEFAULT_DECODE
+from splitllm.decoding.mode_names import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
 
 

@@ -37,7 +37,8 @@ from splitllm.client.conversations import ConversationCache, ReuseLimits
 from splitllm.api.tools import ToolCall, ToolCallReader, call_grammar, takes_tools
 from splitllm.client.client import Generation, SplitClient
 from splitllm.decoding.grammar import Grammar, grammar_tokenizer
-from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, check_mode
+from splitllm.decoding.mode_names import DEFAULT_DECODE
+from splitllm.decoding.modes import DECODERS, check_mode
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.threads import ComputeThread
 

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from splitllm.client.connection import CLIENT_ERRORS
 from splitllm.client.client import Generation, SplitClient
-from splitllm.decoding.modes import DEFAULT_DECODE
+from splitllm.decoding.mode_names import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.stats import mean_stats
 

@@ -19,7 +19,8 @@ from splitllm.client.pipeline import InProcessMiddle, Middle, SplitPipeline
 from splitllm.client.connection import ConnectionOptions, ServerUnreachable
 from splitllm.client.remote import RemoteMiddle
 from splitllm.client.stopping import StopRule, stop_ids
-from splitllm.decoding.modes import DECODERS, DEFAULT_DECODE, Decoder, check_mode
+from splitllm.decoding.mode_names import DEFAULT_DECODE
+from splitllm.decoding.modes import DECODERS, Decoder, check_mode
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.step import StepOutput
 from splitllm.model.kv import KVCache

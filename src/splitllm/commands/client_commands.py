@@ -11,7 +11,6 @@ from typing import Annotated, Any
 import typer
 
 from splitllm.commands.wiring import AskedPrecision, command, fail, reported, sampling, set_threads
-from splitllm.model.precision import Precision
 from splitllm.options import CHAT, CLIENT_API, GENERATE, Split, defaults_of
 
 _CLIENT = defaults_of(GENERATE)
@@ -44,6 +43,7 @@ def open_client(split: Split, client: ClientSettings, precision: AskedPrecision)
     """The SplitClient that a client command's options describe."""
     from splitllm.client.connection import ConnectionOptions, read_token
     from splitllm.client.client import SplitClient
+    from splitllm.model.precision import Precision
 
     set_threads(client.threads)
     options = ConnectionOptions(

@@ -9,7 +9,7 @@ import typer
 
 from splitllm.commands.wiring import AskedPrecision, command, fail, reported, set_threads
 from splitllm.options import SERVE, Split
-from splitllm.server.settings import fields_of
+from splitllm.server.setting_fields import fields_of
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,15 @@ import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterator
 from types import MappingProxyType
-from typing import Annotated, Any, NoReturn, get_args
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
 import typer
 from typer.models import ArgumentInfo
 
-from splitllm.model.precision import EXACT, Precision, fastest
 from splitllm.options import REQUIRED, SERVE, Option, defaults_of, options_of
+
+if TYPE_CHECKING:  # imported where used: registering and parsing a command loads no torch
+    from splitllm.model.precision import Precision
 
 Function = Callable[..., Any]
 
@@ -79,6 +81,8 @@ def set_threads(threads: int | None) -> int:
 def resolve_precision(dtype: str | None, quant: str | None, device: str, exact: bool, side: str) -> Precision:
     """--exact, an explicit --dtype/--quant (the other then from the exact mode), or the fastest here;
     said once on stderr, so a user knows what runs."""
+    from splitllm.model.precision import EXACT, Precision, fastest
+
     if exact and (dtype not in (None, "float32") or quant not in (None, "none")):
         raise typer.BadParameter("--exact is float32 compute with the checkpoint's weights: drop --dtype/--quant")
     with reported(ValueError):
@@ -95,6 +99,8 @@ def resolve_precision(dtype: str | None, quant: str | None, device: str, exact: 
 
 def parse_setting(name: str | None) -> Precision:
     """A --setting name as a Precision; None is the fastest here."""
+    from splitllm.model.precision import Precision, fastest
+
     if name is None:
         return fastest()
     try:

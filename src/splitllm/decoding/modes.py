@@ -11,7 +11,8 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
-from splitllm.decoding.speculation_config import SPECULATIVE_MODES, Mode, SpeculationConfig
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
 from splitllm.decoding.sizing.policies import AdaptivePolicy, ValuePolicy
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
@@ -34,7 +35,6 @@ DECODERS: Mapping[Mode, Callable[[], Decoder]] = MappingProxyType({
     },
     Mode.AUTO: _auto,
 })
-DEFAULT_DECODE = Mode.AUTO  # the fastest exact mode: output equals sequential greedy decoding
 
 
 def check_mode(name: str) -> Mode:

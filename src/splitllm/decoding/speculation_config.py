@@ -1,6 +1,6 @@
-"""The decoding modes, and everything one speculative decoder is set up with.
+"""Everything one speculative decoder is set up with.
 
-Mode names are what the CLI and the API take. A speculative mode is a `Drafting`: which proposers
+A speculative mode (`mode_names.Mode`, the names the CLI and the API take) is a `Drafting`: which proposers
 draft its steps, with and without the drafter, and the static budget that sizes them. A
 `SpeculationConfig` picks a mode and says who sizes the steps, how the drafter's drafting is gated and
 how drafts' acceptance rates are learned.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from types import MappingProxyType
 
+from splitllm.decoding.mode_names import Mode
 from splitllm.decoding.sizing.budget import AUTO_BUDGET, DRAFTER_BUDGET, LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
 from splitllm.decoding.sizing.calibration import CalibrationConfig
 from splitllm.decoding.sizing.gate import GateConfig
@@ -22,16 +22,6 @@ from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup
 
 ProposerFactory = Callable[[], Proposer]
-
-
-class Mode(StrEnum):
-    """A decoding mode; every one but `sequential` is speculative (`SPECULATIVE_MODES`)."""
-
-    SEQUENTIAL = "sequential"
-    LOOKAHEAD = "lookahead"
-    LOOKUP = "lookup"
-    DRAFTER = "drafter"  # every step drafted by the learned drafter or a draft model, beside context lookup
-    AUTO = "auto"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from splitllm.client.client import Generation, SplitClient
-from splitllm.decoding.modes import DEFAULT_DECODE
+from splitllm.decoding.mode_names import DEFAULT_DECODE
 from splitllm.lab.data.workload import DEMO_PROMPT
 from splitllm.testing.launch import ServerProcess
 from splitllm.model.precision import Precision, fastest

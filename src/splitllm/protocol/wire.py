@@ -14,12 +14,10 @@ from typing import Any
 import msgpack
 import torch
 
+from splitllm.protocol.wire_dtypes import WIRE_DTYPE_NAMES
+
 MAX_HEADER_BYTES = 1 << 20
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
 _LEN = struct.Struct(">I")
 
 

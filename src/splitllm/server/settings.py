@@ -4,26 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
 import torch
 
 from splitllm.model.precision import Precision
 from splitllm.options import SERVE, Split, option, options_of
-
-BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def fields_of(**options: Any) -> dict[str, Any]:
-    """The ServerSettings fields that `splitllm serve`'s options of the 'server' group give: each by its
-    own name, but a size the option takes in KiB, MiB or GiB held in bytes (--max-kv-gib: max_kv_bytes)."""
-    units = {o.name: o.unit for o in options_of(SERVE)}
-    return {
-        f"{name.rsplit('_', 1)[0]}_bytes" if units[name] in BYTES else name:
-            int(value * BYTES[units[name]]) if units[name] in BYTES else value
-        for name, value in options.items()
-    }
-
+from splitllm.server.setting_fields import fields_of
 
 _SERVE = MappingProxyType(fields_of(**{o.name: o.default for o in options_of(SERVE) if o.group == "server"}))
 

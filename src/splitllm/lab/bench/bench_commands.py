@@ -10,7 +10,6 @@ from typing import Any
 import typer
 
 from splitllm.commands.wiring import Values, command, fail, need_extra, numbers, parse_setting, sampling
-from splitllm.decoding.modes import DECODERS
 from splitllm.options import (
     BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_DEFAULTS, BENCH_EXACTNESS, BENCH_KERNELS, BENCH_LOAD, BENCH_QUALITY,
     BENCH_SPECULATION, BENCH_SPEED, BENCH_STREAMING, BENCH_STRUCTURED, BENCH_SWEEP,
@@ -139,6 +138,7 @@ def speculation(
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy; writes
     speculation.json and speculation.md into --out (--publish: the summary to docs/results/speculation.json
     and docs/drafting.md's table)."""
+    from splitllm.decoding.modes import DECODERS
     from splitllm.lab.bench.speculation import EXTRA_DECODERS, SpeculationBench, report, run_speculation
 
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())
@@ -166,6 +166,7 @@ def confidential(
     """What an attested, sealed session costs against the same split in the clear: tok/s, handshake, sealing;
     writes confidential.json and confidential.md into --out (--publish: also docs/results/ and
     docs/confidential.md's table)."""
+    from splitllm.decoding.modes import DECODERS
     from splitllm.lab.bench.confidential import markdown, run_confidential
 
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())

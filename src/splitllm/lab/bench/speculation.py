@@ -22,7 +22,8 @@ from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.sizing.budget import SpecBudget
 from splitllm.decoding.sizing.latency import tokens_per_second
 from splitllm.decoding.modes import DECODERS
-from splitllm.decoding.speculation_config import Mode, SpeculationConfig, TreeShape
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.speculation_config import SpeculationConfig, TreeShape
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.drafting.draft_model import DraftModel
 from splitllm.drafting.drafter import Drafter

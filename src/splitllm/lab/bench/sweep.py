@@ -30,7 +30,8 @@ from splitllm.lab.data.workload import CATEGORIES, Prompt, workload
 from splitllm.client.client import SplitClient
 from splitllm.decoding.sizing.auto_profile import CANDIDATE_BUDGETS, AutoProfile, BudgetYield
 from splitllm.decoding.sizing.budget import LOOKAHEAD_BUDGET, LOOKUP_BUDGET, SpecBudget
-from splitllm.decoding.speculation_config import Mode, SpeculationConfig
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.sizing.policies import AdaptivePolicy, StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.sequential import decode_sequential
