@@ -23,6 +23,7 @@ from splitllm.attestation.verify import (
 
 DATA = Path(__file__).parent / "data" / "sev-snp"
 FINGERPRINT = "ab" * 32
+WEIGHTS = "5e" * 32
 LAYERS = (2, 28)
 VERSION = 2
 WHEN = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)  # inside the genuine VCEK's validity (to 2030-04)
@@ -114,6 +115,7 @@ def test_policy_files_are_refused_with_the_reason(tmp_path: Path) -> None:
         ({"trust_anchors": ["amd-milan"], "measurements": [measurement], "min_tcb": {"snp": 300}}, "levels 0-255"),
         ({"platform": "tdx", "trust_anchors": ["amd-milan"], "measurements": [measurement]}, "SEV-SNP evidence only"),
         ({"measurements": [measurement]}, "at least one root"),
+        ({"trust_anchors": ["amd-milan"], "measurements": [measurement], "weights": ["ab"]}, "1 bytes, expected 32"),
     ]
     for fields, reason in cases:
         with pytest.raises(PolicyError, match=reason):
@@ -136,7 +138,7 @@ def _handshake(vendor: Path, policy: AttestationPolicy | None = None, attester: 
     """One attest round trip between a client handshake and `answer` (claims override the server's)."""
     policy = policy or AttestationPolicy.load(vendor / "policy.json")
     client = ClientHandshake(policy, FINGERPRINT, LAYERS, VERSION)
-    server = dict(fingerprint=FINGERPRINT, layers=LAYERS, version=VERSION) | claims
+    server = dict(fingerprint=FINGERPRINT, weights=WEIGHTS, layers=LAYERS, version=VERSION) | claims
     evidence, server_channel = answer(client.request(1), attester or SimulatedSnp(vendor), **server)  # type: ignore[arg-type]
     return client, Evidence.from_header(evidence.header(1)), server_channel
 
@@ -177,6 +179,7 @@ def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
         (dataclasses.replace(policy, min_tcb=Tcb(bootloader=3, tee=0, snp=8, microcode=116)), "tcb"),
         (dataclasses.replace(policy, host_data=frozenset({b"\x01" * 32})), "host_data"),
         (dataclasses.replace(policy, image_ids=frozenset({b"\x01" * 16})), "image_id"),
+        (dataclasses.replace(policy, weights=frozenset({b"\x01" * 32})), "weights"),
         (dataclasses.replace(policy, anchors=(pinned_anchor("milan"),)), "chain"),
     ]
     for changed, check in cases:
@@ -184,6 +187,8 @@ def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
         with pytest.raises(AttestationError) as err:
             client.finish(evidence)
         assert err.value.check == check
+    client, evidence, _ = _handshake(vendor, dataclasses.replace(policy, weights=frozenset({bytes.fromhex(WEIGHTS)})))
+    client.finish(evidence)  # the weights the policy names
     debug = tmp_path / "debug"
     sim_init(debug, debug=True)
     client, evidence, _ = _handshake(debug)

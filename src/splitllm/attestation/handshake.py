@@ -3,13 +3,16 @@ server, and the sealed channel both derive from it.
 
     client -> server   attest    {version, nonce (32 bytes), key: the client's X25519 public key}
     server -> client   evidence  {platform, report, certs, key: the server's X25519 public key,
-                                  fingerprint, layers, version}
+                                  fingerprint, weights, layers, version}
 
 The report's `report_data` is SHA-512 over a label, the nonce, the server's key, the model
-fingerprint, the split and the protocol version (`report_data`), so a report answers exactly this
-handshake, from a server that holds that key inside the attested guest, running that model and
-split. Keys: X25519 between the two ephemeral keys, then HKDF-SHA256 salted with the transcript
-(report_data and the client's key), one key per direction.
+fingerprint, the loaded-weights fingerprint, the split and the protocol version (`report_data`), so
+a report answers exactly this handshake, from a server that holds that key inside the attested guest
+and computes its split with the weights it loaded. The model fingerprint is the server's account of
+which model it runs (as in `open`); the loaded-weights fingerprint is the digest of the bytes its
+layers were built from (weights/loaded.py), which a policy's `weights` pins. Keys: X25519 between
+the two ephemeral keys, then HKDF-SHA256 salted with the transcript (report_data and the client's
+key), one key per direction.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ KEY_SIZE = 32
 _LABEL = b"splitllm attestation\x00"
 
 
-def report_data(nonce: bytes, server_key: bytes, fingerprint: str, layers: tuple[int, int], version: int) -> bytes:
+def report_data(
+    nonce: bytes, server_key: bytes, fingerprint: str, weights: str, layers: tuple[int, int], version: int
+) -> bytes:
     """The 64 bytes a report must carry to answer this handshake."""
     split = struct.pack(">III", layers[0], layers[1], version)
-    return hashlib.sha512(_LABEL + nonce + server_key + bytes.fromhex(fingerprint) + split).digest()
+    return hashlib.sha512(_LABEL + nonce + server_key + bytes.fromhex(fingerprint) + bytes.fromhex(weights) + split).digest()
 
 
 def _raw(key: X25519PublicKey) -> bytes:
@@ -69,6 +74,7 @@ class Evidence:
     certs: dict[str, bytes]
     server_key: bytes
     fingerprint: str
+    weights: str  # the loaded-weights fingerprint (weights/loaded.py)
     layers: tuple[int, int]
     version: int
 
@@ -76,7 +82,7 @@ class Evidence:
         return {
             "op": "evidence", "id": request_id, "platform": self.platform, "report": self.report,
             "certs": self.certs, "key": self.server_key, "fingerprint": self.fingerprint,
-            "layers": list(self.layers), "version": self.version,
+            "weights": self.weights, "layers": list(self.layers), "version": self.version,
         }
 
     @classmethod
@@ -87,9 +93,11 @@ class Evidence:
             layers = h["layers"]
             ev = cls(
                 str(h["platform"]), bytes(h["report"]), {str(k): bytes(v) for k, v in certs.items()},
-                bytes(h["key"]), str(h["fingerprint"]), (int(layers[0]), int(layers[1])), int(h["version"]),
+                bytes(h["key"]), str(h["fingerprint"]), str(h["weights"]), (int(layers[0]), int(layers[1])),
+                int(h["version"]),
             )
-            bytes.fromhex(ev.fingerprint)
+            if len(bytes.fromhex(ev.fingerprint)) != 32 or len(bytes.fromhex(ev.weights)) != 32:
+                raise ValueError("a fingerprint is not 64 hex characters")
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise AttestationError("evidence", f"the server's evidence is malformed ({type(exc).__name__}: {exc})") from None
         if len(ev.server_key) != KEY_SIZE:
@@ -123,9 +131,11 @@ class ClientHandshake:
             ask = load_certificate(evidence.certs["ask"]) if "ask" in evidence.certs else None
         except ValueError as exc:
             raise AttestationError("evidence", str(exc)) from None
-        expected = report_data(self.nonce, evidence.server_key, evidence.fingerprint, evidence.layers, evidence.version)
+        expected = report_data(
+            self.nonce, evidence.server_key, evidence.fingerprint, evidence.weights, evidence.layers, evidence.version
+        )
         verified = verify_evidence(report, vcek, ask, self.policy, expected)
-        # The binding holds: the attested server runs what it claims. Is that what we expect?
+        # The binding holds: the attested server claims this model and split and loaded these weights. Expected?
         if evidence.version != self.version:
             raise AttestationError("version", f"the server speaks protocol {evidence.version}, this client {self.version}")
         if evidence.fingerprint != self.fingerprint:
@@ -134,11 +144,17 @@ class ClientHandshake:
         if evidence.layers != self.layers:
             raise AttestationError("split", f"the attested server runs layers [{evidence.layers[0]}, {evidence.layers[1]}), "
                                             f"this client needs [{self.layers[0]}, {self.layers[1]})")
+        if self.policy.weights is not None and bytes.fromhex(evidence.weights) not in self.policy.weights:
+            raise AttestationError("weights", f"the attested server built its layers from weights (loaded-weights "
+                                              f"fingerprint {evidence.weights[:16]}) that the policy does not name: "
+                                              "another model, split or precision, or altered files")
         transcript = hashlib.sha256(report.report_data + _raw(self._key.public_key())).digest()
         return _channel(self._key, evidence.server_key, transcript, client=True), verified
 
 
-def answer(request: dict[str, Any], attester: Any, fingerprint: str, layers: tuple[int, int], version: int) -> tuple[Evidence, SealedChannel]:
+def answer(
+    request: dict[str, Any], attester: Any, fingerprint: str, weights: str, layers: tuple[int, int], version: int
+) -> tuple[Evidence, SealedChannel]:
     """The server's side of `attest`: a new key, a report bound to it, and the channel it opens.
 
     `attester` has `platform` and `report(report_data) -> (report bytes, certificates by role)`.
@@ -148,8 +164,8 @@ def answer(request: dict[str, Any], attester: Any, fingerprint: str, layers: tup
         raise ValueError(f"attest needs a {NONCE_SIZE}-byte nonce and a {KEY_SIZE}-byte X25519 key")
     key = X25519PrivateKey.generate()
     server_key = _raw(key.public_key())
-    data = report_data(nonce, server_key, fingerprint, layers, version)
+    data = report_data(nonce, server_key, fingerprint, weights, layers, version)
     report, certs = attester.report(data)
     transcript = hashlib.sha256(data + client_key).digest()
-    evidence = Evidence(attester.platform, report, certs, server_key, fingerprint, layers, version)
+    evidence = Evidence(attester.platform, report, certs, server_key, fingerprint, weights, layers, version)
     return evidence, _channel(key, client_key, transcript, client=False)

@@ -9,13 +9,16 @@ A policy is a JSON file:
       "min_tcb": {"bootloader": 3, "tee": 0, "snp": 8, "microcode": 115},
       "allow_debug": false,
       "host_data": ["<64 hex>"],
-      "image_ids": ["<32 hex>"]
+      "image_ids": ["<32 hex>"],
+      "weights": ["<64 hex: a loaded-weights fingerprint, from `splitllm attest weights`>"]
     }
 
 `trust_anchors` names AMD's roots pinned in this package (`amd-<product>`); a file anchor
 (`{"product": "milan", "ark": "ark.pem", "ask": "ask.pem"}`, paths relative to the policy) that is
 not one of AMD's roots is a simulated vendor and is accepted only with `"simulated": true`.
 `host_data` and `image_ids` are optional: when given, the report's field must be one of them.
+`weights`, optional too, lists the loaded-weights fingerprints (weights/loaded.py) the server's layers
+may be built from; an image that reads its weights from outside what its measurement covers needs it.
 Every other key is refused, so a misspelt requirement is never silently dropped.
 """
 
@@ -34,7 +37,7 @@ from cryptography import x509
 from splitllm.attestation.snp import Tcb
 
 PRODUCTS = ("milan", "genoa", "turin")
-_KEYS = {"platform", "trust_anchors", "measurements", "min_tcb", "allow_debug", "host_data", "image_ids", "simulated"}
+_KEYS = {"platform", "trust_anchors", "measurements", "min_tcb", "allow_debug", "host_data", "image_ids", "weights", "simulated"}
 
 
 class PolicyError(ValueError):
@@ -87,6 +90,7 @@ class AttestationPolicy:
     allow_debug: bool = False
     host_data: frozenset[bytes] | None = None
     image_ids: frozenset[bytes] | None = None
+    weights: frozenset[bytes] | None = None
     simulated: bool = False
     source: str = "<policy>"
 
@@ -150,6 +154,7 @@ class AttestationPolicy:
             allow_debug=allow_debug,
             host_data=_hex_set(data["host_data"], "host_data", 32) if "host_data" in data else None,
             image_ids=_hex_set(data["image_ids"], "image_ids", 16) if "image_ids" in data else None,
+            weights=_hex_set(data["weights"], "weights", 32) if "weights" in data else None,
             simulated=simulated,
             source=source,
         )
