@@ -137,8 +137,8 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
     Option("batch_window_ms", float, 2.0, "steps of different sessions this close together share one forward; "
            "0 disables", (SERVE,), "ms", "server"),
     Option("attestation", str, "none", "evidence offered to clients: none, sev-snp or tdx (from this confidential "
-           "VM's firmware), or simulated; anything but none serves sealed sessions only, and a machine without the "
-           "device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
+           "VM's firmware), or simulated; anything but none serves sealed sessions only, never with --engine ray, and a "
+           "machine without the device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
 )
@@ -156,7 +156,7 @@ SERVING = (
            (SERVE,), "file", "access"),
     Option("operator", Optional[list[str]], None, "principal whose /health and /metrics show the whole server "
            "(repeatable)", (SERVE,), group="access"),
-    Option("engine", str, "uvicorn", "uvicorn (one process) or ray (Ray Serve replicas)", (SERVE,),
+    Option("engine", str, "uvicorn", "uvicorn (one process) or ray (Ray Serve replicas, never attested)", (SERVE,),
            group="deployment"),
     Option("replicas", int, 1, "Ray Serve replicas (--engine ray)", (SERVE,), group="deployment"),
     Option("ray_address", Optional[str], None, "Ray cluster to deploy on, e.g. 'auto' (--engine ray; default: start "
