@@ -205,7 +205,7 @@ def test_every_failed_check_sends_no_state(
         ("measurement", honest, _policy(vendor, tmp_path, measurements=["00" * 48]), None),
         ("debug", server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(debug_vendor)).url,
          AttestationPolicy.load(debug_vendor / "policy.json"), None),
-        ("tcb", honest, _policy(vendor, tmp_path, min_tcb={"microcode": 200}), None),
+        ("tcb", honest, _policy(vendor, tmp_path, min_tcb={"milan": {"microcode": 230}}), None),
         ("chain", honest, _policy(vendor, tmp_path, trust_anchors=["amd-milan"], simulated=False, measurements=measurement), None),
         ("binding", honest, trusted, lambda i, reply: replayed if i == 0 else reply),
         ("binding", honest, trusted, _with_intruders_key),

@@ -19,7 +19,7 @@ from splitllm.model.precision import EXACT, Precision, fastest
 
 def test_the_fastest_setting_follows_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     with_kernels = cpu_kernels.load() is not None
-    assert fastest() == (Precision(torch.bfloat16, "int8") if with_kernels else EXACT)
+    assert fastest() == (Precision(torch.bfloat16, "mixed") if with_kernels else EXACT)
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # no kernel variant for this CPU, or no compiler
     assert fastest() == EXACT
     assert fastest("cuda") == Precision(device="cuda")  # unverified devices keep the exact mode

@@ -278,16 +278,16 @@ def test_draft_model_cache_follows_the_committed_sequence(draft_model_split) -> 
         torch.testing.assert_close(a[..., :26, :], b[..., :26, :], rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize(("variant", "leanest"), [("avx512", "int4"), ("avx2", "int8"), ("neon", "int8")])
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "neon"])
 def test_a_draft_model_takes_the_leanest_weights_the_kernels_run_beside_quantized_client_layers(
-    variant: str, leanest: str, monkeypatch: pytest.MonkeyPatch
+    variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its guesses are only verified, so beside quantized layers on the CPU it takes the quantization
-    this CPU's kernels run fastest (int4 with AVX-512 BF16, int8 on AVX2); beside dense or exact layers
-    (and off the CPU, or without the kernels) it follows the client's."""
+    """Its guesses are only verified, so beside quantized layers on the CPU it takes int4, the leanest form
+    every kernel variant runs; beside dense or exact layers (and off the CPU, or without the kernels) it
+    follows the client's."""
     monkeypatch.setattr(cpu_kernels, "chosen", lambda: next(v for v in cpu_kernels.VARIANTS if v.name == variant))
-    assert drafting_precision(Precision(torch.bfloat16, "int8")) == Precision(torch.bfloat16, leanest)
-    assert drafting_precision(Precision(torch.bfloat16, "int4")) == Precision(torch.bfloat16, leanest)
+    for quantized in ("int8", "int4", "mixed"):
+        assert drafting_precision(Precision(torch.bfloat16, quantized)) == Precision(torch.bfloat16, "int4")
     for same in (Precision(), Precision(torch.bfloat16), Precision(torch.bfloat16, "int8", "cuda")):
         assert drafting_precision(same) == same
     monkeypatch.setattr(cpu_kernels, "chosen", lambda: None)

@@ -112,6 +112,25 @@ def test_the_loaded_fingerprint_is_the_digest_of_the_loaded_files_bytes(setting,
     assert Stage.load(files, 1, 2, precision).loaded_fingerprint != expected  # another split, another value
 
 
+@pytest.mark.parametrize("setting", ["bfloat16-int8", "bfloat16-int4"])
+def test_a_conversion_writes_the_same_bytes_every_time(setting, tiny_models, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A policy writer's `splitllm attest weights` converts on its own machine and must get the server's
+    value, so a converted file's bytes depend on its tensors alone: its header is written in one order
+    (safetensors writes metadata in a hash map's order, which varies between writes)."""
+    files, precision = ModelFiles(tiny_models["llama"]), Precision.from_name(setting)
+    seen = set()
+    for i in range(6):
+        monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path / f"cache-{i}"))
+        folder = StoredWeights(files, precision, ()).folder
+        seen.add((Stage.load(files, 1, 3, precision).loaded_fingerprint,
+                  tuple(hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors")))))
+        header = (folder / "layer-0001.safetensors").read_bytes()
+        size = int.from_bytes(header[:8], "little")
+        keys = list(json.loads(header[8 : 8 + size]))
+        assert keys == sorted(keys) and list(json.loads(header[8 : 8 + size])["__metadata__"]) == ["format", "precision"]
+    assert len(seen) == 1
+
+
 def test_read_safetensors_hashes_every_byte_and_keeps_what_it_is_asked(tiny_models) -> None:  # type: ignore[no-untyped-def]
     path = tiny_models["qwen2"] / "model.safetensors"
     tensors, digest = read_safetensors(path, lambda name: name.startswith("model.layers.1."))

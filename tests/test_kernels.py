@@ -46,7 +46,7 @@ def test_a_variant_the_cpu_cannot_run_or_a_misspelt_one_is_refused(monkeypatch) 
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setenv(cpu_kernels.SWITCH, "avx512")
-    with pytest.raises(ValueError, match="SPLITLLM_KERNELS=avx512: this CPU lacks avx512_bf16, avx512bw"):
+    with pytest.raises(ValueError, match="SPLITLLM_KERNELS=avx512: this CPU lacks avx512_bf16, avx512_vnni, avx512bw"):
         cpu_kernels.chosen()
     monkeypatch.setenv(cpu_kernels.SWITCH, "avx-2")
     with pytest.raises(ValueError, match="auto, off or one of avx512, avx2, neon"):
@@ -165,7 +165,7 @@ def test_every_variant_gives_the_same_bits() -> None:
     w, bias = torch.randn(70, 96, generator=gen).bfloat16(), torch.randn(70, generator=gen)
     q8, scales = torch.randint(-127, 128, (70, 96), generator=gen, dtype=torch.int8), torch.rand(70, generator=gen) / 50
     q4 = torch.randint(0, 16, (70, 96), generator=gen, dtype=torch.uint8)
-    sz = torch.randn(70, 3, 2, generator=gen).bfloat16()
+    sz = (torch.randn(70, 3, 2, generator=gen) / 50).half()
     q, k, v = (torch.randn(1, h, n, 64, generator=gen) for h, n in ((8, 3), (2, 37), (2, 37)))
     mask = torch.zeros(3, 37).masked_fill(torch.rand(3, 37, generator=gen) < 0.3, float("-inf"))
 
@@ -210,9 +210,9 @@ def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, 
     elif form == "int4":
         stored = Int4Linear.quantize(w)
         linear = Int4Linear.from_stored(stored, bias, torch.device("cpu"))
-        nibbles, sz = stored["nibbles"], stored["scales_zeros"].float()
+        nibbles, sz = stored["nibbles"], stored["scales_mins"].float()
         q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(outputs, inputs).float().view(outputs, -1, 32)
-        w = ((q - 8) * sz[..., :1] + sz[..., 1:]).view(outputs, inputs)
+        w = (q * sz[..., :1] + sz[..., 1:]).view(outputs, inputs)
     else:
         linear = Precision(torch.bfloat16).linear({"weight": w.bfloat16()}, bias.bfloat16())
         w, bias = w.bfloat16().float(), bias.bfloat16().float()
@@ -255,7 +255,7 @@ def test_linear_kernel_rejects_what_does_not_fit() -> None:
     """A malformed call raises instead of reading past its tensors."""
     packed = KERNELS.pack(torch.zeros(40, 64, dtype=torch.bfloat16))  # two blocks of 32 outputs
     int8 = KERNELS.pack(torch.zeros(40, 64, dtype=torch.int8))
-    int4, sz = KERNELS.pack_int4(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40, 2, 2, dtype=torch.bfloat16))
+    int4, sz = KERNELS.pack_int4(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40, 2, 2, dtype=torch.float16))
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
     for args, said in [
         ((x[:, :62].contiguous(), packed, 40, None, None), "input width 62 and 40 outputs"),
@@ -265,7 +265,7 @@ def test_linear_kernel_rejects_what_does_not_fit() -> None:
         ((x, packed, 40, torch.zeros(39), None), "one value per output"),
         ((x, packed, 40, None, torch.ones(40)), "bfloat16 weights none"),
         ((x, int8, 40, None, torch.ones(39)), "one value per output"),
-        ((x, int4, 40, None, sz[:1].contiguous()), "scales and zeros"),
+        ((x, int4, 40, None, sz[:1].contiguous()), "scales and minimums"),
     ]:
         with pytest.raises(RuntimeError, match=said):
             KERNELS.linear(*args)
@@ -458,14 +458,15 @@ def test_the_kernels_report_sets_each_variant_beside_its_own_llama_cpp_build() -
     """`bench kernels`: the AVX2 kernels are compared with llama.cpp kept to AVX2, a missing build said so."""
     from splitllm.lab.bench.kernels import _ratios, markdown
 
-    splitllm = {"avx512": {"bfloat16-int8": {"tokens_per_second": 200.0}, "bfloat16-int4": {"tokens_per_second": 240.0}},
-                "avx2": {"bfloat16-int8": {"tokens_per_second": 150.0}, "bfloat16-int4": {"tokens_per_second": 160.0}}}
+    settings = ("bfloat16-mixed", "bfloat16-int8", "bfloat16-int4")
+    splitllm = {"avx512": dict(zip(settings, ({"tokens_per_second": t} for t in (220.0, 200.0, 240.0)))),
+                "avx2": dict(zip(settings, ({"tokens_per_second": t} for t in (140.0, 150.0, 160.0))))}
     llama = {"native": {"tokens_per_second": 160.0}, "avx2": {"skipped": "no llama.cpp build"}}
     ratios = _ratios(splitllm, llama)
-    assert ratios["avx512"] == {"fastest_setting": "bfloat16-int4", "default": 1.25, "fastest": 1.5}
+    assert ratios["avx512"] == {"fastest_setting": "bfloat16-int4", "default": 1.375, "fastest": 1.5}  # default: mixed
     assert ratios["avx2"] == {"fastest_setting": "bfloat16-int4", "default": None, "fastest": None}
-    result = {"settings": {"settings": ["bfloat16-int8", "bfloat16-int4"], "max_new_tokens": 64},
+    result = {"settings": {"settings": list(settings), "max_new_tokens": 64},
               "models": {"default": {"splitllm": splitllm, "llama_cpp": llama, "against_llama_cpp": ratios}}}
     table = markdown(result)
-    assert "| avx512 | 200.00 | 240.00 | 160.00 (native) | 1.25x |" in table
-    assert "| avx2 | 150.00 | 160.00 | not built | - |" in table
+    assert "| avx512 | 220.00 | 200.00 | 240.00 | 160.00 (native) | 1.38x |" in table
+    assert "| avx2 | 140.00 | 150.00 | 160.00 | not built | - |" in table

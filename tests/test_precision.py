@@ -17,7 +17,7 @@ from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationC
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.kernels import cpu_kernels
 from splitllm.model.precision import Precision
-from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear
+from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear, fuse, int4_values
 from splitllm.model.stage import Stage, Step
 from splitllm.weights.conversions import StoredWeights
 from splitllm.weights.sources import ModelFiles, cache_root
@@ -83,6 +83,42 @@ def test_quantized_forms_take_fewer_bytes() -> None:
     assert sizes["int8"] < 0.52 * sizes["none"] and sizes["int4"] < 0.65 * sizes["int8"]  # scales cost 1 bit a weight
 
 
+def test_int4_finds_a_4_bit_grid_again_and_mixed_keeps_only_what_it_loses_nothing_on() -> None:
+    """A weight already on 16 levels per group of 32 (as GGUF's Q4_1 dequantizes: q * d + m, float16 d and m)
+    comes back bit for bit, even where a group never uses its top or neighbouring levels; `mixed` keeps such
+    a weight in int4 and a weight on a finer grid (Q6_K-like, 64 levels) in int8, and fuses the two as int8."""
+    gen = torch.Generator().manual_seed(5)
+    d = (torch.rand(16, 4, 1, generator=gen) / 50 + 1e-3).half().float()
+    m = (torch.randn(16, 4, 1, generator=gen) / 20).half().float()
+    q = torch.randint(0, 16, (16, 4, 32), generator=gen).float()
+    q[0, 0] = torch.randint(0, 8, (32,), generator=gen) * 2  # every other level, never the top one
+    w = (q * d + m).view(16, 128)
+    stored = Int4Linear.quantize(w)
+    nibbles, sm = stored["nibbles"], stored["scales_mins"].float()
+    back = (torch.stack([nibbles >> 4, nibbles & 15], -1).view(16, 4, 32).float() * sm[..., :1] + sm[..., 1:]).view(16, 128)
+    assert torch.equal(back, w)
+    mixed = Precision(torch.bfloat16, "mixed")
+    fine = (torch.randint(-32, 32, (16, 128), generator=gen).float() * d.view(16, 4).repeat_interleave(32, 1))
+    assert mixed.store_linear(w).keys() == {"nibbles", "scales_mins"} and mixed.store_linear(fine).keys() == {"q", "scales"}
+    fused = mixed.linear(fuse([mixed.store_linear(w), mixed.store_linear(fine)]))
+    x = torch.randn(3, 128, generator=gen)
+    assert _relative_error(fused(x), x @ torch.cat([w, fine]).T) < 0.01
+
+
+@pytest.mark.slow
+def test_mixed_keeps_the_default_models_layers_exactly(default_files) -> None:  # type: ignore[no-untyped-def]
+    """The default model ships its layers as Q4_1 blocks and its embedding as Q8_0: under `mixed` every layer's
+    weight is int4 and equals the float32 conversion exactly; the embedding (the tied LM head) is int8."""
+    mixed = Precision(torch.bfloat16, "mixed")
+    names = [f"model.layers.3.{n}.weight" for n in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
+    for name, w in default_files.read([*names, "model.embed_tokens.weight"], torch.float32).items():
+        stored = mixed.store_linear(w)
+        if name.startswith("model.layers"):
+            assert stored.keys() == {"nibbles", "scales_mins"} and torch.equal(int4_values(stored), w), name
+        else:
+            assert stored.keys() == {"q", "scales"}, name
+
+
 def test_int4_needs_whole_groups() -> None:
     with pytest.raises(ValueError, match="divisible by 32"):
         Int4Linear.quantize(torch.randn(8, 48))
@@ -112,7 +148,7 @@ def test_lossy_stage_is_close_to_float32(precision, tiny_models, random_ids) -> 
     assert _relative_error(outs[precision], outs[Precision()]) < tolerance
 
 
-@pytest.mark.parametrize("precision", [Precision(torch.bfloat16, q) for q in ("none", "int8", "int4")], ids=lambda p: p.name)
+@pytest.mark.parametrize("precision", [Precision(torch.bfloat16, q) for q in ("none", "int8", "int4", "mixed")], ids=lambda p: p.name)
 @pytest.mark.parametrize("model", ["mistral", "gemma3"])  # sliding windows: trees cross window edges
 def test_speculation_is_exact_against_sequential_in_the_same_precision(
     precision, model, tiny_models  # type: ignore[no-untyped-def]
@@ -185,7 +221,7 @@ def test_stored_forms_are_converted_per_layer_once(tiny_models, tensor_reads) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4", "mixed"])
 def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-untyped-def]
     """The real model in a 16-bit or quantized precision on both sides still answers a factual question,
     and speculation gives the same tokens as sequential decoding in that precision."""

@@ -96,7 +96,8 @@ PRECISION = (
     Option("dtype", Optional[str], None, "compute dtype of this side's layers: float32, bfloat16 or float16 "
            f"(default: the fastest here; given alone, --quant is none; {COSTS})", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
            group="precision"),
-    Option("quant", Optional[str], None, "weight-only quantization of this side's layers: none, int8 or int4 "
+    Option("quant", Optional[str], None, "weight-only quantization of this side's layers: none, int8, int4, or "
+           "mixed (int4 where a GGUF shipped 4-bit blocks, kept exactly; int8 elsewhere) "
            "(default: the fastest here; given alone, --dtype is float32)", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
            group="precision"),
     Option("device", str, "cpu", "cpu, cuda or mps (only cpu is verified)", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
@@ -136,11 +137,16 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
            "MiB", "server"),
     Option("batch_window_ms", float, 2.0, "steps of different sessions this close together share one forward; "
            "0 disables", (SERVE,), "ms", "server"),
-    Option("attestation", str, "none", "evidence offered to clients: none, sev-snp or tdx (from this confidential "
-           "VM's firmware), or simulated; anything but none serves sealed sessions only, never with --engine ray, and a "
-           "machine without the device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
+    Option("attestation", str, "none", "evidence offered to clients: none; sev-snp (this SEV-SNP guest's report, "
+           "which clients verify); tdx (this TD's quote with its collateral, which clients verify); simulated (a simulated "
+           "vendor's report or quote: protects nothing, for tests only). Anything but none serves sealed sessions only, "
+           "never with --engine ray, and a machine without the device refuses to start (docs/confidential.md)",
+           (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
+    Option("attestation_collateral", str, "https://api.trustedservices.intel.com", "where --attestation tdx fetches "
+           "the collateral clients verify its quotes with (TCB info, QE identity, CRLs): Intel's PCS or a PCCS",
+           (SERVE,), "URL", "server"),
 )
 SERVING = (
     Option("host", str, "127.0.0.1", "address to listen on (client-api: keep it on the trusted device)",
@@ -229,7 +235,7 @@ ANSWERS = (
            "(Authorization: Bearer KEY), and each key's conversations are kept apart", (CLIENT_API,), "file"),
 )
 LAB = (
-    Option("setting", Optional[str], None, "dtype-quant of both sides: bfloat16-int8, bfloat16-int4, bfloat16-none "
+    Option("setting", Optional[str], None, "dtype-quant of both sides: bfloat16-mixed, bfloat16-int8, bfloat16-int4, bfloat16-none "
            f"or float32-none (exact) (default: the fastest here; {COSTS})",
            (DEMO, BENCH_SWEEP, BENCH_SPECULATION, BENCH_EXACTNESS)),
     Option("rtt_ms", float, 80.0, "emulated round-trip time",
@@ -239,7 +245,9 @@ LAB = (
     Option("target", str, REQUIRED, "HOST:PORT to forward to", (NETEM,)),
     Option("jitter_ms", float, 0.0, "jitter", (NETEM,), "ms"),
     Option("bandwidth_mbit", Optional[float], None, "cap each way", (NETEM,), "Mbit/s"),
-    Option("product", str, "milan", "AMD product line the simulation imitates: milan, genoa or turin",
+    Option("platform", str, "sev-snp", "the vendor the simulation imitates: sev-snp (AMD) or tdx (Intel)",
+           (ATTEST_SIM_INIT,)),
+    Option("product", str, "milan", "AMD product line the simulation imitates: milan, genoa or turin (sev-snp)",
            (ATTEST_SIM_INIT,)),
     Option("out", str, "results", "folder the command writes its files into (its help names them)", REPORTING,
            "folder", defaults={BENCH_SWEEP: "results/sweep", BENCH_LOAD: "results/load",

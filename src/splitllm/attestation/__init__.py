@@ -1,2 +1,2 @@
-"""The confidential server: SEV-SNP evidence, its verification against a policy, and the sealed channel
+"""The confidential server: SEV-SNP and TDX evidence, its verification against a policy, and the sealed channel
 (docs/confidential.md)."""

@@ -18,6 +18,8 @@ from typing import Protocol
 
 from splitllm.attestation.simulation import SimulatedSnp
 from splitllm.attestation.snp import REPORT_DATA_SIZE, REPORT_SIZE, parse_cert_table
+from splitllm.attestation.tdx import INTEL_PCS, TdxAttester
+from splitllm.attestation.tdx_simulation import SimulatedTdx, is_tdx_simulation
 
 TSM_REPORTS = Path("/sys/kernel/config/tsm/report")
 SEV_GUEST = Path("/dev/sev-guest")
@@ -31,7 +33,8 @@ class Attester(Protocol):
     platform: str
 
     def report(self, report_data: bytes) -> tuple[bytes, dict[str, bytes]]:
-        """The report (SNP) or quote (TDX), and the certificates by role (ark, ask, vcek or vlek)."""
+        """The report (SNP) or quote (TDX), and the certificates by role (ark, ask, vcek or vlek; for TDX,
+        the quote's collateral)."""
         ...
 
 
@@ -117,9 +120,10 @@ class SevGuestDevice:
         return response.raw[32 : 32 + REPORT_SIZE], parse_cert_table(table)
 
 
-def load_attester(kind: str, simulation: str | None = None) -> Attester | None:
+def load_attester(kind: str, simulation: str | None = None, collateral_url: str = INTEL_PCS) -> Attester | None:
     """The attester `serve --attestation KIND` runs with (None for none), checked by one report now,
-    so a server that cannot attest never starts."""
+    so a server that cannot attest never starts. A TDX server fetches its collateral from
+    `collateral_url` (Intel's PCS, or a PCCS)."""
     if kind not in ATTESTATION_KINDS:
         raise ValueError(f"--attestation must be one of {', '.join(ATTESTATION_KINDS)}")
     if (kind == "simulated") != (simulation is not None):
@@ -128,13 +132,15 @@ def load_attester(kind: str, simulation: str | None = None) -> Attester | None:
         return None
     attester: Attester
     if kind == "simulated":
-        attester = SimulatedSnp(simulation)  # type: ignore[arg-type]
-    elif TSM_REPORTS.is_dir() or kind == "tdx":
+        attester = SimulatedTdx(simulation) if is_tdx_simulation(simulation) else SimulatedSnp(simulation)  # type: ignore[arg-type]
+    elif kind == "tdx":
+        attester = TdxAttester(ConfigfsTsm(kind), collateral_url)
+    elif TSM_REPORTS.is_dir():
         attester = ConfigfsTsm(kind)
     else:
         attester = SevGuestDevice()
     report, certs = attester.report(bytes(REPORT_DATA_SIZE))
-    if kind != "tdx" and "vcek" not in certs:
+    if attester.platform == "sev-snp" and "vcek" not in certs:
         raise AttestationUnavailable("the host supplies no VCEK with the report (load it into the host's firmware "
                                      "with `snphost import`), so no client could verify this server")
     del report

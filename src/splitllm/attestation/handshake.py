@@ -10,15 +10,18 @@ fingerprint, the loaded-weights fingerprint, the split and the protocol version 
 a report answers exactly this handshake, from a server that holds that key inside the attested guest
 and computes its split with the weights it loaded. The model fingerprint is the server's account of
 which model it runs (as in `open`); the loaded-weights fingerprint is the digest of the bytes its
-layers were built from (weights/loaded.py), which a policy's `weights` pins. Keys: X25519 between
-the two ephemeral keys, then HKDF-SHA256 salted with the transcript (report_data and the client's
-key), one key per direction.
+layers were built from (weights/loaded.py), which a policy's `weights` pins. The same 64 bytes are an
+SEV-SNP report's `report_data` and a TDX quote's (whose evidence carries the quote's collateral in
+`certs`); when the server's GPUs attest too, either carries `composite_report_data` of them and the
+GPUs' evidence digest instead. Keys: X25519 between the two ephemeral keys, then HKDF-SHA256 salted
+with the transcript (report_data and the client's key), one key per direction.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -33,11 +36,13 @@ from cryptography.utils import CryptographyDeprecationWarning
 from splitllm.attestation.policy import AttestationPolicy
 from splitllm.attestation.sealing import SealedChannel
 from splitllm.attestation.snp import SnpReport
+from splitllm.attestation.tdx import COLLATERAL, TdxVerified, verify_tdx
 from splitllm.attestation.verify import AttestationError, Verified, verify_evidence
 
 NONCE_SIZE = 32
 KEY_SIZE = 32
 _LABEL = b"splitllm attestation\x00"
+_GPU_LABEL = b"splitllm attestation with gpus\x00"
 
 
 def report_data(
@@ -46,6 +51,12 @@ def report_data(
     """The 64 bytes a report must carry to answer this handshake."""
     split = struct.pack(">III", layers[0], layers[1], version)
     return hashlib.sha512(_LABEL + nonce + server_key + bytes.fromhex(fingerprint) + bytes.fromhex(weights) + split).digest()
+
+
+def composite_report_data(session: bytes, gpu_digest: bytes) -> bytes:
+    """The 64 bytes a report carries when the server's GPUs attest too: this handshake's `report_data` and the
+    digest of the GPUs' evidence (`gpu.gpu_evidence_digest`), so the attested guest vouches for that evidence."""
+    return hashlib.sha512(_GPU_LABEL + session + gpu_digest).digest()
 
 
 def _raw(key: X25519PublicKey) -> bytes:
@@ -87,22 +98,34 @@ class Evidence:
 
     @classmethod
     def from_header(cls, h: dict[str, Any]) -> Evidence:
-        """Malformed evidence is the `evidence` check failing, never a crash."""
-        try:
-            certs = h["certs"]
-            layers = h["layers"]
-            ev = cls(
-                str(h["platform"]), bytes(h["report"]), {str(k): bytes(v) for k, v in certs.items()},
-                bytes(h["key"]), str(h["fingerprint"]), str(h["weights"]), (int(layers[0]), int(layers[1])),
-                int(h["version"]),
-            )
-            if len(bytes.fromhex(ev.fingerprint)) != 32 or len(bytes.fromhex(ev.weights)) != 32:
-                raise ValueError("a fingerprint is not 64 hex characters")
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise AttestationError("evidence", f"the server's evidence is malformed ({type(exc).__name__}: {exc})") from None
-        if len(ev.server_key) != KEY_SIZE:
-            raise AttestationError("evidence", "the server's key is not an X25519 public key")
-        return ev
+        """Malformed evidence is the `evidence` check failing, never a crash: every field must have its
+        exact type, since a converted one (an int turned into that many zero bytes, a string into
+        digits) is a different value than the server sent."""
+        certs, layers, fingerprint, weights = h.get("certs"), h.get("layers"), h.get("fingerprint"), h.get("weights")
+        valid = {
+            "platform": isinstance(h.get("platform"), str),
+            "report": isinstance(h.get("report"), bytes),
+            "certs": isinstance(certs, dict) and all(isinstance(k, str) and isinstance(v, bytes) for k, v in certs.items()),
+            "key": isinstance(h.get("key"), bytes) and len(h["key"]) == KEY_SIZE,
+            "fingerprint": _is_digest(fingerprint),
+            "weights": _is_digest(weights),
+            "layers": isinstance(layers, list) and len(layers) == 2 and all(_is_count(n) for n in layers),
+            "version": _is_count(h.get("version")),
+        }
+        malformed = [name for name, ok in valid.items() if not ok]
+        if malformed:
+            raise AttestationError("evidence", f"the server's evidence is malformed in {', '.join(malformed)}")
+        return cls(h["platform"], h["report"], dict(certs), h["key"], fingerprint, weights, (layers[0], layers[1]),
+                   h["version"])
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_digest(value: Any) -> bool:
+    """64 lowercase hex characters: a SHA-256 fingerprint as the server writes it."""
+    return isinstance(value, str) and re.fullmatch("[0-9a-f]{64}", value) is not None
 
 
 @dataclass
@@ -119,22 +142,24 @@ class ClientHandshake:
     def request(self, request_id: Any) -> dict[str, Any]:
         return {"op": "attest", "id": request_id, "version": self.version, "nonce": self.nonce, "key": _raw(self._key.public_key())}
 
-    def finish(self, evidence: Evidence) -> tuple[SealedChannel, Verified]:
-        """Verify `evidence` (AttestationError naming the first failed check) and derive the channel."""
-        if evidence.platform != "sev-snp":
-            raise AttestationError("platform", f"the server offers {evidence.platform} evidence; this client verifies sev-snp")
-        if "vcek" not in evidence.certs:
-            raise AttestationError("evidence", "the evidence carries no VCEK certificate")
-        try:
-            report = SnpReport.parse(evidence.report)
-            vcek = load_certificate(evidence.certs["vcek"])
-            ask = load_certificate(evidence.certs["ask"]) if "ask" in evidence.certs else None
-        except ValueError as exc:
-            raise AttestationError("evidence", str(exc)) from None
+    def finish(self, evidence: Evidence, gpu_digest: bytes | None = None) -> tuple[SealedChannel, Verified | TdxVerified]:
+        """Verify `evidence` (AttestationError naming the first failed check) and derive the channel.
+
+        With `gpu_digest` (`gpu.finish_with_gpus`), the report (SEV-SNP) or quote (TDX) must commit to the
+        GPUs' evidence as well."""
+        if evidence.platform != self.policy.platform:
+            raise AttestationError("platform", f"the server offers {evidence.platform} evidence; this client's policy "
+                                               f"requires {self.policy.platform}")
         expected = report_data(
             self.nonce, evidence.server_key, evidence.fingerprint, evidence.weights, evidence.layers, evidence.version
         )
-        verified = verify_evidence(report, vcek, ask, self.policy, expected)
+        if gpu_digest is not None:
+            expected = composite_report_data(expected, gpu_digest)
+        verified: Verified | TdxVerified
+        if self.policy.tdx is not None:
+            verified = verify_tdx(evidence.report, evidence.certs.get(COLLATERAL), self.policy.tdx, expected)
+        else:
+            verified = self._verify_snp(evidence, expected)
         # The binding holds: the attested server claims this model and split and loaded these weights. Expected?
         if evidence.version != self.version:
             raise AttestationError("version", f"the server speaks protocol {evidence.version}, this client {self.version}")
@@ -148,8 +173,18 @@ class ClientHandshake:
             raise AttestationError("weights", f"the attested server built its layers from weights (loaded-weights "
                                               f"fingerprint {evidence.weights[:16]}) that the policy does not name: "
                                               "another model, split or precision, or altered files")
-        transcript = hashlib.sha256(report.report_data + _raw(self._key.public_key())).digest()
+        transcript = hashlib.sha256(expected + _raw(self._key.public_key())).digest()
         return _channel(self._key, evidence.server_key, transcript, client=True), verified
+
+    def _verify_snp(self, evidence: Evidence, expected: bytes) -> Verified:
+        if "vcek" not in evidence.certs:
+            raise AttestationError("evidence", "the evidence carries no VCEK certificate")
+        try:
+            report = SnpReport.parse(evidence.report)
+            vcek = load_certificate(evidence.certs["vcek"])
+        except ValueError as exc:
+            raise AttestationError("evidence", str(exc)) from None
+        return verify_evidence(report, vcek, self.policy, expected)
 
 
 def answer(

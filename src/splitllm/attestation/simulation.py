@@ -1,8 +1,9 @@
 """A simulated SEV-SNP vendor and guest, for tests and development on machines without SNP.
 
-`sim_init(folder)` writes a vendor chain made with AMD's algorithms (an RSA-4096 ARK and ASK signing
-with RSA-PSS / SHA-384, an ECDSA P-384 VCEK carrying AMD's TCB and chip extensions), a launch
-measurement, and `policy.json` trusting exactly them, marked `"simulated": true`. `SimulatedSnp`
+`sim_init(folder)` writes a vendor chain made with AMD's algorithms and roles (an RSA-4096 ARK and ASK,
+certificate authorities signing with RSA-PSS / SHA-384, an ECDSA P-384 VCEK carrying AMD's TCB and
+chip extensions as AMD lays them out for the product), a launch measurement, and `policy.json`
+trusting exactly them, marked `"simulated": true`; the guest runs at the product's TCB floor. `SimulatedSnp`
 then signs byte-exact SNP reports with that VCEK. The client verifies them with the same code as
 genuine evidence; only the trust anchor differs, and a simulated one protects nothing: whoever holds
 the folder can sign any report.
@@ -22,12 +23,14 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import NameOID
 
-from splitllm.attestation.snp import POLICY_DEBUG, SIGNATURE_ECDSA_P384_SHA384, SIGNED_SIZE, Tcb, pack_report
+from splitllm.attestation.policy import TCB_FLOORS
+from splitllm.attestation.snp import (
+    HWID_OID, HWID_SIZE, POLICY_DEBUG, POLICY_RESERVED_ONE, SIGNATURE_ECDSA_P384_SHA384, SIGNED_SIZE, SPL_OIDS,
+    TCB_FIELDS, Tcb, pack_report,
+)
 
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA384()), salt_length=48)
-_AMD = "1.3.6.1.4.1.3704.1"
-GUEST_POLICY = 0x30000  # SMT allowed, the reserved bit that must be set; debugging off
-DEFAULT_TCB = Tcb(bootloader=3, tee=0, snp=8, microcode=115)
+GUEST_POLICY = (1 << 16) | POLICY_RESERVED_ONE  # SMT allowed, the reserved bit that must be set; debugging off
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,10 @@ def _name(cn: str) -> x509.Name:
     ])
 
 
-def _certificate(subject: str, issuer: str, key: object, signer: object, extensions: dict[str, bytes] | None = None) -> x509.Certificate:
+def _certificate(
+    subject: str, issuer: str, key: object, signer: object, extensions: dict[str, bytes] | None = None, ca: bool = False
+) -> x509.Certificate:
+    """One certificate as AMD issues them; `ca` makes it a certificate authority (ARK, ASK)."""
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
         x509.CertificateBuilder()
@@ -60,6 +66,12 @@ def _certificate(subject: str, issuer: str, key: object, signer: object, extensi
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=3650))
     )
+    if ca:
+        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).add_extension(
+            x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                          key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
+            critical=True,
+        )
     for oid, value in (extensions or {}).items():
         builder = builder.add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier(oid), value), critical=False)
     return builder.sign(signer, hashes.SHA384(), rsa_padding=_PSS)  # type: ignore[arg-type]
@@ -70,23 +82,25 @@ def _der_int(value: int) -> bytes:
     return bytes([0x02, len(body)]) + body
 
 
-def sim_init(folder: str | os.PathLike, product: str = "milan", debug: bool = False, tcb: Tcb = DEFAULT_TCB) -> Path:
+def sim_init(folder: str | os.PathLike, product: str = "milan", debug: bool = False, tcb: Tcb | None = None) -> Path:
     """Write a simulated vendor chain, a guest and `policy.json` that trusts them; returns the policy's path.
 
-    `debug` launches the simulated guest with debugging allowed (a policy refuses it by default).
+    `debug` launches the simulated guest with debugging allowed (a policy refuses it by default); `tcb`
+    replaces the product's floor as the platform's TCB.
     """
+    tcb = tcb or TCB_FLOORS[product]
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     title = product.capitalize()
     ark_key = rsa.generate_private_key(65537, 4096)
     ask_key = rsa.generate_private_key(65537, 4096)
     vcek_key = ec.generate_private_key(ec.SECP384R1())
-    chip_id = os.urandom(64)
-    spl = {"3.1": tcb.bootloader, "3.2": tcb.tee, "3.3": tcb.snp, "3.8": tcb.microcode}
-    extensions = {f"{_AMD}.{k}": _der_int(v) for k, v in spl.items()}
-    extensions[f"{_AMD}.4"] = bytes([0x04, len(chip_id)]) + chip_id
-    ark = _certificate(f"ARK-{title}", f"ARK-{title}", ark_key, ark_key)
-    ask = _certificate(f"SEV-{title}", f"ARK-{title}", ask_key, ark_key)
+    hwid = os.urandom(HWID_SIZE[product])
+    chip_id = hwid.ljust(64, b"\x00")  # a Turin chip_id is its 8-byte hwID, then zeros
+    extensions = {SPL_OIDS[name]: _der_int(getattr(tcb, name)) for name in TCB_FIELDS[product]}
+    extensions[HWID_OID] = hwid  # the bare bytes, as AMD's key service stores them
+    ark = _certificate(f"ARK-{title}", f"ARK-{title}", ark_key, ark_key, ca=True)
+    ask = _certificate(f"SEV-{title}", f"ARK-{title}", ask_key, ark_key, ca=True)
     vcek = _certificate("SEV-VCEK", f"SEV-{title}", vcek_key, ask_key, extensions)
     for name, cert in (("ark", ark), ("ask", ask), ("vcek", vcek)):
         (out / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -103,7 +117,6 @@ def sim_init(folder: str | os.PathLike, product: str = "milan", debug: bool = Fa
         "simulated": True,
         "trust_anchors": [{"product": product, "ark": "ark.pem", "ask": "ask.pem"}],
         "measurements": [guest.measurement],
-        "min_tcb": {k: v for k, v in asdict(tcb).items() if k != "fmc"},
         "allow_debug": False,
     }
     path = out / "policy.json"

@@ -13,10 +13,37 @@ from dataclasses import dataclass, fields
 
 REPORT_SIZE = 0x4A0
 SIGNED_SIZE = 0x2A0  # the signature covers bytes [0, 0x2A0)
+# The versions AMD's ABI defines (2 to 5): later ones only fill fields that version 2 left reserved,
+# so every field read here sits in the same place.
+REPORT_VERSIONS = (2, 3, 4, 5)
 SIGNATURE_ECDSA_P384_SHA384 = 1
 ECDSA_COMPONENT = 72  # r and s are each stored in 72 little-endian bytes (48 used)
-POLICY_DEBUG = 1 << 19  # guest policy: the hypervisor may read and write the guest's memory
 REPORT_DATA_SIZE = 64
+
+# The guest policy the guest was launched with.
+POLICY_RESERVED_ONE = 1 << 17  # must be set
+POLICY_MIGRATE_MA = 1 << 18  # a migration agent may be bound to the guest and export its memory
+POLICY_DEBUG = 1 << 19  # the hypervisor may read and write the guest's memory
+POLICY_DEFINED = (1 << 26) - 1  # higher bits are reserved and must be zero
+
+# Which key signed the report (bits 4:2 of the signer info at 0x48); bits 31:5 are reserved.
+SIGNING_KEY_VCEK = 0
+SIGNING_KEY_VLEK = 1
+SIGNER_INFO_DEFINED = (1 << 5) - 1
+
+# AMD's X.509 extensions in a VCEK (AMD's VCEK certificate specification): the TCB it was derived for,
+# one INTEGER per component, and the chip it belongs to, whose hwID is the report's chip_id, or
+# its first 8 bytes on Turin.
+_AMD = "1.3.6.1.4.1.3704.1"
+SPL_OIDS = {"bootloader": f"{_AMD}.3.1", "tee": f"{_AMD}.3.2", "snp": f"{_AMD}.3.3", "microcode": f"{_AMD}.3.8",
+            "fmc": f"{_AMD}.3.9"}
+HWID_OID = f"{_AMD}.4"
+HWID_SIZE = {"milan": 64, "genoa": 64, "turin": 8}
+TCB_FIELDS = {
+    "milan": ("bootloader", "tee", "snp", "microcode"),
+    "genoa": ("bootloader", "tee", "snp", "microcode"),
+    "turin": ("fmc", "bootloader", "tee", "snp", "microcode"),
+}
 
 # Where each field sits: (offset, struct format). Byte strings are given as "Ns".
 _LAYOUT: dict[str, tuple[int, str]] = {
@@ -29,6 +56,7 @@ _LAYOUT: dict[str, tuple[int, str]] = {
     "signature_algo": (0x34, "<I"),
     "current_tcb": (0x38, "8s"),
     "platform_info": (0x40, "<Q"),
+    "signer_info": (0x48, "<I"),
     "report_data": (0x50, "64s"),
     "measurement": (0x90, "48s"),
     "host_data": (0xC0, "32s"),
@@ -87,6 +115,7 @@ class SnpReport:
     signature_algo: int
     current_tcb: bytes
     platform_info: int
+    signer_info: int
     report_data: bytes
     measurement: bytes
     host_data: bytes
@@ -112,6 +141,14 @@ class SnpReport:
     @property
     def debug(self) -> bool:
         return bool(self.policy & POLICY_DEBUG)
+
+    @property
+    def migration_agent(self) -> bool:
+        return bool(self.policy & POLICY_MIGRATE_MA)
+
+    @property
+    def signing_key(self) -> int:
+        return (self.signer_info >> 2) & 0b111
 
     def signature(self) -> tuple[int, int]:
         """The ECDSA (r, s) as integers (stored little-endian)."""

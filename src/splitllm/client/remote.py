@@ -161,8 +161,9 @@ class RemoteMiddle:
             raise error
         if frame.header["op"] != "evidence":
             raise AttestationError("evidence", f"{self.url} answered {frame.header['op']!r} to attest")
-        self._channel, verified = handshake.finish(Evidence.from_header(frame.header))
-        log.info("%s attested: SEV-SNP %s, measurement %s%s", self.url, verified.product,
+        evidence = Evidence.from_header(frame.header)
+        self._channel, verified = handshake.finish(evidence)
+        log.info("%s attested: %s %s, measurement %s%s", self.url, evidence.platform, verified.product,
                  verified.report.measurement.hex()[:16], " (simulated vendor)" if verified.simulated else "")
 
     def _connect(self, deadline: float) -> None:

@@ -17,21 +17,25 @@ app = typer.Typer(no_args_is_help=True, help="Attestation of a confidential serv
 @command(app, ATTEST_SIM_INIT)
 def sim_init(
     folder: Annotated[Path, typer.Argument(help="folder to write the simulated vendor, guest and policy.json into")],
+    platform: str,
     product: str,
 ) -> None:
-    """Write a SIMULATED SEV-SNP vendor chain, a guest measurement and a policy.json trusting exactly them.
+    """Write a SIMULATED SEV-SNP or TDX vendor, a guest's measurements and a policy.json trusting exactly them.
 
-    `serve --attestation simulated --attestation-sim FOLDER` signs reports with it and a client with
-    `--attestation-policy FOLDER/policy.json` verifies them with the same code as genuine evidence.
-    Whoever holds the folder can sign anything: it protects nothing, and the policy says so.
+    `serve --attestation simulated --attestation-sim FOLDER` signs reports (or quotes) with it and a
+    client with `--attestation-policy FOLDER/policy.json` verifies them with the same code as genuine
+    evidence. Whoever holds the folder can sign anything: it protects nothing, and the policy says so.
     """
-    from splitllm.attestation.policy import PRODUCTS
-    from splitllm.attestation.simulation import sim_init as write
+    from splitllm.attestation.policy import PLATFORMS, PRODUCTS
+    from splitllm.attestation.simulation import sim_init
+    from splitllm.attestation.tdx_simulation import tdx_sim_init
 
+    if platform not in PLATFORMS:
+        raise typer.BadParameter(f"--platform must be one of {', '.join(PLATFORMS)}")
     if product not in PRODUCTS:
         raise typer.BadParameter(f"--product must be one of {', '.join(PRODUCTS)}")
     with reported(OSError):
-        policy = write(folder, product)
+        policy = tdx_sim_init(folder) if platform == "tdx" else sim_init(folder, product)
     typer.echo(f"simulated vendor and guest in {folder}; clients use --attestation-policy {policy}")
     typer.echo("warning: a simulated vendor protects nothing: for tests and development only", err=True)
 

@@ -40,18 +40,17 @@ def check_same_tokenizer(target: ModelFiles, draft: ModelFiles) -> None:
 
 def drafting_precision(client: Precision) -> Precision:
     """The precision of a draft model's layers (or LM head) beside a client's layers (or LM head) of
-    `client`: wherever the client's are quantized on the CPU, the quantization this CPU's kernels run
-    fastest (`Variant.leanest`), else the client's own (the exact mode stays exact).
+    `client`: wherever the client's are quantized on the CPU and the kernels run, int4 (the leanest form
+    they run), else the client's own (the exact mode stays exact).
 
     With AVX-512 BF16, on one core a pass of the 0.5B Qwen over a tree's depth reads its weights once and
     multiplies them for each row: int4 weights take a third off a lone row's pass and a seventh off four
     rows', its tokens per step held; an int4 LM head took a further quarter off the drafting time a step
-    (docs/results/drafting-log.md, "An int4 draft model"). On AVX2, unpacking nibbles costs more than the
-    bytes saved, and int8 is faster (docs/results/kernels.json)."""
-    variant = cpu_kernels.chosen()
-    if client.quant == "none" or client.torch_device.type != "cpu" or variant is None:
+    (docs/results/drafting-log.md, "An int4 draft model"). Every variant multiplies int4 in integers, so
+    int4 is the fastest form on AVX2 and NEON too (docs/results/kernels.json)."""
+    if client.quant == "none" or client.torch_device.type != "cpu" or cpu_kernels.chosen() is None:
         return client
-    return replace(client, quant=variant.leanest)
+    return replace(client, quant="int4")
 
 
 class DraftModel(ModelEnds):

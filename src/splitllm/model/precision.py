@@ -17,11 +17,12 @@ from torch import nn
 
 from splitllm.kernels import cpu_kernels
 from splitllm.model.attention import Attention, KernelAttention, torch_attention
+from splitllm.model import quant
 from splitllm.model.quant import QUANTIZED, BlockedLinear, Linear, PackedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "mixed")
 DEVICES = ("cpu", "cuda", "mps")
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class Precision:
         """The tensors a linear weight is kept as on disk in this precision."""
         if self.quant == "none":
             return {"weight": weight.to(self.dtype)}
+        if self.quant == "mixed":
+            return quant.store_mixed(weight)
         return QUANTIZED[self.quant].quantize(weight)
 
     def linear(self, stored: dict[str, torch.Tensor], bias: torch.Tensor | None = None) -> nn.Module:
@@ -112,7 +115,7 @@ class Precision:
                 if fast.available(self.dtype, dev):
                     return fast(weight, bias)
             return Linear(weight, bias)
-        return QUANTIZED[self.quant].from_stored(stored, bias, dev)
+        return quant.from_stored(stored, bias, dev)
 
     def dense(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.torch_device, self.dtype)
@@ -124,14 +127,15 @@ EXACT = Precision()
 def fastest(device: str = "cpu") -> Precision:
     """The fastest setting this machine runs well, what every command and `SplitClient` use unless told.
 
-    On a CPU where splitllm's kernels load: bfloat16 compute with int8 weights (`splitllm bench speed`
-    and `bench quality`: faster than bfloat16 weights for a one-row step at almost no cost in
-    perplexity; figures in `docs/precision.md`). Elsewhere the exact mode:
-    without the kernels a 16-bit row's bits depend on its batch, so speculation would no longer give
-    sequential decoding's output, and other devices are not verified.
+    On a CPU where splitllm's kernels load: bfloat16 compute with `mixed` weights, the fastest setting
+    every kernel variant runs (`splitllm bench kernels`), and closer to float32 than int8 (`bench
+    quality`): the weights a GGUF ships in 4-bit blocks stay exact in int4, at half of int8's bytes, and
+    the others are int8 (figures in `docs/precision.md`). Elsewhere the exact mode: without the kernels a
+    16-bit row's bits depend on its batch, so speculation would no longer give sequential decoding's
+    output, and other devices are not verified.
     """
     if device == "cpu" and cpu_kernels.load() is not None:
-        return Precision(torch.bfloat16, "int8", device)
+        return Precision(torch.bfloat16, "mixed", device)
     return Precision(device=device)
 
 

@@ -81,18 +81,18 @@ class PackedLinear(nn.Module):
 
 class BlockedLinear(nn.Module):
     """Weights in the blocks of splitllm's own CPU kernel: bfloat16, int8 with per-output scales, or
-    int4 with a scale and zero per output and group of `INT4_GROUP` inputs.
+    int4 with a scale and minimum per output and group of `INT4_GROUP` inputs.
 
     Where it runs (`cpu_kernels`), it streams a step's weights at the memory bandwidth (faster than
     PyTorch's kernels for the few rows of a decoding step; docs/precision.md, *Linear*) and gives every
     row the same bits alone or in any batch. Its sums run in a different order from oneDNN's, so bits
     differ from `F.linear` (by bfloat16 rounding).
-    `scales` is the int8 per-output float32 vector or the int4 kernel's packed bfloat16 scales and zeros.
+    `scales` is the int8 per-output float32 vector or the int4 kernel's packed float16 scales and minimums.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
         """weight (out, in): float (run in bfloat16); int8 with float32 `scales` (out,); or uint8 values
-        0..15 with `scales` the (out, in / INT4_GROUP, 2) scales and zeros of w = (q - 8) * scale + zero."""
+        0..15 with `scales` the (out, in / INT4_GROUP, 2) scales and minimums of w = q * scale + min."""
         super().__init__()
         kernels = cpu_kernels.load()
         if kernels is None:
@@ -105,7 +105,7 @@ class BlockedLinear(nn.Module):
         assert variant is not None  # the kernels loaded
         self._dot_rows = variant.shared_rows[weight.dtype in (torch.int8, torch.uint8)]
         if weight.dtype == torch.uint8:
-            packed, scales = kernels.pack_int4(weight.contiguous(), scales.to(torch.bfloat16).contiguous())
+            packed, scales = kernels.pack_int4(weight.contiguous(), scales.to(torch.float16).contiguous())
         else:
             dense = weight.contiguous() if weight.dtype == torch.int8 else weight.to(torch.bfloat16).contiguous()
             packed = kernels.pack(F.pad(dense, (0, self._in % 2)))
@@ -224,7 +224,11 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Asymmetric 4-bit weights in groups of INT4_GROUP inputs: w ~= (q - 8) * scale + zero."""
+    """Asymmetric 4-bit weights in groups of INT4_GROUP inputs: w = q * scale + min, q in 0..15.
+
+    The form of GGUF's 4-bit blocks (Q4_0, Q4_1, and Q4_K's sub-blocks of 32), so a model shipped in one
+    of them keeps its weights (`quantize` finds each block's grid again in the float32 conversion).
+    """
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -239,17 +243,23 @@ class Int4Linear(nn.Module):
 
     @staticmethod
     def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Nibbles packed two per byte (out, in / 2) and (out, in / group, 2) scales and zeros."""
+        """Nibbles packed two per byte (out, in / 2) and (out, in / group, 2) float16 scales and minimums.
+
+        A group whose values already lie on a grid of at most 16 evenly spaced levels keeps that grid, so
+        a converted GGUF 4-bit block comes back as it was shipped (to float16's rounding of its scale and
+        minimum; exactly for Q4_0 and Q4_1, whose scales are float16); any other group is spread over its
+        own range, from its minimum to its maximum.
+        """
         out, inp = w.shape
         if inp % INT4_GROUP:
             raise ValueError(f"int4 needs input widths divisible by {INT4_GROUP}, got {inp}")
         g = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)
         low, high = g.amin(-1), g.amax(-1)
-        scales = ((high - low) / 15).clamp(min=1e-12)
-        q = torch.round((g - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(out, inp)
-        zeros = low + 8 * scales  # the kernels compute (q - 8) * scale + zero
-        scales_zeros = torch.stack([scales, zeros], -1).to(KERNEL_DTYPE)
-        return {"nibbles": q[:, ::2] << 4 | q[:, 1::2], "scales_zeros": scales_zeros}
+        step = _grid_step(g, low, high)
+        scales, mins = step.half(), _grid_origin(low, high, step).half()
+        q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None])
+        q = q.nan_to_num(0).clamp(0, 15).to(torch.uint8).view(out, inp)  # a constant group: scale 0, every q 0
+        return {"nibbles": q[:, ::2] << 4 | q[:, 1::2], "scales_mins": torch.stack([scales, mins], -1)}
 
     @classmethod
     def from_stored(cls, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> nn.Module:
@@ -257,9 +267,10 @@ class Int4Linear(nn.Module):
         nibbles = stored["nibbles"]
         q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(nibbles.shape[0], -1)
         if BlockedLinear.available(KERNEL_DTYPE, device):
-            return BlockedLinear(q, bias, stored["scales_zeros"])
+            return BlockedLinear(q, bias, stored["scales_mins"])
         q = q.to(torch.int32)
-        sz = stored["scales_zeros"].transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+        scales, mins = stored["scales_mins"].float().unbind(-1)  # PyTorch's kernels: (q - 8) * scale + zero
+        sz = torch.stack([scales, mins + 8 * scales], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
         if device.type == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         else:  # the CUDA kernel's layout: uint8 pairs, 8 inner k tiles
@@ -277,4 +288,67 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def _grid_step(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per group of g (..., INT4_GROUP): the spacing of the evenly spaced grid of at most 16 levels from low
+    that its values lie on (to 1% of a step), else (high - low) / 15. Tried: the smallest gap between
+    distinct values, and its half and third (a grid whose neighbouring levels are never both used)."""
+    ordered = g.sort(-1).values
+    gaps = ordered.diff(dim=-1)
+    smallest = torch.where(gaps > 0, gaps, torch.inf).amin(-1)
+    step = (high - low) / 15
+    for parts in (3, 2, 1):  # the widest spacing that fits wins, so it is tried last
+        candidate = smallest / parts
+        levels = (g - low[..., None]) / candidate[..., None]
+        fits = ((levels - levels.round()).abs() <= 0.01).all(-1) & (levels.amax(-1) <= 15.01) & torch.isfinite(candidate)
+        step = torch.where(fits, candidate, step)
+    return step
+
+
+def _grid_origin(low: torch.Tensor, high: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Where each group's grid starts: its lowest value, or a level below it that float16 holds exactly (a
+    Q4_0 or Q4_1 block whose lowest levels are unused has its float16 minimum down there), so storing the
+    minimum in float16 loses nothing."""
+    used = torch.round((high - low) / step).nan_to_num(15)
+    origin = low
+    for below in range(15, 0, -1):  # the nearest such level wins, so it is tried last
+        candidate = low - below * step
+        origin = torch.where((candidate.half().float() == candidate) & (used + below <= 15), candidate, origin)
+    return torch.where(low.half().float() == low, low, origin)
+
+
 QUANTIZED: dict[str, type[Int8Linear] | type[Int4Linear]] = {"int8": Int8Linear, "int4": Int4Linear}
+# How close int4 must come to a weight for `mixed` to keep it in 4 bits (relative mean square error): a GGUF
+# 4-bit block found again is within float16's rounding of its scale (1e-6 or less), int8 is ~1e-4 away.
+_LOSSLESS = 1e-5
+
+
+def store_mixed(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`mixed`: int4 where the weight already lies on 4-bit grids (a GGUF shipped it as Q4_0, Q4_1 or Q4_K),
+    so nothing is lost; else int8 (a wider source, such as Q6_K or Q8_0, loses less there than in 4 bits)."""
+    four = Int4Linear.quantize(weight)
+    w = weight.float()
+    if float((int4_values(four) - w).square().sum()) <= _LOSSLESS * float(w.square().sum()):
+        return four
+    return Int8Linear.quantize(weight)
+
+
+def int4_values(stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight an int4 stored form stands for."""
+    nibbles = stored["nibbles"]
+    q = torch.stack([nibbles >> 4, nibbles & 15], -1).view(nibbles.shape[0], -1, INT4_GROUP).float()
+    scales, mins = stored["scales_mins"].float().unbind(-1)
+    return (q * scales[..., None] + mins[..., None]).view(nibbles.shape[0], -1)
+
+
+def fuse(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stored linear weights concatenated along their outputs (a layer's q, k and v as one linear). Under
+    `mixed` the parts may differ in form: then they are fused as int8, the wider one."""
+    if any(p.keys() != parts[0].keys() for p in parts):
+        parts = [Int8Linear.quantize(int4_values(p)) if "nibbles" in p else p for p in parts]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def from_stored(stored: dict[str, torch.Tensor], bias: torch.Tensor | None, device: torch.device) -> nn.Module:
+    """The running module of a quantized stored weight, by its form (under `mixed`, each weight its own)."""
+    form = Int4Linear if "nibbles" in stored else Int8Linear
+    return form.from_stored(stored, bias, device)

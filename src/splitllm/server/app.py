@@ -56,7 +56,7 @@ class MiddleServer:
     """
 
     def __init__(self, model: str | None, settings: ServerSettings, tokens: TokenTable | None = None) -> None:
-        self.attester = load_attester(settings.attestation, settings.attestation_sim)  # before any model work
+        self.attester = load_attester(settings.attestation, settings.attestation_sim, settings.attestation_collateral)  # before any model work
         self.compute = ComputeThread()  # every request's math runs here, so the weights load (or convert) here too
         self.files = self.compute.run(ModelFiles, model)
         cfg = self.files.config

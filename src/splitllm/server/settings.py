@@ -61,6 +61,7 @@ class ServerSettings:
     max_header_lines: int = 64
     attestation: str = _SERVE["attestation"]  # none, sev-snp, tdx or simulated (docs/confidential.md)
     attestation_sim: str | None = _SERVE["attestation_sim"]  # `splitllm attest sim-init`'s folder, for "simulated"
+    attestation_collateral: str = _SERVE["attestation_collateral"]  # Intel's PCS or a PCCS, for "tdx"
 
     def __post_init__(self) -> None:
         for name in ("max_nodes_per_step", "max_batch_rows", "slice_rows", "slice_above"):

@@ -10,6 +10,7 @@ a load builds its tensors from are read whole and hashed as they are read (weigh
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import tempfile
 from collections.abc import Iterable
@@ -17,8 +18,9 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from splitllm.model import quant
 from splitllm.model.precision import Precision
 from splitllm.weights.loaded import read_safetensors
 from splitllm.weights.sources import ModelFiles, cache_root
@@ -26,6 +28,9 @@ from splitllm.progress import working
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _PART = "::"  # a linear weight's stored parts are kept as "<name>::<part>"
+# Bumped when a stored part changes meaning or a file's bytes change form (2: int4 as float16 scales and
+# minimums; 3: headers written canonically, `_canonical`).
+STORED_FORM = 3
 
 
 def _is_linear(name: str, quantized: bool) -> bool:
@@ -64,9 +69,9 @@ class StoredWeights:
 
     @cached_property
     def folder(self) -> Path:
-        """Where this precision's files live: keyed by the source folder and its files' sizes and times,
-        so replaced weights convert again."""
-        h = hashlib.sha256(str(self.files.path.resolve()).encode())
+        """Where this precision's files live: keyed by the stored form, the source folder and its files'
+        sizes and times, so replaced weights (or a changed form) convert again."""
+        h = hashlib.sha256(f"{STORED_FORM}|{self.files.path.resolve()}".encode())
         for f in self.files.weight_files:
             st = f.stat()
             h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -86,7 +91,7 @@ class StoredWeights:
             parts = [{"weight": self._take(n, self.files.file_of(n))[n].to(self.precision.dtype)} for n in names]
         else:
             parts = [self._linear_parts(n) for n in names]
-        stored = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        stored = quant.fuse(parts)
         fused_bias = torch.cat(list(self.dense(bias).values())) if bias else None
         return self.precision.linear(stored, fused_bias)
 
@@ -126,6 +131,17 @@ class StoredWeights:
                     out.update({f"{name}{_PART}{k}": v.contiguous() for k, v in self.precision.store_linear(w).items()})
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-                pass
-            save_file(out, tmp.name, metadata={"format": "pt", "precision": self.precision.name})
+                tmp.write(_canonical(save(out, metadata={"format": "pt", "precision": self.precision.name})))
         Path(tmp.name).replace(path)
+
+
+def _canonical(data: bytes) -> bytes:
+    """A safetensors file with its header's keys sorted. safetensors writes the metadata in a hash map's
+    order, which differs from one process to the next, and a converted file's bytes must be a function of
+    its tensors alone: the loaded-weights fingerprint hashes them, and `splitllm attest weights` on the
+    policy writer's machine must get the server's value. Same length, so the data offsets hold."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8 : 8 + size]), sort_keys=True, separators=(",", ":")).encode()
+    if len(header) > size:
+        raise ValueError("a canonical safetensors header came out longer than the one written")
+    return data[:8] + header.ljust(size) + data[8 + size :]

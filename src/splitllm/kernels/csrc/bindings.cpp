@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "Lay out an (N, K) bfloat16 or int8 weight in the linear kernel's blocks");
-  m.def("pack_int4", &pack_int4, "Lay out (N, K) 4-bit values and (N, K / 32, 2) scales and zeros for the linear kernel");
+  m.def("pack_int4", &pack_int4, "Lay out (N, K) 4-bit values and (N, K / 32, 2) float16 scales and minimums for the linear kernel");
   m.def("unpack", &unpack, "The dense (N, K) bfloat16 weight a packed one stands for (scales applied)");
   m.def("tiles_available", &tiles_available, "Whether the linears run on AMX's tile unit here");
   m.def("linear", &linear, "x W^T (+ b) in bfloat16 with a packed weight (and its scales)", release());

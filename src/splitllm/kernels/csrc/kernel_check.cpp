@@ -288,9 +288,10 @@ void check_layer(Checks& c, Random& rng) {
     }
   }
   {
-    // The linear's dot products: 32 outputs' pairs from bfloat16, int8 (in int8_slot order) and int4 bytes,
-    // times a broadcast pair, into an accumulator: acc + x1 w1, then + x0 w0, each fused. Magnitudes stay
-    // within 2^+-20 (no subnormals, which VDPBF16PS would flush).
+    // The linear's dot products: 32 outputs' pairs from bfloat16 and int8 (in int8_slot order) bytes, times a
+    // broadcast pair, into an accumulator: acc + x1 w1, then + x0 w0, each fused. Magnitudes stay within
+    // 2^+-20 (no subnormals, which VDPBF16PS would flush). int4: two int16 pairs times two runs of nibbles,
+    // summed exactly in int32.
     LaneCheck bf16_{c, "dot of bfloat16 pairs"}, int8_{c, "dot of int8 pairs"}, int4_{c, "dot of int4 pairs"};
     const Int8Pairs widen;
     for (int t = 0; t < trials; ++t) {
@@ -305,12 +306,21 @@ void check_layer(Checks& c, Random& rng) {
           q[2 * o + e] = static_cast<int8_t>(rng.below(255) - 127);
           slots[int8_slot(o, e)] = q[2 * o + e];
         }
-      std::array<uint8_t, 32> nibbles;
-      for (auto& b : nibbles) b = static_cast<uint8_t>(rng.below(256));
-      Pairs bf16_pairs[2], int8_pairs[2], int4_pairs_[2];
+      std::array<std::array<uint8_t, 32>, 2> nibbles;
+      std::array<std::array<int16_t, 2>, 2> xi;
+      for (int s = 0; s < 2; ++s) {
+        for (auto& b : nibbles[s]) b = static_cast<uint8_t>(rng.below(256));
+        for (auto& v : xi[s]) v = static_cast<int16_t>(static_cast<int>(rng.below(65281)) - 32640);
+      }
+      Pairs bf16_pairs[2], int8_pairs[2];
       bfloat16_pairs(w.data(), bf16_pairs);
       widen(slots.data(), int8_pairs);
-      int4_pairs(nibbles.data(), int4_pairs_);
+      IVec sums[2] = {izero(), izero()};
+      for (int s = 0; s < 2; ++s) {
+        IPairs int4_pairs[2];
+        int4_ipairs(nibbles[s].data(), int4_pairs);
+        for (int j = 0; j < 2; ++j) sums[j] = idot(sums[j], broadcast_ipair(xi[s].data()), int4_pairs[j]);
+      }
       const XPair xv = broadcast_pair(x.data());
       for (int j = 0; j < 2; ++j) {
         const Vec a = load(acc[j].data());
@@ -326,11 +336,12 @@ void check_layer(Checks& c, Random& rng) {
         }
         int8_(lanes_of(dot(a, xv, int8_pairs[j])), want);
         for (int i = 0; i < kLanes; ++i) {  // output 16 j + i: byte 2 i + e, low nibble for j = 0, high for 1
-          const float w0 = 128.0f + static_cast<float>((nibbles[2 * i] >> (4 * j)) & 15);
-          const float w1 = 128.0f + static_cast<float>((nibbles[2 * i + 1] >> (4 * j)) & 15);
-          want[i] = std::fma(x0, w0, std::fma(x1, w1, acc[j][i]));
+          int32_t sum = 0;
+          for (int s = 0; s < 2; ++s)
+            for (int e = 0; e < 2; ++e) sum += xi[s][e] * ((nibbles[s][2 * i + e] >> (4 * j)) & 15);
+          want[i] = static_cast<float>(sum);
         }
-        int4_(lanes_of(dot(a, xv, int4_pairs_[j])), want);
+        int4_(lanes_of(to_float(sums[j])), want);
       }
     }
   }
@@ -343,16 +354,25 @@ using Linear = std::function<void(const uint16_t* x, int64_t rows, uint16_t* y)>
 
 // One packed weight (its float64 values w, (n, k)) over batches of 1..7 and 16 rows: close to the reference,
 // and every row (and the batch less its first row) the same bits as computed inside the batch. `size` (n, k)
-// bounds the magnitude of each weight as the kernel multiplies it (int4: 128 + q, and 136 times the input
-// sum, before the scale).
+// bounds the magnitude of each weight as the kernel multiplies it; `seen` gives a row's inputs as the kernel
+// multiplies them (int4: as int16 per group), by default the bfloat16 values.
 // Odd rows add +-kBig at inputs 0 and 2, whose weights are equal: the two terms cancel, but only after the
 // kernel's even and odd sums have each carried one of them, so these rows' outputs show the order and the
 // roundings of the float32 accumulation (which the bfloat16 rounding of well-conditioned outputs hides), and
 // any two backends that sum differently give different bits.
 constexpr float kBig = 4096.0f;
 
+using Seen = std::function<std::vector<double>(const uint16_t* row, int64_t k)>;
+
+std::vector<double> bfloat16_inputs(const uint16_t* row, int64_t k) {
+  std::vector<double> out(k);
+  for (int64_t i = 0; i < k; ++i) out[i] = value(row[i]);
+  return out;
+}
+
 void check_linear(Checks& c, Random& rng, const char* form, int64_t n, int64_t k, const std::vector<double>& w,
-                  const std::vector<double>& size, const float* bias, const Linear& linear) {
+                  const std::vector<double>& size, const float* bias, const Linear& linear,
+                  const Seen& seen = bfloat16_inputs) {
   for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 16}) {
     const std::string what = name(form, n, k, rows);
     std::vector<uint16_t> x = bf16_normal(rng, rows * k, 1.0f);
@@ -365,16 +385,18 @@ void check_linear(Checks& c, Random& rng, const char* form, int64_t n, int64_t k
     c.record(y);
     // float64 reference; the allowance for float32 accumulation: a few k ulp of sum |x| |w|
     std::vector<double> ref(rows * n), slack(rows * n);
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<double> inputs = seen(x.data() + r * k, k);
       for (int64_t o = 0; o < n; ++o) {
         double sum = bias ? bias[o] : 0.0, magnitude = 0.0;
         for (int64_t i = 0; i < k; ++i) {
-          sum += value(x[r * k + i]) * w[o * k + i];
-          magnitude += std::fabs(value(x[r * k + i])) * size[o * k + i];
+          sum += inputs[i] * w[o * k + i];
+          magnitude += std::fabs(inputs[i]) * size[o * k + i];
         }
         ref[r * n + o] = sum;
         slack[r * n + o] = 4.0 * static_cast<double>(k) * 0x1p-24 * magnitude;
       }
+    }
     const double err = error(y.data(), ref, slack);
     c.expect(err < 1e-2, what + ": relative error " + std::to_string(err) + " from float64");
     bool alone = true;
@@ -446,10 +468,10 @@ void check_int4_linear(Checks& c, Random& rng, int64_t n, int64_t k, bool with_b
   std::vector<uint8_t> q(n * k);
   for (auto& v : q) v = static_cast<uint8_t>(rng.below(16));
   for (int64_t o = 0; o < n; ++o) q[o * k + 2] = q[o * k];  // see kBig
-  std::vector<uint16_t> sz(n * groups * 2);  // (n, groups, 2): scale, zero
+  std::vector<uint16_t> sz(n * groups * 2);  // (n, groups, 2): float16 scale (2^-8..2^-5) and minimum (+-2^-7..2^-4)
   for (int64_t i = 0; i < n * groups; ++i) {
-    sz[2 * i] = simd::bfloat16_bits((0.5f + rng.uniform()) * 0.02f);
-    sz[2 * i + 1] = simd::bfloat16_bits(rng.symmetric() * 0.02f);
+    sz[2 * i] = static_cast<uint16_t>((7 + rng.below(3)) << 10 | rng.below(1024));
+    sz[2 * i + 1] = static_cast<uint16_t>(rng.below(2) << 15 | (8 + rng.below(3)) << 10 | rng.below(1024));
   }
   const std::vector<float> bias = float_normal(rng, n, 0.5f);
   std::vector<uint8_t> packed(blocks * simd::kBlock * k / 2), back(n * k);
@@ -461,14 +483,21 @@ void check_int4_linear(Checks& c, Random& rng, int64_t n, int64_t k, bool with_b
   for (int64_t o = 0; o < n; ++o)
     for (int64_t i = 0; i < k; ++i) {
       const uint16_t* g = sz.data() + (o * groups + i / simd::kGroup) * 2;
-      w[o * k + i] = (static_cast<double>(q[o * k + i]) - 8.0) * value(g[0]) + value(g[1]);
-      size[o * k + i] = (264.0 + q[o * k + i]) * std::fabs(value(g[0])) + std::fabs(value(g[1]));  // 128 + q, and 136
+      const double scale = simd::half_value(g[0]), minimum = simd::half_value(g[1]);
+      w[o * k + i] = static_cast<double>(q[o * k + i]) * scale + minimum;
+      size[o * k + i] = q[o * k + i] * scale + std::fabs(minimum);
     }
   const float* b = with_bias ? bias.data() : nullptr;
-  check_linear(c, rng, "int4", n, k, w, size, b, [&](const uint16_t* x, int64_t rows, uint16_t* y) {
-    const std::vector<float> sums = simd::group_sums(x, rows, k);
-    simd::int4_rows(x, packed.data(), sz_packed.data(), sums.data(), rows, n, blocks, k / 2, b, y);
-  });
+  const auto linear = [&](const uint16_t* x, int64_t rows, uint16_t* y) {
+    simd::int4_rows(simd::int16_inputs(x, rows, k), packed.data(), sz_packed.data(), rows, n, blocks, k / 2, b, y);
+  };
+  const auto as_int16 = [](const uint16_t* row, int64_t width) {  // the inputs the kernel multiplies, exactly
+    const simd::Int16Inputs in = simd::int16_inputs(row, 1, width);
+    std::vector<double> out(width);
+    for (int64_t i = 0; i < width; ++i) out[i] = in.values[i] * static_cast<double>(in.units[i / simd::kGroup]);
+    return out;
+  };
+  check_linear(c, rng, "int4", n, k, w, size, b, linear, as_int16);
 }
 
 // ---- attention ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ inline bool is_cpu(const torch::Tensor& t, torch::ScalarType type) {
 // SPLITLLM_TILES is not 0 (which runs the dot-product path, as on CPUs without tiles).
 bool tiles_available();
 torch::Tensor pack(const torch::Tensor& weight);
-std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros);
+std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_mins);
 torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& scales);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scales);

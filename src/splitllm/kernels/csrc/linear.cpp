@@ -31,12 +31,13 @@ void run_dense(const Loader& load, const uint16_t* x, const typename Loader::Wei
 
 void run_int4(const uint16_t* x, const uint8_t* w, const uint16_t* sz, int64_t rows, int64_t n, int64_t blocks,
               int64_t pairs, const float* bias, uint16_t* y) {
-  const std::vector<float> sums = group_sums(x, rows, 2 * pairs);
 #ifdef SPLITLLM_SIMD_AVX512
-  if (amx_usable())  // an int4 width is a multiple of 32: always whole tile steps
+  if (amx_usable()) {  // an int4 width is a multiple of 32: always whole tile steps
+    const std::vector<float> sums = group_sums(x, rows, 2 * pairs);
     return run_tiles(Int4Tiles{w, sz, sums.data(), pairs, 2 * pairs / kGroup}, x, rows, n, blocks, pairs, nullptr, bias, y);
+  }
 #endif
-  int4_rows(x, w, sz, sums.data(), rows, n, blocks, pairs, bias, y);
+  int4_rows(int16_inputs(x, rows, 2 * pairs), w, sz, rows, n, blocks, pairs, bias, y);
 }
 
 bool is_int4(const torch::Tensor& packed) { return packed.scalar_type() == torch::kByte; }
@@ -61,16 +62,16 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return packed;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_zeros) {
+std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_mins) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "pack_int4: a 2-D uint8 weight of values 0..15");
   const int64_t n = q.size(0), k = q.size(1), blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(k % kGroup == 0, "pack_int4: the input width must be a multiple of ", kGroup);
   TORCH_CHECK(q.numel() == 0 || q.max().item<int>() < 16, "pack_int4: values must lie in 0..15");
-  TORCH_CHECK(scales_zeros.sizes() == torch::IntArrayRef({n, k / kGroup, 2}) && scales_zeros.scalar_type() == torch::kBFloat16,
-              "pack_int4: bfloat16 scales and zeros of shape (outputs, inputs / ", kGroup, ", 2)");
-  const auto values = q.contiguous(), sz = scales_zeros.contiguous();
+  TORCH_CHECK(scales_mins.sizes() == torch::IntArrayRef({n, k / kGroup, 2}) && scales_mins.scalar_type() == torch::kHalf,
+              "pack_int4: float16 scales and minimums of shape (outputs, inputs / ", kGroup, ", 2)");
+  const auto values = q.contiguous(), sz = scales_mins.contiguous();
   auto packed = torch::empty({blocks, k / 2, kBlock}, q.options());
-  auto sz_packed = torch::empty({blocks, k / kGroup, 2, kBlock}, scales_zeros.options());
+  auto sz_packed = torch::empty({blocks, k / kGroup, 2, kBlock}, scales_mins.options());
   simd::pack_int4(values.data_ptr<uint8_t>(), bits(sz), n, k, packed.data_ptr<uint8_t>(),
                   reinterpret_cast<uint16_t*>(sz_packed.data_ptr()));
   return std::make_tuple(packed, sz_packed);
@@ -98,9 +99,9 @@ void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::
               "linear: input width ", k, " and ", n, " outputs do not match the packed weight");
   if (is_int4(packed)) {
     TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && k % kGroup == 0, "linear: int4 weight not packed");
-    TORCH_CHECK(scales && is_cpu(*scales, torch::kBFloat16) && scales->is_contiguous() &&
+    TORCH_CHECK(scales && is_cpu(*scales, torch::kHalf) && scales->is_contiguous() &&
                 scales->sizes() == torch::IntArrayRef({packed.size(0), k / kGroup, 2, kBlock}),
-                "linear: int4 weights need packed bfloat16 scales and zeros (pack_int4)");
+                "linear: int4 weights need packed float16 scales and minimums (pack_int4)");
     return;
   }
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2, "linear: weight not packed");
@@ -119,7 +120,7 @@ torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional
     unpack_int4(packed.data_ptr<uint8_t>(), n, k, q.data_ptr<uint8_t>());
     auto sz = scales->permute({0, 3, 1, 2}).reshape({blocks * kBlock, k / kGroup, 2}).narrow(0, 0, n).to(torch::kFloat);
     auto groups = q.to(torch::kFloat).view({n, k / kGroup, kGroup});
-    return ((groups - 8) * sz.narrow(2, 0, 1) + sz.narrow(2, 1, 1)).view({n, k}).to(torch::kBFloat16);
+    return (groups * sz.narrow(2, 0, 1) + sz.narrow(2, 1, 1)).view({n, k}).to(torch::kBFloat16);
   }
   auto dense = torch::empty({n, k}, packed.options());
   if (packed.scalar_type() == torch::kChar)

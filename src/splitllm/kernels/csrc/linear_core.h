@@ -1,21 +1,24 @@
 // y = x W^T (+ b) in bfloat16 for the few rows of a decoding step, at the speed of reading W once, stated
 // once over simd.h's layer. W is bfloat16; or int8 with one scale per output (y = scale * x q^T + b); or
-// int4 with a scale and a zero per output and group of 32 inputs (w = (q - 8) * scale + zero, q in 0..15).
+// int4 with a float16 scale and minimum per output and group of 32 inputs (w = q * scale + min, q in 0..15:
+// the form of GGUF's 4-bit blocks, so a model shipped in Q4_0, Q4_1 or Q4_K keeps its exact weights).
 //
 // W is packed at load (pack_dense, pack_int4) as (N/32, K/2, 32, 2): for each block of 32 outputs, each pair
 // of inputs is one run of 32 pairs (128 bytes in bfloat16; 64 in int8, in the order the backend's loader
 // reads, simd::int8_slot; 32 in int4, the first 16 outputs' nibbles low and the other 16's high), so a block
 // is one contiguous stream and the hardware prefetcher sees a single sequential read (a block also asks for
-// its bytes 16 KiB ahead). Each int4 group's sum is corrected by 136 times the group's input sum (the
-// nibbles are read as 128 + q) before its scale and zero apply.
-// simd::dot multiplies a broadcast input pair by the pairs of 16 outputs at once, so accumulators hold
+// its bytes 16 KiB ahead). int4 multiplies the nibbles by the inputs held as int16 (int16_inputs), exactly,
+// and scales each group's integer sums once.
+// simd::dot (simd::idot for int4) multiplies a broadcast input pair by the pairs of 16 outputs at once, so accumulators hold
 // outputs directly (no horizontal sums). Several rows share each weight load, and each output sums even
 // and odd pairs in two chains, so a lone row does not wait on the multiply-add's latency. Every output is
 // accumulated over the input pairs in the same order whatever the number of rows, the row's place in the
 // batch, the thread count or the backend, so results are batch-invariant and the same on every CPU.
 #pragma once
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -26,7 +29,7 @@ namespace simd {
 
 constexpr int kVectors = 2;            // 16-output vectors per block
 constexpr int kBlock = 16 * kVectors;  // outputs per block
-constexpr int kGroup = 32;             // int4 inputs per scale and zero
+constexpr int kGroup = 32;             // int4 inputs per scale and minimum
 constexpr int kGroupPairs = kGroup / 2;
 constexpr int kPrefetchBytes = 16384;  // how far ahead of its reads a block asks for its weights
 
@@ -80,42 +83,79 @@ void block(const Loader& shared, const typename Loader::Weight* w, const uint16_
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = add(acc[i], odd[i]);
 }
 
-// acc + one int4 group's share of 16 outputs: dot is the group's sum of x (128 + q), sum its inputs' sum,
-// so sum x (q - 8) = dot - 136 sum, then scale and zero apply.
-inline Vec add_group(Vec acc, Vec dot_sum, float sum, Vec scale, Vec zero_point) {
-  const Vec s = set1(sum);
-  const Vec centered = fnmadd(set1(136.0f), s, dot_sum);  // 128 from the exponent, 8 from q - 8
-  return fmadd(zero_point, s, fmadd(centered, scale, acc));
+// int4's inputs as the dot-product path multiplies them: each row's groups of 32 bfloat16 inputs as int16,
+// x * 2^shift rounded to nearest even, with the largest shift that keeps the group's largest |x| under 2^15
+// (so every input within 2^7 of it is exact: a bfloat16 has 8 significant bits); per group the unit
+// 2^-shift and the sum of the group's int16 inputs times it (exact). A group's dot products are then integer
+// sums, exact in any order, so their bits cannot depend on the backend or on the other rows.
+struct Int16Inputs {
+  std::vector<int16_t> values;     // (rows, k)
+  std::vector<float> units, sums;  // (rows, groups)
+};
+
+// 2^e for -126 <= e <= 127, from its bits.
+inline float power_of_two(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
-// One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) bfloat16 scales and zeros, sums
-// (Rows, groups) each row's input sum per group. Within a group, even and odd pairs add into separate sums.
+inline Int16Inputs int16_inputs(const uint16_t* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  Int16Inputs in{std::vector<int16_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups)};
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* xg = x + r * k + g * kGroup;
+      int16_t* out = in.values.data() + r * k + g * kGroup;
+      int top = 0;  // the largest biased exponent: |x| < 2^(top - 126)
+      for (int i = 0; i < kGroup; ++i) top = std::max(top, (xg[i] >> 7) & 0xFF);
+      if (top == 0xFF) {  // an infinity or NaN: the outputs become NaN
+        in.units[r * groups + g] = in.sums[r * groups + g] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const int shift = 141 - std::max(top, 15);  // |x| 2^shift < 2^15, and 2^-shift stays a normal float
+      const float up = power_of_two(shift), unit = power_of_two(-shift);
+      int32_t total = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        // to nearest even: adding and taking away 1.5 * 2^23 leaves an integer (exact for |v| < 2^22), in
+        // plain float32 adds the compiler can vectorize, where a call to nearbyint would not be
+        const float v = bfloat16_value(xg[i]) * up, rounded = (v + 12582912.0f) - 12582912.0f;
+        out[i] = static_cast<int16_t>(rounded);
+        total += out[i];
+      }
+      in.units[r * groups + g] = unit;
+      in.sums[r * groups + g] = static_cast<float>(total) * unit;
+    }
+  return in;
+}
+
+// One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) float16 scales and minimums, x the
+// rows' int16 inputs (ldx apart) and units, sums their (Rows, groups) units and sums. Per group, the nibbles'
+// integer dot products (at most 32 x 15 x 32640, under 2^24: exact in float32), then
+// acc = (dot * (scale * unit) + acc) + min * sum, each fused.
 template <int Rows>
-void block_int4(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t ldx, const float* sums, int64_t groups,
-                Vec* acc) {
-  static_assert(kGroupPairs % 2 == 0, "a group's pairs split evenly over two sums");
+void block_int4(const uint8_t* w, const uint16_t* sz, const int16_t* x, int64_t ldx, const float* units,
+                const float* sums, int64_t groups, Vec* acc) {
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     prefetch_ahead(w + g * kGroupPairs * kBlock, kGroupPairs * kBlock);
-    Vec even[Rows * kVectors], odd[Rows * kVectors];
-    for (int i = 0; i < Rows * kVectors; ++i) even[i] = odd[i] = zero();
-    const auto add_pair = [&](int64_t p, Vec* dots) {
-      Pairs wv[kVectors];
-      int4_pairs(w + p * kBlock, wv);
+    IVec dots[Rows * kVectors];
+    for (int i = 0; i < Rows * kVectors; ++i) dots[i] = izero();
+    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; ++p) {
+      IPairs wv[kVectors];
+      int4_ipairs(w + p * kBlock, wv);
       for (int r = 0; r < Rows; ++r) {
-        const XPair xv = broadcast_pair(x + r * ldx + 2 * p);
-        for (int j = 0; j < kVectors; ++j) dots[r * kVectors + j] = dot(dots[r * kVectors + j], xv, wv[j]);
+        const XIPair xv = broadcast_ipair(x + r * ldx + 2 * p);
+        for (int j = 0; j < kVectors; ++j) dots[r * kVectors + j] = idot(dots[r * kVectors + j], xv, wv[j]);
       }
-    };
-    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; p += 2) {
-      add_pair(p, even);
-      add_pair(p + 1, odd);
     }
     for (int j = 0; j < kVectors; ++j) {
-      const Vec scale = load(sz + (g * 2) * kBlock + j * 16), zero_point = load(sz + (g * 2 + 1) * kBlock + j * 16);
+      const Vec scale = load_half(sz + (g * 2) * kBlock + j * 16), minimum = load_half(sz + (g * 2 + 1) * kBlock + j * 16);
       for (int r = 0; r < Rows; ++r) {
         const int i = r * kVectors + j;
-        acc[i] = add_group(acc[i], add(even[i], odd[i]), sums[r * groups + g], scale, zero_point);
+        const Vec step = mul(scale, set1(units[r * groups + g]));
+        acc[i] = fmadd(minimum, set1(sums[r * groups + g]), fmadd(to_float(dots[i]), step, acc[i]));
       }
     }
   }
@@ -158,7 +198,8 @@ void dense_rows(const Loader& load, const uint16_t* x, const typename Loader::We
   });
 }
 
-// Each row's inputs summed per int4 group, in a fixed order: (rows, k / kGroup).
+// Each row's inputs summed per int4 group, in a fixed order: (rows, k / kGroup) (AMX's tiles, which multiply
+// the bfloat16 inputs by 128 + q).
 inline std::vector<float> group_sums(const uint16_t* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
   std::vector<float> sums(rows * groups);
@@ -170,14 +211,14 @@ inline std::vector<float> group_sums(const uint16_t* x, int64_t rows, int64_t k)
   return sums;
 }
 
-// y (rows, n) = x (rows, k) W^T for int4 weights and scales packed by pack_int4; sums from group_sums.
-inline void int4_rows(const uint16_t* x, const uint8_t* w, const uint16_t* sz, const float* sums, int64_t rows, int64_t n,
+// y (rows, n) = x (rows, k) W^T for int4 weights and scales packed by pack_int4, the inputs from int16_inputs.
+inline void int4_rows(const Int16Inputs& in, const uint8_t* w, const uint16_t* sz, int64_t rows, int64_t n,
                       int64_t blocks, int64_t pairs, const float* bias, uint16_t* y) {
   const int64_t k = 2 * pairs, groups = k / kGroup;
   run<kInt4RowTile>(rows, n, blocks, nullptr, bias, y, [&](int64_t b, int64_t r0, int count, Vec* acc) {
     with_rows<kInt4RowTile>(count, [&](auto tile) {
-      block_int4<decltype(tile)::value>(w + b * pairs * kBlock, sz + b * groups * 2 * kBlock, x + r0 * k, k,
-                                        sums + r0 * groups, groups, acc);
+      block_int4<decltype(tile)::value>(w + b * pairs * kBlock, sz + b * groups * 2 * kBlock, in.values.data() + r0 * k,
+                                        k, in.units.data() + r0 * groups, in.sums.data() + r0 * groups, groups, acc);
     });
   });
 }
@@ -210,7 +251,7 @@ void unpack_dense(const T* packed, int64_t n, int64_t k, T* out) {
     for (int64_t i = 0; i < k; ++i) out[o * k + i] = packed[dense_offset(o, i, k, int8)];
 }
 
-// Lays out (n, k) 4-bit values (k a multiple of kGroup) and (n, k / kGroup, 2) bfloat16 scales and zeros:
+// Lays out (n, k) 4-bit values (k a multiple of kGroup) and (n, k / kGroup, 2) float16 scales and minimums:
 // out (blocks, k / 2, 32) bytes, a pair's 32 bytes as (output % 16, element) with the block's first 16
 // outputs in the low nibbles; sz_out (blocks, groups, 2, 32).
 inline void pack_int4(const uint8_t* q, const uint16_t* sz, int64_t n, int64_t k, uint8_t* out, uint16_t* sz_out) {

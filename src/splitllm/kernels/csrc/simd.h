@@ -8,7 +8,7 @@
 //
 // Every backend provides, for Vec v, float* / bfloat16 (uint16_t*) pointers p and `left` lanes still to go
 // (>= 16: a whole vector):
-//   zero(), set1(f), load(p), load(p, left), store(p, v), store(p, v, left), add, sub, mul, div,
+//   zero(), set1(f), load(p), load(p, left), load_half(p) (16 float16 values, widened exactly), store(p, v), store(p, v, left), add, sub, mul, div,
 //   fmadd(a, b, c) = a * b + c and fnmadd(a, b, c) = c - a * b (fused: one rounding), abs,
 //   less_select(a, b, x, y) = a < b ? x : y per lane, round_even(v) (to integral values, ties to even),
 //   times_pow2(p, n) = p * 2^n for integral n >= -126, reduce_add(v) and sum16(a[16]) (fixed orders below),
@@ -18,8 +18,11 @@
 //   Pairs (16 outputs' bfloat16-valued weights for one pair of inputs), XPair (a row's pair of inputs),
 //   broadcast_pair(x), dot(acc, xpair, pairs) = acc + x1 w1, then + x0 w0 (each fused, as AVX-512 BF16's
 //   VDPBF16PS rounds: checked against it by tests/test_kernels.py where both run), and loaders of 32 outputs'
-//   pairs from bfloat16 (64 bytes), int8 (64 bytes in `int8_slot` order) and int4 (32 bytes: the first 16
-//   outputs in the low nibbles, as 128 + q) weights.
+//   pairs from bfloat16 (64 bytes) and int8 (64 bytes in `int8_slot` order) weights;
+//   and for int4, exact integer arithmetic: IVec (16 int32 lanes), izero(), to_float(v) (exact below 2^24),
+//   IPairs (16 outputs' nibble pairs as int16), XIPair, broadcast_ipair(x) (a row's int16 pair),
+//   idot(acc, xpair, pairs) = acc + x0 w0 + x1 w1, and int4_ipairs(w, pairs) (32 bytes: the first 16 outputs
+//   in the low nibbles).
 // The one place backends may differ: VDPBF16PS flushes float32 subnormals (below 1.2e-38) to zero, the
 // fused multiply-adds of the other backends keep them; bfloat16 stores flush them on every backend.
 //
@@ -69,6 +72,24 @@ inline uint16_t bfloat16_bits(float f) {
   if ((u & 0x7F800000u) == 0) u &= 0x80000000u;
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The float32 value of IEEE half-precision bits, exactly (subnormals included): what every backend's
+// load_half gives.
+inline float half_value(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t u;
+  if (exponent == 0x1F) {
+    u = sign | 0x7F800000u | mantissa << 13;
+  } else if (exponent != 0) {
+    u = sign | (exponent + 112) << 23 | mantissa << 13;
+  } else {
+    float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // 2^-24, exact
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
 inline float bfloat16_value(uint16_t b) {

@@ -84,8 +84,16 @@ struct DenseTiles {
   }
 };
 
+// acc + one int4 group's share of 16 outputs on the tiles (bfloat16 inputs times nibbles read as 128 + q): dot is the group's sum of x (128 + q), sum its inputs' sum,
+// so sum x q = dot - 128 sum, then scale and minimum apply.
+inline Vec add_group(Vec acc, Vec dot_sum, float sum, Vec scale, Vec minimum) {
+  const Vec s = set1(sum);
+  const Vec centered = fnmadd(set1(128.0f), s, dot_sum);  // 128 from the bfloat16 exponent the nibble sits under
+  return fmadd(minimum, s, fmadd(centered, scale, acc));
+}
+
 // int4: a K step is one group of 32 inputs, so each step's products are read out and corrected with
-// the group's scale, zero and input sums (as block_int4 does) before the next step.
+// the group's scale, minimum and input sums (as block_int4 does) before the next step.
 struct Int4Tiles {
   static_assert(kGroup == 2 * kTilePairs, "a K step of the tile unit is one int4 group");
   static constexpr bool kGrouped = true;
@@ -109,10 +117,10 @@ struct Int4Tiles {
   void correct(int64_t b, int64_t g, int64_t r0, int count, const float (*dots)[kBlock], float (*acc)[kBlock]) const {
     const uint16_t* szb = sz + (b * groups + g) * 2 * kBlock;
     for (int j = 0; j < kVectors; ++j) {
-      const Vec scale = simd::load(szb + j * 16), zero_point = simd::load(szb + kBlock + j * 16);
+      const Vec scale = simd::load_half(szb + j * 16), minimum = simd::load_half(szb + kBlock + j * 16);
       for (int r = 0; r < count; ++r)
         _mm512_store_ps(acc[r] + j * 16, add_group(_mm512_load_ps(acc[r] + j * 16), _mm512_load_ps(dots[r] + j * 16),
-                                                   sums[(r0 + r) * groups + g], scale, zero_point));
+                                                   sums[(r0 + r) * groups + g], scale, minimum));
     }
   }
 };

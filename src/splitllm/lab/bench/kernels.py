@@ -2,7 +2,7 @@
 beside llama.cpp on one thread on the same GGUF and core, in one run.
 
 It answers two questions per machine: which setting is fastest on each kernel variant (the rule
-`model.precision.fastest` applies: bfloat16-int8 wherever a variant runs), and how each variant
+`model.precision.fastest` applies: bfloat16-mixed wherever a variant runs), and how each variant
 compares with llama.cpp built for the same instructions (`native`, and `avx2` where that build exists:
 x86-64-v3 alone, the peer of splitllm's AVX2 kernels on a wider CPU). Every figure decodes sequentially in
 a fresh process (a process loads one variant, `SPLITLLM_KERNELS`) pinned to the same core with one
@@ -27,7 +27,8 @@ from splitllm.weights.packaged import PACKAGED_MODELS
 from splitllm.weights.sources import packaged_gguf_path
 
 Progress = Callable[[str], None]
-SETTINGS = ("bfloat16-int8", "bfloat16-int4", "bfloat16-none", "float32-none")
+SETTINGS = ("bfloat16-mixed", "bfloat16-int8", "bfloat16-int4", "bfloat16-none", "float32-none")
+DEFAULT = "bfloat16-mixed"  # what `model.precision.fastest` picks wherever a variant runs
 PEER_ISAS = {"avx512": "native", "avx2": "avx2", "neon": "native"}  # each variant's llama.cpp build
 
 
@@ -102,7 +103,7 @@ def _ratios(splitllm: dict[str, dict[str, Any]], llama: dict[str, Any]) -> dict[
     for variant, figures in splitllm.items():
         fastest = max(figures, key=lambda s: figures[s]["tokens_per_second"])
         peer = llama.get(PEER_ISAS[variant], {}).get("tokens_per_second")
-        default = figures.get("bfloat16-int8", {}).get("tokens_per_second")
+        default = figures.get(DEFAULT, {}).get("tokens_per_second")
         out[variant] = {"fastest_setting": fastest,
                         "default": None if not (peer and default) else default / peer,
                         "fastest": None if not peer else figures[fastest]["tokens_per_second"] / peer}

@@ -31,6 +31,10 @@ inline Vec load(const uint16_t* p, int64_t left = 16) {
   }
   return {widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
+inline Vec load_half(const uint16_t* p) {  // F16C: exact
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 inline void store(float* p, Vec v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
@@ -165,18 +169,29 @@ struct Int8Pairs {
   }
 };
 
-// int4: a nibble q becomes the float32 128 + q by placing it under 128's exponent (bits 0x43000000 | q << 16).
-inline void int4_pairs(const uint8_t* w, Pairs* v) {
-  const __m256i nibbles = _mm256_set1_epi32(0x000F000F), exponent = _mm256_set1_epi32(0x43000000);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int h = 0; h < 2; ++h) {
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + h * 16)));
-    const __m256i q[2] = {_mm256_and_si256(bytes, nibbles), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles)};
-    for (int j = 0; j < 2; ++j) {
-      v[j].even[h] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(q[j], 16), exponent));
-      v[j].odd[h] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(q[j], high), exponent));
-    }
-  }
+// int4 against int16 inputs: 16 outputs' pairs of nibbles as int16 (outputs 0-7, then 8-15) and 16 int32
+// sums; VPMADDWD adds both products of a pair, exactly, one multiply-add per 8 outputs.
+struct IVec {
+  __m256i lo, hi;
+};
+using IPairs = IVec;
+using XIPair = __m256i;
+inline IVec izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline Vec to_float(IVec v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline XIPair broadcast_ipair(const int16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return _mm256_set1_epi32(pair);
+}
+inline IVec idot(IVec acc, XIPair x, const IPairs& w) {
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(x, w.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(x, w.hi))};
+}
+inline void int4_ipairs(const uint8_t* w, IPairs* v) {
+  const __m256i nibble = _mm256_set1_epi16(0x000F);
+  const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+  v[0] = {_mm256_and_si256(lo, nibble), _mm256_and_si256(hi, nibble)};
+  v[1] = {_mm256_srli_epi16(lo, 4), _mm256_srli_epi16(hi, 4)};
 }
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }

@@ -18,6 +18,7 @@ inline Vec load(const float* p, int64_t left) { return _mm512_maskz_loadu_ps(lan
 inline Vec load(const uint16_t* p, int64_t left = 16) {  // bfloat16 widens exactly
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes(left), p)), 16));
 }
+inline Vec load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline void store(float* p, Vec v, int64_t left) { _mm512_mask_storeu_ps(p, lanes(left), v); }
 inline void store(uint16_t* p, Vec v, int64_t left = 16) { _mm256_mask_storeu_epi16(p, lanes(left), (__m256i)_mm512_cvtneps_pbh(v)); }
@@ -104,12 +105,23 @@ struct Int8Pairs {
   }
 };
 
-// int4: a nibble q becomes the bfloat16 128 + q with one OR (its bits are 0x4300 | q).
-inline void int4_pairs(const uint8_t* w, Pairs* v) {
-  const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+// int4 against int16 inputs: 16 outputs' pairs of nibbles as int16 and 16 int32 sums; VNNI's VPDPWSSD adds
+// both products of a pair to its output's sum, exactly.
+using IVec = __m512i;
+using IPairs = __m512i;
+using XIPair = __m512i;
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline XIPair broadcast_ipair(const int16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return _mm512_set1_epi32(pair);
+}
+inline IVec idot(IVec acc, XIPair x, IPairs w) { return _mm512_dpwssd_epi32(acc, x, w); }
+inline void int4_ipairs(const uint8_t* w, IPairs* v) {
   const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-  v[0] = (Pairs)_mm512_ternarylogic_epi32(bytes, nibble, exponent, 0xEA);  // a & b | c
-  v[1] = (Pairs)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent);
+  v[0] = _mm512_and_si512(bytes, _mm512_set1_epi16(0x000F));
+  v[1] = _mm512_srli_epi16(bytes, 4);
 }
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }

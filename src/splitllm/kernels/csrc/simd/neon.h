@@ -35,6 +35,11 @@ inline Vec load(const uint16_t* p, int64_t left = 16) {
   }
   return v;
 }
+inline Vec load_half(const uint16_t* p) {  // float16 widens exactly
+  Vec v;
+  for (int i = 0; i < 4; ++i) v.q[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));
+  return v;
+}
 inline void store(float* p, Vec v) {
   for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, v.q[i]);
 }
@@ -161,17 +166,35 @@ struct Int8Pairs {
   }
 };
 
-// int4: a nibble q becomes the float32 128 + q by placing it under 128's exponent (bits 0x43000000 | q << 16).
-inline void int4_pairs(const uint8_t* w, Pairs* v) {
-  const uint32x4_t exponent = vdupq_n_u32(0x43000000u), high = vdupq_n_u32(0xFFFF0000u);
+// int4 against int16 inputs: 16 outputs' pairs of nibbles as int16 (four outputs a register) and 16 int32
+// sums; each pair's two products are widened, then added pairwise, exactly.
+struct IVec {
+  int32x4_t q[4];
+};
+struct IPairs {
+  int16x8_t q[4];
+};
+using XIPair = int16x8_t;
+inline IVec izero() { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}}; }
+inline Vec to_float(IVec v) { return {{vcvtq_f32_s32(v.q[0]), vcvtq_f32_s32(v.q[1]), vcvtq_f32_s32(v.q[2]), vcvtq_f32_s32(v.q[3])}}; }
+inline XIPair broadcast_ipair(const int16_t* p) {
+  uint32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return vreinterpretq_s16_u32(vdupq_n_u32(pair));
+}
+inline IVec idot(IVec acc, XIPair x, const IPairs& w) {
+  IVec out;
+  for (int i = 0; i < 4; ++i) {
+    const int32x4_t products = vpaddq_s32(vmull_s16(vget_low_s16(w.q[i]), vget_low_s16(x)), vmull_high_s16(w.q[i], x));
+    out.q[i] = vaddq_s32(acc.q[i], products);
+  }
+  return out;
+}
+inline void int4_ipairs(const uint8_t* w, IPairs* v) {
   for (int h = 0; h < 4; ++h) {  // 8 bytes: 4 outputs' pairs of the low half, 4 of the high half
     const uint16x8_t bytes = vmovl_u8(vld1_u8(w + 8 * h));
-    const uint16x8_t q[2] = {vandq_u16(bytes, vdupq_n_u16(0x000F)), vshrq_n_u16(bytes, 4)};
-    for (int j = 0; j < 2; ++j) {
-      const uint32x4_t lanes = vreinterpretq_u32_u16(q[j]);
-      v[j].even[h] = vreinterpretq_f32_u32(vorrq_u32(vshlq_n_u32(lanes, 16), exponent));
-      v[j].odd[h] = vreinterpretq_f32_u32(vorrq_u32(vandq_u32(lanes, high), exponent));
-    }
+    v[0].q[h] = vreinterpretq_s16_u16(vandq_u16(bytes, vdupq_n_u16(0x000F)));
+    v[1].q[h] = vreinterpretq_s16_u16(vshrq_n_u16(bytes, 4));
   }
 }
 

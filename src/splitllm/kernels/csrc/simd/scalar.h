@@ -10,6 +10,7 @@ namespace simd {
 
 inline uint16_t bfloat16_bits(float f);
 inline float bfloat16_value(uint16_t b);
+inline float half_value(uint16_t h);
 
 struct Vec {
   float f[16];
@@ -28,6 +29,7 @@ inline Vec load(const float* p, int64_t left = 16) { return each([=](int i) { re
 inline Vec load(const uint16_t* p, int64_t left = 16) {
   return each([=](int i) { return i < left ? bfloat16_value(p[i]) : 0.0f; });
 }
+inline Vec load_half(const uint16_t* p) { return each([=](int i) { return half_value(p[i]); }); }
 inline void store(float* p, Vec v, int64_t left = 16) {
   for (int i = 0; i < 16 && i < left; ++i) p[i] = v.f[i];
 }
@@ -96,12 +98,27 @@ struct Int8Pairs {
   }
 };
 
-inline void int4_pairs(const uint8_t* w, Pairs* v) {
-  for (int j = 0; j < 16; ++j)
-    for (int half = 0; half < 2; ++half) {
-      v[half].even[j] = 128.0f + static_cast<float>((w[2 * j] >> (4 * half)) & 15);
-      v[half].odd[j] = 128.0f + static_cast<float>((w[2 * j + 1] >> (4 * half)) & 15);
-    }
+struct IVec {
+  int32_t i[16];
+};
+struct IPairs {
+  int16_t w[32];  // output j's pair at 2j, 2j + 1
+};
+struct XIPair {
+  int16_t x0, x1;
+};
+inline IVec izero() { return {}; }
+inline Vec to_float(IVec v) { return each([&](int j) { return static_cast<float>(v.i[j]); }); }
+inline XIPair broadcast_ipair(const int16_t* p) { return {p[0], p[1]}; }
+inline IVec idot(IVec acc, XIPair x, const IPairs& w) {
+  for (int j = 0; j < 16; ++j) acc.i[j] += int32_t{x.x0} * w.w[2 * j] + int32_t{x.x1} * w.w[2 * j + 1];
+  return acc;
+}
+inline void int4_ipairs(const uint8_t* w, IPairs* v) {
+  for (int b = 0; b < 32; ++b) {
+    v[0].w[b] = static_cast<int16_t>(w[b] & 15);
+    v[1].w[b] = static_cast<int16_t>(w[b] >> 4);
+  }
 }
 
 inline void prefetch(const void*) {}
