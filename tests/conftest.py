@@ -34,7 +34,9 @@ from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.remote import RemoteMiddle
 from splitllm.drafting.drafter import Drafter, drafter_config
 from splitllm.testing.launch import ServerThread
+from splitllm.model.precision import Precision
 from splitllm.model.stage import Stage
+from splitllm.weights.conversions import StoredWeights
 from splitllm.weights.sources import ModelFiles
 from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
@@ -297,16 +299,24 @@ def random_ids() -> Callable[..., list[int]]:
 
 @pytest.fixture
 def tensor_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of every tensor read through ModelFiles.read during the test, in order."""
+    """The names of every tensor read from a model's own files during the test, in order: through
+    ModelFiles.read (conversions, lookups) or by an exact-mode load, which builds on the checkpoint itself."""
     names: list[str] = []
-    original = ModelFiles.read
+    read, stored = ModelFiles.read, StoredWeights.__init__
 
-    def read(self: ModelFiles, wanted, dtype):  # type: ignore[no-untyped-def]
+    def spy_read(self: ModelFiles, wanted, dtype):  # type: ignore[no-untyped-def]
         wanted = list(wanted)
         names.extend(wanted)
-        return original(self, wanted, dtype)
+        return read(self, wanted, dtype)
 
-    monkeypatch.setattr(ModelFiles, "read", read)
+    def spy_stored(self: StoredWeights, files: ModelFiles, precision: Precision, wanted) -> None:  # type: ignore[no-untyped-def]
+        wanted = list(wanted)
+        if precision.exact:
+            names.extend(wanted)
+        stored(self, files, precision, wanted)
+
+    monkeypatch.setattr(ModelFiles, "read", spy_read)
+    monkeypatch.setattr(StoredWeights, "__init__", spy_stored)
     return names
 
 

@@ -35,6 +35,7 @@ from splitllm.protocol.messages import PROTOCOL_VERSION
 DATA = Path(__file__).parent / "data" / "sev-snp"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 FINGERPRINT = "ab" * 32
+WEIGHTS = "5e" * 32
 LAYERS = (2, 28)
 VERSION = 2
 WHEN = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)  # inside every genuine VCEK's validity
@@ -316,7 +317,8 @@ def test_simulated_turin_evidence_verifies_with_its_short_hwid_and_own_tcb_layou
 @pytest.mark.parametrize(
     "change",
     [{"key": 32}, {"layers": "12"}, {"layers": [2, True]}, {"version": 4.9}, {"version": "4"}, {"report": 2**45},
-     {"certs": {"vcek": "pem"}}, {"certs": [("vcek", b"")]}, {"fingerprint": "zz" * 32}, {"platform": None}],
+     {"certs": {"vcek": "pem"}}, {"certs": [("vcek", b"")]}, {"fingerprint": "zz" * 32}, {"platform": None},
+     {"weights": b"\x5e" * 32}, {"weights": "5E" * 32}, {"weights": "5e" * 31}, {"weights": None}],
 )
 def test_evidence_fields_must_have_their_exact_types(vendor: Path, change: dict) -> None:
     _, evidence, _ = _handshake(vendor)
@@ -344,6 +346,10 @@ def test_policy_files_are_refused_with_the_reason(tmp_path: Path) -> None:
         ({"measurements": [measurement]}, "at least one root"),
         ({**amd, "trust_anchors": "amd-milan"}, "'trust_anchors' must list"),
         ({**amd, "trust_anchors": {"amd-milan": True}}, "'trust_anchors' must list"),
+        ({**amd, "weights": ["ab"]}, "1 bytes, expected 32"),
+        ({**amd, "weights": "5e" * 32}, "'weights' must be a list of hex strings"),
+        ({**amd, "weights": [0x5E]}, "'weights' must be a list of hex strings"),
+        ({**amd, "weights": ["zz" * 32]}, "'weights': 'zz.*' is not hex"),
     ]
     for fields, reason in cases:
         with pytest.raises(PolicyError, match=reason):
@@ -413,7 +419,7 @@ def _handshake(vendor: Path, policy: AttestationPolicy | None = None, attester: 
     """One attest round trip between a client handshake and `answer` (claims override the server's)."""
     policy = policy or AttestationPolicy.load(vendor / "policy.json")
     client = ClientHandshake(policy, FINGERPRINT, LAYERS, VERSION)
-    server = dict(fingerprint=FINGERPRINT, layers=LAYERS, version=VERSION) | claims
+    server = dict(fingerprint=FINGERPRINT, weights=WEIGHTS, layers=LAYERS, version=VERSION) | claims
     evidence, server_channel = answer(client.request(1), attester or SimulatedSnp(vendor), **server)  # type: ignore[arg-type]
     return client, Evidence.from_header(evidence.header(1)), server_channel
 
@@ -445,6 +451,8 @@ def test_replayed_and_relayed_evidence_fail_the_binding(vendor: Path) -> None:
     intruder = _raw(X25519PrivateKey.generate().public_key())  # an honest report under a man in the middle's key
     with pytest.raises(AttestationError, match=r"\(binding\)"):
         client.finish(dataclasses.replace(evidence, server_key=intruder))
+    with pytest.raises(AttestationError, match=r"\(binding\)"):  # an honest report, other weights claimed
+        client.finish(dataclasses.replace(evidence, weights="cd" * 32))
 
 
 def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
@@ -455,6 +463,7 @@ def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
          "tcb"),
         (dataclasses.replace(policy, host_data=frozenset({b"\x01" * 32})), "host_data"),
         (dataclasses.replace(policy, image_ids=frozenset({b"\x01" * 16})), "image_id"),
+        (dataclasses.replace(policy, weights=frozenset({b"\x01" * 32})), "weights"),
         (dataclasses.replace(policy, anchors=(pinned_anchor("milan"),)), "chain"),
     ]
     for changed, check in cases:
@@ -462,6 +471,8 @@ def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
         with pytest.raises(AttestationError) as err:
             client.finish(evidence)
         assert err.value.check == check
+    client, evidence, _ = _handshake(vendor, dataclasses.replace(policy, weights=frozenset({bytes.fromhex(WEIGHTS)})))
+    client.finish(evidence)  # the weights the policy names
     debug = tmp_path / "debug"
     sim_init(debug, debug=True)
     client, evidence, _ = _handshake(debug)

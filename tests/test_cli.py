@@ -75,6 +75,19 @@ def test_a_continued_drafter_with_another_width_is_refused_before_anything_loads
     assert result.exit_code == 2 and "keeps its width" in result.output
 
 
+@pytest.mark.parametrize("attestation", ["sev-snp", "tdx", "simulated"])
+def test_ray_replicas_are_never_attested(attestation: str) -> None:
+    """Ray runs code its driver ships and lets any client of the cluster call a replica's methods, which no
+    measurement covers: the pair is refused, saying why, before Ray or the model is touched."""
+    t0 = time.perf_counter()
+    args = ["serve", "--engine", "ray", "--attestation", attestation, "--attestation-sim", "/nonexistent",
+            "--model", "/nonexistent"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "1000"})
+    assert result.exit_code == 2 and "--attestation needs --engine uvicorn" in result.output
+    assert "Ray runs code its driver ships" in result.output and "call a replica's methods" in result.output
+    assert time.perf_counter() - t0 < 5
+
+
 def test_tls_files_that_do_not_load_are_refused_before_the_model_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "bad.pem").write_text("not a certificate\n")
     for cert in (str(tmp_path / "bad.pem"), str(tmp_path / "missing.pem")):

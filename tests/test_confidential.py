@@ -11,6 +11,8 @@ the verifier is the one genuine evidence goes through (tests/test_attestation.py
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -24,8 +26,13 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 from websockets.sync.server import ServerConnection, serve
 
-from conftest import DEFAULT_SPLIT
+from conftest import DEFAULT_SPLIT, TINY_SPLIT
 from protocol_client import greedy
+from typer.testing import CliRunner
+
+from splitllm.cli import app
+from splitllm.client.client_model import ClientModel
+from splitllm.model.precision import Precision
 from splitllm.protocol import wire
 from splitllm.attestation.handshake import ClientHandshake, _raw
 from splitllm.attestation.policy import AttestationPolicy
@@ -38,6 +45,11 @@ from splitllm.lab.privacy.attacks.whitebox import LanguageModelPrior, invert
 from splitllm.lab.privacy.states import PublicModel
 from splitllm.protocol.messages import PROTOCOL_VERSION
 from splitllm.protocol.wire import ProtocolError
+from splitllm.server.app import MiddleServer
+from splitllm.server.settings import ServerSettings
+from splitllm.testing.launch import ServerThread
+from splitllm.weights.conversions import StoredWeights
+from splitllm.weights.sources import ModelFiles
 
 pytestmark = pytest.mark.slow
 FIRST, LAST = DEFAULT_SPLIT
@@ -207,6 +219,69 @@ def test_every_failed_check_sends_no_state(
         assert err.value.check == check, (check, err.value)
         assert [_op(m) for m in mitm.received] == ["attest"], check
         assert attacker(mitm.received, prompt) == 0
+
+
+def _flip_one_byte(path: Path, tensor: str) -> None:
+    """Change one byte of `tensor`'s data in a safetensors file, then put the file's times back (its size
+    never changed): what a host that keeps a digest cache keyed by size and time would not notice."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8 : 8 + header])[tensor]["data_offsets"]
+    data[8 + header + begin] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+@pytest.mark.parametrize("setting", ["float32-none", "bfloat16-int8"])
+def test_a_server_whose_loaded_weights_differ_by_one_byte_is_refused(
+    setting, tiny_models, vendor, relay, random_ids, tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The policy names the loaded-weights fingerprint `splitllm attest weights` computes from the
+    writer's own copy. The server's copy then differs by one byte of a middle layer: the checkpoint in
+    the exact mode, the converted layer file otherwise. Its model fingerprint (its own account) stays
+    the same, the bytes it loaded do not, and the client refuses it with nothing sent but the handshake."""
+    precision = Precision.from_name(setting)
+    first, last = TINY_SPLIT
+    args = ["attest", "weights", "--model", str(tiny_models["llama"]), "--first", str(first), "--last", str(last),
+            "--dtype", precision.dtype_name, "--quant", precision.quant]
+    result = CliRunner().invoke(app, args, env={"SPLITLLM_CACHE": str(tmp_path / "writer")})
+    assert result.exit_code == 0, result.output
+    expected = result.stdout.split()[-1]
+    policy = _policy(vendor, tmp_path, weights=[expected])
+
+    monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path / "server"))
+    model = Path(shutil.copytree(tiny_models["llama"], tmp_path / "llama"))
+    settings = ServerSettings(first=first, last=last, dtype=precision.dtype, quant=precision.quant,
+                              attestation="simulated", attestation_sim=str(vendor))
+    honest = MiddleServer(str(model), settings)
+    assert honest.loaded_fingerprint == expected
+    if precision.exact:
+        _flip_one_byte(model / "model.safetensors", "model.layers.1.mlp.down_proj.weight")
+    else:
+        folder = StoredWeights(honest.files, precision, ()).folder
+        _flip_one_byte(folder / "layer-0001.safetensors", "model.layers.1.mlp.down_proj.weight::q")
+    tampered = MiddleServer(str(model), settings)
+    assert tampered.fingerprint == honest.fingerprint and tampered.loaded_fingerprint != expected
+
+    client_model = ClientModel(ModelFiles(tiny_models["llama"]), first, last)  # the client's own copy
+    options = ConnectionOptions(attestation=policy, deadline_s=5)
+    prompt = random_ids(6, seed=5)
+    with ServerThread(honest) as good, ServerThread(tampered) as bad:
+        accepted = relay(good.url)
+        middle = RemoteMiddle(accepted.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64, options)
+        assert len(greedy(client_model, middle, prompt, 4)) == 4
+        assert [_op(m) for m in accepted.received] == ["attest"] + [None] * (len(accepted.received) - 1)
+        refused = relay(bad.url)
+        with pytest.raises(AttestationError) as err:
+            RemoteMiddle(refused.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64, options)
+    assert err.value.check == "weights" and "no hidden state was sent" in str(err.value)
+    assert [_op(m) for m in refused.received] == ["attest"]
+    steps = tampered.metrics.total("splitllm_steps_total")
+    opened = tampered.metrics.total("splitllm_sessions_opened_total")
+    assert (steps, opened, len(tampered.sessions)) == (0, 0, 0)  # the server saw no session and no step
 
 
 def test_tampered_and_replayed_frames_are_refused(server, load_client_model, relay, vendor, prompt) -> None:  # type: ignore[no-untyped-def]

@@ -35,6 +35,7 @@ DATA = Path(__file__).parent / "data" / "nvidia"
 WHEN = datetime.datetime(2026, 6, 1, tzinfo=datetime.timezone.utc)  # inside every certificate's validity
 BLACKWELL_NONCE = bytes.fromhex("931d8dd0add203ac3d8b4fbde75e115278eefcdceac5b87671a748f32364dfcb")
 FINGERPRINT = "ab" * 32
+WEIGHTS = "5e" * 32
 LAYERS = (2, 28)
 VERSION = 2
 RECORD = REQUEST_SIZE + 8  # where the first measurement block starts
@@ -249,10 +250,10 @@ def _server_evidence(vendor: Path, nonce: bytes, bound: bytes | None, attester: 
     `nonce`, its report_data committing to the GPU digest `bound` (or, with None, to the handshake alone,
     as a server without GPUs reports)."""
     server_key = _raw(X25519PrivateKey.generate().public_key())
-    session = report_data(nonce, server_key, FINGERPRINT, LAYERS, VERSION)
+    session = report_data(nonce, server_key, FINGERPRINT, WEIGHTS, LAYERS, VERSION)
     cvm = attester(vendor)
     report, certs = cvm.report(session if bound is None else composite_report_data(session, bound))
-    return Evidence(cvm.platform, report, certs, server_key, FINGERPRINT, LAYERS, VERSION)
+    return Evidence(cvm.platform, report, certs, server_key, FINGERPRINT, WEIGHTS, LAYERS, VERSION)
 
 
 def test_the_cvm_report_must_commit_to_exactly_the_gpu_evidence_presented(vendor: Path) -> None:

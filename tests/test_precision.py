@@ -212,7 +212,7 @@ def test_stored_forms_are_converted_per_layer_once(tiny_models, tensor_reads) ->
     Stage.load(files, 1, 3, precision)
     layers = {int(n.split(".")[2]) for n in tensor_reads if n.startswith("model.layers.")}
     assert layers == {1, 2}
-    folder = StoredWeights(files, precision).folder
+    folder = StoredWeights(files, precision, ()).folder
     assert sorted(p.name for p in folder.iterdir()) == ["layer-0001.safetensors", "layer-0002.safetensors"]
     tensor_reads.clear()
     stage = Stage.load(files, 1, 3, precision)

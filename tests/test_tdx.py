@@ -162,7 +162,7 @@ def test_the_genuine_quote_answers_no_splitllm_handshake() -> None:
     """Its report_data was chosen by whoever made it: any handshake's binding refuses it, after Intel's
     verification passed (a replayed quote)."""
     policy = _policy().tdx
-    binding = report_data(bytes(32), bytes(32), "ab" * 32, (2, 28), 2)
+    binding = report_data(bytes(32), bytes(32), "ab" * 32, "5e" * 32, (2, 28), 2)
     with pytest.raises(AttestationError, match=r"\(binding\).*replayed"):
         verify_tdx(QUOTE, COLLATERAL_JSON.encode(), policy, binding, WHEN)  # type: ignore[arg-type]
 
@@ -280,6 +280,7 @@ def test_a_server_whose_pccs_does_not_answer_has_no_evidence(pccs: str) -> None:
 # root), the same handshake. What it proves is the wiring; a simulated root protects nothing.
 
 FINGERPRINT = "ab" * 32
+WEIGHTS = "5e" * 32
 LAYERS = (2, 28)
 VERSION = 2
 
@@ -295,7 +296,7 @@ def _handshake(vendor: Path, policy: AttestationPolicy | None = None, **claims: 
     """One attest round trip between a client handshake and `answer` (claims override the server's)."""
     policy = policy or AttestationPolicy.load(vendor / "policy.json")
     client = ClientHandshake(policy, FINGERPRINT, LAYERS, VERSION)
-    server = dict(fingerprint=FINGERPRINT, layers=LAYERS, version=VERSION) | claims
+    server = dict(fingerprint=FINGERPRINT, weights=WEIGHTS, layers=LAYERS, version=VERSION) | claims
     evidence, server_channel = answer(client.request(1), SimulatedTdx(vendor), **server)  # type: ignore[arg-type]
     return client, Evidence.from_header(evidence.header(1)), server_channel
 
@@ -305,7 +306,7 @@ def test_simulated_tdx_evidence_passes_the_same_verifier_and_opens_a_sealed_chan
     assert evidence.platform == "tdx" and set(evidence.certs) == {COLLATERAL}
     channel, verified = client.finish(evidence)
     assert isinstance(verified, TdxVerified) and verified.simulated and verified.status == "UpToDate"
-    assert verified.report.report_data == report_data(client.nonce, evidence.server_key, FINGERPRINT, LAYERS, VERSION)
+    assert verified.report.report_data == report_data(client.nonce, evidence.server_key, FINGERPRINT, WEIGHTS, LAYERS, VERSION)
     assert server_channel.open(channel.seal(b"open")) == b"open"
     assert channel.open(server_channel.seal(b"opened")) == b"opened"
 
@@ -322,7 +323,8 @@ def test_replayed_relayed_or_foreign_tdx_evidence_is_refused(tdx_vendor: Path, v
         (client, dataclasses.replace(evidence, report=_flip(evidence.report, MRTD)), "signature"),
         (ClientHandshake(dataclasses.replace(policy, tdx=dataclasses.replace(policy.tdx, root=intel_root(), pinned=True)),
                          FINGERPRINT, LAYERS, VERSION), evidence, "chain"),  # simulated evidence, Intel's root
-        (client, answer(client.request(1), SimulatedSnp(vendor), FINGERPRINT, LAYERS, VERSION)[0], "platform"),  # SEV-SNP's
+        (client, dataclasses.replace(evidence, weights="cd" * 32), "binding"),  # other weights than the quote binds
+        (client, answer(client.request(1), SimulatedSnp(vendor), FINGERPRINT, WEIGHTS, LAYERS, VERSION)[0], "platform"),  # SEV-SNP's
     ]
     for handshake, offered, check in cases:
         with pytest.raises(AttestationError) as err:
@@ -354,12 +356,35 @@ def test_an_attested_td_running_another_image_or_model_is_refused(tdx_vendor: Pa
     assert policy.tdx is not None
     other = dataclasses.replace(policy, tdx=dataclasses.replace(policy.tdx, images=(
         dataclasses.replace(policy.tdx.images[0], mrtd=bytes(48)),)))
+    pinned = dataclasses.replace(policy, weights=frozenset({bytes.fromhex(WEIGHTS)}))
     for changed, claims, check in ((other, {}, "measurement"), (policy, {"fingerprint": "cd" * 32}, "model"),
-                                   (policy, {"layers": (3, 28)}, "split")):
+                                   (policy, {"layers": (3, 28)}, "split"), (pinned, {"weights": "cd" * 32}, "weights"),
+                                   (dataclasses.replace(policy, weights=frozenset({b"\x01" * 32})), {}, "weights")):
         client, evidence, _ = _handshake(tdx_vendor, changed, **claims)
         with pytest.raises(AttestationError) as err:
             client.finish(evidence)
         assert err.value.check == check
+    client, evidence, _ = _handshake(tdx_vendor, pinned)
+    client.finish(evidence)  # the weights the policy names, on TDX as on SEV-SNP
+
+
+def test_a_tdx_policy_names_weights_beside_its_tdx_section(tdx_vendor: Path) -> None:
+    """`weights` names what the server loaded, not anything of the platform: a TDX policy gives it at the top
+    level, parsed as strictly as an SEV-SNP policy's, and never inside `tdx`."""
+    data = json.loads((tdx_vendor / "policy.json").read_text())
+    policy = AttestationPolicy.from_dict({**data, "weights": [WEIGHTS]}, tdx_vendor)
+    assert policy.platform == "tdx" and policy.weights == frozenset({bytes.fromhex(WEIGHTS)})
+    assert AttestationPolicy.from_dict(data, tdx_vendor).weights is None
+    cases = [
+        ({**data, "weights": WEIGHTS}, "'weights' must be a list of hex strings"),
+        ({**data, "weights": [None]}, "'weights' must be a list of hex strings"),
+        ({**data, "weights": ["5e" * 31]}, "31 bytes, expected 32"),
+        ({**data, "weights": ["zz" * 32]}, "is not hex"),
+        ({**data, "tdx": {**data["tdx"], "weights": [WEIGHTS]}}, "unknown keys in 'tdx': weights"),
+    ]
+    for fields, reason in cases:
+        with pytest.raises(PolicyError, match=re.escape(reason)):
+            AttestationPolicy.from_dict(fields, tdx_vendor)
 
 
 def test_tdx_policy_sections_are_parsed_strictly(tmp_path: Path) -> None:
@@ -429,7 +454,8 @@ def test_the_tdx_handshake_over_loopback_gives_the_plain_output(  # type: ignore
 
     client_model = load_client_model(tiny_models["llama"], 1, 1)
     plain = server(tiny_models["llama"], 1, 1).url
-    sealed = server(tiny_models["llama"], 1, 1, attestation="simulated", attestation_sim=str(tdx_vendor)).url
+    sealed_thread = server(tiny_models["llama"], 1, 1, attestation="simulated", attestation_sim=str(tdx_vendor))
+    sealed = sealed_thread.url
     prompt = [1, 5, 9, 13, 17]
 
     def run(url: str, policy: AttestationPolicy | None) -> list[int]:
@@ -437,6 +463,11 @@ def test_the_tdx_handshake_over_loopback_gives_the_plain_output(  # type: ignore
         middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, "float32", 64, options)
         return greedy(client_model, middle, prompt, 6)
 
-    assert run(sealed, AttestationPolicy.load(tdx_vendor / "policy.json")) == run(plain, None)
+    policy = AttestationPolicy.load(tdx_vendor / "policy.json")
+    assert run(sealed, policy) == run(plain, None)
+    loaded = bytes.fromhex(sealed_thread.server.loaded_fingerprint)  # what the quote binds: the bytes it loaded
+    assert run(sealed, dataclasses.replace(policy, weights=frozenset({loaded}))) == run(plain, None)
+    with pytest.raises(AttestationError, match=r"\(weights\)"):  # a policy naming other weights
+        run(sealed, dataclasses.replace(policy, weights=frozenset({bytes(32)})))
     with pytest.raises(AttestationError, match=r"\(evidence\)"):  # a TDX policy, a plain server
         run(plain, AttestationPolicy.load(tdx_vendor / "policy.json"))

@@ -178,7 +178,7 @@ def test_a_step_is_framed_as_before_the_messages_were_typed() -> None:
     ]
     open_ = wire.decode(messages.encode(OpenMessage("ab" * 32, (2, 28), "float16", 64, id=1))).header
     assert list(open_) == ["op", "version", "fingerprint", "layers", "dtype", "max_context", "id"]
-    assert open_["version"] == messages.PROTOCOL_VERSION == 4
+    assert open_["version"] == messages.PROTOCOL_VERSION == 5
     cropped = messages.encode(StepMessage("s", _HIDDEN, "float16", (0, 1), parents=(-1, 0), id=5, crop=7))
     (hlen,) = struct.unpack(">I", cropped[:4])
     assert msgpack.unpackb(cropped[4 : 4 + hlen])["crop"] == 7  # only a step that crops says so
@@ -194,11 +194,11 @@ def _step(**fields: object) -> bytes:
     [
         (wire.encode({"op": "result"}, _HIDDEN), "unknown_op"),  # a reply is no request
         (wire.encode({"op": "attest"}), "unknown_op"),  # the handshake is read before, by the server
-        (wire.encode({"op": "open", "version": 3}), "version_mismatch"),  # a client from before steps could crop
-        (wire.encode({"op": "open", "version": 4, "layers": [2, 28], "dtype": "float32"}), "model_mismatch"),
-        (wire.encode({"op": "open", "version": 4, "fingerprint": "x", "layers": [2], "dtype": "float32"}), "split_mismatch"),
-        (wire.encode({"op": "open", "version": 4, "fingerprint": "x", "layers": [2, 28], "dtype": "int8"}), "bad_dtype"),
-        (wire.encode({"op": "open", "version": 4, "fingerprint": "x", "layers": [2, 28], "dtype": "float32",
+        (wire.encode({"op": "open", "version": 4}), "version_mismatch"),  # from before evidence bound the loaded weights
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "layers": [2, 28], "dtype": "float32"}), "model_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2], "dtype": "float32"}), "split_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28], "dtype": "int8"}), "bad_dtype"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28], "dtype": "float32",
                       "max_context": None}), "bad_request"),
         (wire.encode({"op": "step", "positions": [0, 1]}, _HIDDEN), "unknown_session"),
         (wire.encode({"op": "step", "session": "s", "positions": [0, 1]}), "bad_shape"),

@@ -31,7 +31,7 @@ RECIPE = " (default: the model's recipe, docs/drafting.md)"
 
 # The commands, by the words that run them.
 SERVE, GENERATE, CHAT, CLIENT_API = "serve", "generate", "chat", "client-api"
-DEMO, NETEM, ATTEST_SIM_INIT = "demo", "netem", "attest sim-init"
+DEMO, NETEM, ATTEST_SIM_INIT, ATTEST_WEIGHTS = "demo", "netem", "attest sim-init", "attest weights"
 BENCH_SPEED, BENCH_QUALITY = "bench speed", "bench quality"
 BENCH_STREAMING, BENCH_SWEEP = "bench streaming", "bench sweep"
 BENCH_SPECULATION, BENCH_CONFIDENTIAL = "bench speculation", "bench confidential"
@@ -85,23 +85,26 @@ def _choices(names: Any) -> Any:
 
 SPLIT = (
     Option("model", str, DEFAULT_MODEL, f"{', '.join(map(repr, PACKAGED_MODELS))}, an HF folder or a .gguf file",
-           (SERVE, *CLIENTS, BENCH_SPECULATION, BENCH_EXACTNESS, DRAFTER_TRAIN, DRAFTER_COMPARE), group="split"),
-    Option("first", int, 2, "layers the client runs before the server's (K)", (SERVE, *CLIENTS, BENCH_SPEED),
-           "layers", "split"),
-    Option("last", int, 2, "layers the client runs after the server's (M)", (SERVE, *CLIENTS, BENCH_SPEED),
-           "layers", "split"),
+           (SERVE, *CLIENTS, ATTEST_WEIGHTS, BENCH_SPECULATION, BENCH_EXACTNESS, DRAFTER_TRAIN, DRAFTER_COMPARE),
+           group="split"),
+    Option("first", int, 2, "layers the client runs before the server's (K)",
+           (SERVE, *CLIENTS, ATTEST_WEIGHTS, BENCH_SPEED), "layers", "split"),
+    Option("last", int, 2, "layers the client runs after the server's (M)",
+           (SERVE, *CLIENTS, ATTEST_WEIGHTS, BENCH_SPEED), "layers", "split"),
 )
 PRECISION = (
     Option("dtype", Optional[str], None, "compute dtype of this side's layers: float32, bfloat16 or float16 "
-           f"(default: the fastest here; given alone, --quant is none; {COSTS})", (SERVE, *CLIENTS),
+           f"(default: the fastest here; given alone, --quant is none; {COSTS})", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
            group="precision"),
     Option("quant", Optional[str], None, "weight-only quantization of this side's layers: none, int8, int4, or "
            "mixed (int4 where a GGUF shipped 4-bit blocks, kept exactly; int8 elsewhere) "
-           "(default: the fastest here; given alone, --dtype is float32)", (SERVE, *CLIENTS), group="precision"),
-    Option("device", str, "cpu", "cpu, cuda or mps (only cpu is verified)", (SERVE, *CLIENTS), group="precision"),
+           "(default: the fastest here; given alone, --dtype is float32)", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
+           group="precision"),
+    Option("device", str, "cpu", "cpu, cuda or mps (only cpu is verified)", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
+           group="precision"),
     Option("exact", bool, False, "float32 with the checkpoint's weights (a client's in-process middle too): "
-           "transformers' output, bit for bit, never compiling the CPU kernels", (SERVE, *CLIENTS), group="precision",
-           flags=("--exact",)),
+           "transformers' output, bit for bit, never compiling the CPU kernels", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
+           group="precision", flags=("--exact",)),
 )
 SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit their names carry
     Option("max_context", int, 4096, "longest session", (SERVE, BENCH_LOAD), "tokens", "server",
@@ -136,8 +139,9 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
            "0 disables", (SERVE,), "ms", "server"),
     Option("attestation", str, "none", "evidence offered to clients: none; sev-snp (this SEV-SNP guest's report, "
            "which clients verify); tdx (this TD's quote with its collateral, which clients verify); simulated (a simulated "
-           "vendor's report or quote: protects nothing, for tests only). Anything but none serves sealed sessions only, and a machine "
-           "without the device refuses to start (docs/confidential.md)", (SERVE,), group="server"),
+           "vendor's report or quote: protects nothing, for tests only). Anything but none serves sealed sessions only, "
+           "never with --engine ray, and a machine without the device refuses to start (docs/confidential.md)",
+           (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
     Option("attestation_collateral", str, "https://api.trustedservices.intel.com", "where --attestation tdx fetches "
@@ -158,7 +162,7 @@ SERVING = (
            (SERVE,), "file", "access"),
     Option("operator", Optional[list[str]], None, "principal whose /health and /metrics show the whole server "
            "(repeatable)", (SERVE,), group="access"),
-    Option("engine", str, "uvicorn", "uvicorn (one process) or ray (Ray Serve replicas)", (SERVE,),
+    Option("engine", str, "uvicorn", "uvicorn (one process) or ray (Ray Serve replicas, never attested)", (SERVE,),
            group="deployment"),
     Option("replicas", int, 1, "Ray Serve replicas (--engine ray)", (SERVE,), group="deployment"),
     Option("ray_address", Optional[str], None, "Ray cluster to deploy on, e.g. 'auto' (--engine ray; default: start "
@@ -395,7 +399,7 @@ OPTIONS: tuple[Option, ...] = (
     *SPLIT, *PRECISION, *SERVER, *SERVING, *CLIENT, *SAMPLING, *ANSWERS, *LAB, *BENCH, *PRIVACY, *DRAFTER
 )
 COMMANDS = (
-    SERVE, *CLIENTS, DEMO, NETEM, ATTEST_SIM_INIT, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP,
+    SERVE, *CLIENTS, DEMO, NETEM, ATTEST_SIM_INIT, ATTEST_WEIGHTS, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP,
     BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_EXACTNESS, BENCH_DEFAULTS,
     BENCH_LOAD, BENCH_KERNELS, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN, DRAFTER_COMPARE,
 )

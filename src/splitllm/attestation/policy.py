@@ -10,7 +10,8 @@ A policy is a JSON file:
       "allow_debug": false,
       "allow_migration_agent": false,
       "host_data": ["<64 hex>"],
-      "image_ids": ["<32 hex>"]
+      "image_ids": ["<32 hex>"],
+      "weights": ["<64 hex: a loaded-weights fingerprint, from `splitllm attest weights`>"]
     }
 
 `trust_anchors` names AMD's roots pinned in this package (`amd-<product>`); a file anchor
@@ -18,11 +19,14 @@ A policy is a JSON file:
 not one of AMD's roots is a simulated vendor and is accepted only with `"simulated": true`, and then
 only without AMD's roots beside it. Each product has a TCB floor (`TCB_FLOORS`) that `min_tcb` may
 raise and never lower. `host_data` and `image_ids` are optional: when given, the report's field must
-be one of them. Every other key, at every level, and every key given twice are refused, so a
-misspelt or doubled requirement is never silently dropped.
+be one of them. `weights`, optional too, lists the loaded-weights fingerprints (weights/loaded.py)
+the server's layers may be built from; an image that reads its weights from outside what its
+measurement covers needs it. Every other key, at every level, and every key given twice are refused,
+so a misspelt or doubled requirement is never silently dropped.
 
 A policy for Intel TDX says `"platform": "tdx"` and has its requirements in a `tdx` section
-(splitllm/attestation/tdx.py reads it with the same strictness; docs/confidential.md shows one).
+(splitllm/attestation/tdx.py reads it with the same strictness; docs/confidential.md shows one);
+`weights`, which names what the server loaded rather than anything of the platform, stays beside it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
 PRODUCTS = ("milan", "genoa", "turin")
 PLATFORMS = ("sev-snp", "tdx")
 _KEYS = {"platform", "trust_anchors", "measurements", "min_tcb", "allow_debug", "allow_migration_agent", "host_data",
-         "image_ids", "simulated", "tdx"}
+         "image_ids", "weights", "simulated", "tdx"}
 _ANCHOR_KEYS = {"product", "ark", "ask"}
 
 # The lowest TCB accepted on each product, whatever the policy says: the reported TCB of the genuine
@@ -115,6 +119,11 @@ def _flag(data: dict[str, Any], name: str) -> bool:
     return value
 
 
+def _weights(data: dict[str, Any]) -> frozenset[bytes] | None:
+    """The loaded-weights fingerprints a policy names (SHA-256 digests), whatever its platform; None: any."""
+    return _hex_set(data["weights"], "weights", 32) if "weights" in data else None
+
+
 def _min_tcb(value: Any) -> dict[str, Tcb]:
     """Each product's minimum: its floor, with the levels the policy gives in place of the floor's."""
     if not isinstance(value, dict) or set(value) - set(PRODUCTS):
@@ -139,6 +148,7 @@ class AttestationPolicy:
     allow_migration_agent: bool = False
     host_data: frozenset[bytes] | None = None
     image_ids: frozenset[bytes] | None = None
+    weights: frozenset[bytes] | None = None
     simulated: bool = False
     source: str = "<policy>"
     tdx: TdxPolicy | None = None  # a TDX policy's requirements (then the SEV-SNP fields are empty)
@@ -204,6 +214,7 @@ class AttestationPolicy:
             allow_migration_agent=_flag(data, "allow_migration_agent"),
             host_data=_hex_set(data["host_data"], "host_data", 32) if "host_data" in data else None,
             image_ids=_hex_set(data["image_ids"], "image_ids", 16) if "image_ids" in data else None,
+            weights=_weights(data),
             simulated=simulated,
             source=source,
         )
@@ -214,7 +225,7 @@ class AttestationPolicy:
 
         if data.get("platform") != "tdx" or "tdx" not in data:
             raise PolicyError("a TDX policy says \"platform\": \"tdx\" and has its requirements in a 'tdx' section")
-        stray = sorted(set(data) - {"platform", "simulated", "tdx"})
+        stray = sorted(set(data) - {"platform", "simulated", "tdx", "weights"})
         if stray:
             raise PolicyError(f"{', '.join(stray)} do not apply to platform \"tdx\" (its requirements are in 'tdx')")
         tdx = TdxPolicy.from_dict(data["tdx"], base)
@@ -226,7 +237,8 @@ class AttestationPolicy:
                 "it trusts a root that is not Intel's (a simulated vendor, which protects nothing); "
                 "it is accepted only in a policy that says \"simulated\": true"
             )
-        return cls(anchors=(), measurements=frozenset(), simulated=simulated, source=source, tdx=tdx)
+        return cls(anchors=(), measurements=frozenset(), weights=_weights(data), simulated=simulated, source=source,
+                   tdx=tdx)
 
 
 def _anchor(spec: Any, base: Path) -> Anchor:

@@ -62,6 +62,12 @@ def serve(
     from splitllm.server.settings import ServerSettings
     from splitllm.server.transport import is_loopback, uvicorn_config
 
+    if deployment.engine == "ray" and server["attestation"] != "none":
+        raise typer.BadParameter(
+            "--attestation needs --engine uvicorn: Ray runs code its driver ships (pickled deployments, runtime "
+            "environments) and any client of the cluster can call a replica's methods, so whoever runs the cluster "
+            "could run code inside an attested replica that its measurement does not cover (docs/confidential.md)"
+        )
     chosen = precision.resolve("precision")
     if deployment.engine == "ray" and access.tls is not None and access.tls.client_ca:
         raise typer.BadParameter("--client-ca (mutual TLS) is not available with --engine ray; use --auth-token-file")
@@ -75,10 +81,6 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if deployment.engine == "ray":
-        from splitllm.attestation.evidence import load_attester
-
-        with reported(ValueError, OSError):  # here, before any replica starts
-            load_attester(settings.attestation, settings.attestation_sim, settings.attestation_collateral)
         _serve_on_ray(split.model, settings, access, threads, log_format, deployment, host, port)
         return
     with reported(ValueError, OSError):

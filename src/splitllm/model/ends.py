@@ -31,7 +31,7 @@ class ModelEnds:
         self.lm_head_precision = Precision.of(lm_head_precision)
         embed_name = "model.embed_tokens.weight"
         head_name = embed_name if cfg.tie_word_embeddings or not files.has("lm_head.weight") else "lm_head.weight"
-        weights = StoredWeights(files, self.lm_head_precision)
+        weights = StoredWeights(files, self.lm_head_precision, {embed_name, "model.norm.weight", head_name})
         self.embed_weight = self.lm_head_precision.dense(weights.dense([embed_name])[embed_name])
         self.norm = read_norm(weights, "model.norm.weight")
         # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as transformers does.

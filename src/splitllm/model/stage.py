@@ -17,6 +17,7 @@ from splitllm.model.kernel_stage import KernelStage
 from splitllm.model.precision import Precision
 from splitllm.model.quant import on_huge_pages
 from splitllm.weights.conversions import StoredWeights
+from splitllm.weights.loaded import loaded_fingerprint
 from splitllm.weights.sources import ModelFiles
 from splitllm.model.visibility import Visibility
 
@@ -44,6 +45,22 @@ def _norm_tensors(cfg: ModelConfig) -> dict[str, str]:
     if cfg.qk_norm:
         norms |= {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
     return norms
+
+
+def _layer_tensors(cfg: ModelConfig, i: int) -> tuple[dict[str, str], dict[str, tuple[list[str], list[str] | None]]]:
+    """Layer i's norm tensors, and its linear weights and biases, by the attribute each fills."""
+    prefix = f"model.layers.{i}."
+    norms = {attr: prefix + name for attr, name in _norm_tensors(cfg).items()}
+    linears = {
+        attr: ([f"{prefix}{m}.weight" for m in modules],
+               [f"{prefix}{m}.bias" for m in modules] if attr == "qkv" and cfg.qkv_bias else None)
+        for attr, modules in _LINEARS.items()
+    }
+    return norms, linears
+
+
+def _linear_names(linears: dict[str, tuple[list[str], list[str] | None]]) -> list[str]:
+    return [n for weight, bias in linears.values() for n in (*weight, *(bias or ()))]
 
 
 def read_norm(weights: StoredWeights, name: str) -> torch.Tensor:
@@ -97,6 +114,8 @@ class Stage(nn.Module):
     `use_kernel_stage = False` runs it layer by layer instead (for comparison: the rounding differs slightly).
     """
 
+    loaded_fingerprint: str  # set by `load`: the digest of the bytes the weights were built from (weights/loaded.py)
+
     def __init__(self, cfg: ModelConfig, start: int, end: int, precision: Precision | torch.dtype) -> None:
         super().__init__()
         if not 0 <= start < end <= cfg.num_layers:
@@ -121,18 +140,19 @@ class Stage(nn.Module):
 
     @classmethod
     def load(cls, files: ModelFiles, start: int, end: int, precision: Precision | torch.dtype) -> Stage:
-        """Build the stage reading only its own layers' tensors, in the form `precision` stores them."""
+        """Build the stage reading only its own layers' tensors, in the form `precision` stores them;
+        `loaded_fingerprint` names the bytes they were built from (weights/loaded.py)."""
         stage = cls(files.config, start, end, precision)
-        weights = StoredWeights(files, stage.precision)
-        norms = _norm_tensors(files.config)
-        for i, layer in zip(range(start, end), stage.layers):
-            prefix = f"model.layers.{i}."
+        plans = [_layer_tensors(files.config, i) for i in range(start, end)]
+        names = [n for norms, linears in plans for n in [*norms.values(), *_linear_names(linears)]]
+        weights = StoredWeights(files, stage.precision, names)
+        for (norms, linears), layer in zip(plans, stage.layers):
             for attr, name in norms.items():
-                getattr(layer, attr).data = read_norm(weights, prefix + name)
-            for attr, modules in _LINEARS.items():
-                bias = [f"{prefix}{m}.bias" for m in modules] if attr == "qkv" and files.config.qkv_bias else None
-                setattr(layer, attr, weights.linear([f"{prefix}{m}.weight" for m in modules], bias))
+                getattr(layer, attr).data = read_norm(weights, name)
+            for attr, (weight, bias) in linears.items():
+                setattr(layer, attr, weights.linear(weight, bias))
         on_huge_pages(m for layer in stage.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        stage.loaded_fingerprint = loaded_fingerprint(files.config, (start, end), stage.precision.name, weights.digests)
         return stage
 
     def check_step(self, cache: KVCache, step: Step) -> None:

@@ -21,8 +21,9 @@ from splitllm.protocol import wire
 from splitllm.protocol.wire import WIRE_DTYPES, ProtocolError
 
 # 2: the attestation handshake and sealed frames; 3: every message checked whole on receipt; 4: a step may
-# crop the cache (undoing a step sent ahead on a guess that failed)
-PROTOCOL_VERSION = 4
+# crop the cache (undoing a step sent ahead on a guess that failed); 5: evidence binds the loaded-weights
+# fingerprint
+PROTOCOL_VERSION = 5
 RequestId: TypeAlias = int | str | None  # echoed by the reply; an id of another type counts as none
 _INT64 = 2**63
 

@@ -66,6 +66,7 @@ class MiddleServer:
         self.start, self.end = settings.first, cfg.num_layers - settings.last
         self.stage = self.compute.run(Stage.load, self.files, self.start, self.end, settings.precision)
         self.fingerprint = self.files.fingerprint
+        self.loaded_fingerprint = self.stage.loaded_fingerprint  # what attestation binds (weights/loaded.py)
         shared = tokens is not None  # several principals: none may take the whole server by default
         self.sessions = SessionStore(
             settings.max_sessions,
@@ -246,7 +247,8 @@ class MiddleServer:
             messages.check_version(frame.header.get("version"))
             try:
                 evidence, channel = await asyncio.to_thread(
-                    answer, frame.header, self.attester, self.fingerprint, (self.start, self.end), PROTOCOL_VERSION
+                    answer, frame.header, self.attester, self.fingerprint, self.loaded_fingerprint, (self.start, self.end),
+                    PROTOCOL_VERSION,
                 )
             except ValueError as exc:
                 raise ProtocolError("bad_request", str(exc)) from None

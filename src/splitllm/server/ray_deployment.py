@@ -6,6 +6,10 @@ open ones. A replica that dies takes its sessions with it; their clients reconne
 address and replay their committed hidden states into a new session on a live replica (the normal
 reconnect path), so no output is lost. Ray restarts the dead replica meanwhile.
 
+Replicas are never attested (`application` refuses an --attestation): Ray runs code its driver ships
+(pickled deployments, runtime environments) and any client of the cluster can call a replica actor's
+methods, so a replica would run code its measurement does not cover.
+
 Defaults are safe: the proxy listens on loopback unless told otherwise, and off loopback it needs
 a token file (TLS passes through to Ray's proxy). Every `serve` limit is settable from a config file
 (`app_builder`). Ray's own cluster traffic should run with `RAY_AUTH_MODE=token` (Ray >= 2.52, the
@@ -92,6 +96,11 @@ def application(spec: ReplicaSpec, replicas: int, cpus_per_replica: float | None
     """
     if replicas < 1:
         raise ValueError("a deployment needs at least one replica")
+    if spec.settings.attestation != "none":
+        raise ValueError(
+            "Ray Serve replicas cannot be attested: Ray runs code its driver ships and any client of the cluster can "
+            "call a replica's methods, which no measurement covers (docs/confidential.md); serve with uvicorn"
+        )
     deployment = serve.deployment(
         MiddleReplica,
         name=DEPLOYMENT,

@@ -363,7 +363,10 @@ class ModelFiles:
         It hashes the source weight files (the .gguf a folder was converted from, or an HF folder's
         safetensors, whose headers hold every tensor's name, shape and dtype) and our own ModelConfig
         (the fields that define the decoder math), never the converted tensors nor transformers'
-        config dict (which carries its version and defaults that vary between releases).
+        config dict (which carries its version and defaults that vary between releases). It names the
+        model so two sides can match (`open`, drafters), taking a conversion's source.json and digests
+        remembered by file size and time on trust; what a server proves it loaded is the loaded-weights
+        fingerprint (weights/loaded.py).
         """
         math = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
         h = hashlib.sha256(b"splitllm-fingerprint-2\n" + math.encode())
@@ -382,6 +385,12 @@ class ModelFiles:
 
     def has(self, name: str) -> bool:
         return name in self._tensor_files
+
+    def file_of(self, name: str) -> Path:
+        """The safetensors file that holds tensor `name`."""
+        if name not in self._tensor_files:
+            raise KeyError(f"tensor {name} not found in {self.path}")
+        return self._tensor_files[name]
 
     @property
     def tensor_names(self) -> list[str]:
