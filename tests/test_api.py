@@ -154,7 +154,14 @@ def test_a_developer_message_is_a_system_message(api: openai.OpenAI) -> None:
 @pytest.fixture(scope="module")
 def hf_split(server) -> SplitModelForCausalLM:  # type: ignore[no-untyped-def]
     """float32 throughout, as the transformers oracle: a lossy precision may break the oracle's near ties."""
-    return SplitModelForCausalLM.from_pretrained("default", server=server(None, 2, 2).url, wire_dtype="float32", precision=EXACT)
+    url = server(None, 2, 2, dtype=torch.float32).url
+    return SplitModelForCausalLM.from_pretrained("default", server=url, wire_dtype="float32", precision=EXACT)
+
+
+@pytest.fixture(scope="module")
+def hf_fast(server) -> SplitModelForCausalLM:  # type: ignore[no-untyped-def]
+    """Both sides in the fastest setting here, where speculation reproduces sequential decoding."""
+    return SplitModelForCausalLM.from_pretrained("default", server=server(None, 2, 2).url)
 
 
 def test_hf_generate_matches_transformers(hf_split: SplitModelForCausalLM, hf_greedy) -> None:  # type: ignore[no-untyped-def]
@@ -164,7 +171,8 @@ def test_hf_generate_matches_transformers(hf_split: SplitModelForCausalLM, hf_gr
     assert out[0].tolist() == prompt + hf_greedy(None, prompt, 12)
 
 
-def test_hf_streamers_get_every_step(hf_split: SplitModelForCausalLM, capsys: pytest.CaptureFixture[str]) -> None:
+def test_hf_streamers_get_every_step(hf_fast: SplitModelForCausalLM, capsys: pytest.CaptureFixture[str]) -> None:
+    hf_split = hf_fast
     tok = hf_split.tokenizer
     ids = torch.tensor([tok("Once upon a time")["input_ids"]])
     out = hf_split.generate(ids, max_new_tokens=16, streamer=TextStreamer(tok, skip_prompt=True), decode="lookup")

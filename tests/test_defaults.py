@@ -25,6 +25,16 @@ def test_the_fastest_setting_follows_the_kernels(monkeypatch: pytest.MonkeyPatch
     assert fastest("cuda") == Precision(device="cuda")  # unverified devices keep the exact mode
 
 
+def test_a_server_runs_the_fastest_setting_unless_told() -> None:
+    """`ServerSettings` takes `serve`'s default, so an embedded server and `splitllm serve` run alike."""
+    from splitllm.server.settings import ServerSettings
+
+    assert ServerSettings().precision == fastest()
+    assert ServerSettings(dtype=torch.float32).precision == EXACT  # one given alone: the exact mode's other
+    assert ServerSettings(dtype=torch.bfloat16).precision == Precision(torch.bfloat16)
+    assert ServerSettings(quant="int8").precision == Precision(torch.float32, "int8")
+
+
 def test_sixteen_bit_without_the_kernels_warns_once_that_speculation_is_not_bit_exact(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -65,8 +75,9 @@ print(len(steps), "splitllm_cpu_kernels" in sys.modules)
 
 @pytest.mark.slow
 def test_the_exact_mode_drafts_without_compiling_the_kernels(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The default model with its shipped drafter, `auto` in the exact mode: the drafter follows the
-    client's float32 instead of building bfloat16 stages that need the kernels."""
+    """The default model with its shipped drafter in the exact mode: `auto` decodes sequentially there
+    (PyTorch's kernels round a row by its step), nothing compiles the kernels, and the drafter follows the
+    client's float32 instead of building bfloat16 stages that would need them."""
     code = """
 import sys
 from splitllm.client.client import SplitClient

@@ -202,8 +202,8 @@ def test_a_step_goes_ahead_while_what_a_taken_one_saves_outweighs_what_a_dropped
 
 
 def test_drafter_mode_needs_a_drafter(tiny_models, load_client_model) -> None:  # type: ignore[no-untyped-def]
-    client_model = load_client_model(tiny_models["llama"], 1, 1)
-    pipeline = SplitPipeline(client_model, InProcessMiddle(Stage.load(client_model.files, 1, 3, torch.float32), 32), 32)
+    client_model = ClientModel(ModelFiles(tiny_models["llama"]), 1, 1, torch.float64)
+    pipeline = SplitPipeline(client_model, InProcessMiddle(Stage.load(client_model.files, 1, 3, torch.float64), 32), 32)
     with pytest.raises(ValueError, match="needs a drafter"):
         next(SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER))(pipeline, [1, 2, 3], 4, frozenset()))
 
@@ -415,8 +415,8 @@ def test_steps_shrink_to_the_context_left(model, mode: str) -> None:  # type: ig
 def test_steps_shrink_to_what_the_server_grants(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
     """The server grants a shorter context than asked: the client sizes its steps to it."""
     folder = tiny_models["llama"]
-    client_model = ClientModel(ModelFiles(folder), 1, 1)
-    url = server(folder, 1, 1, max_context=40).url
+    client_model = ClientModel(ModelFiles(folder), 1, 1, torch.float64)
+    url = server(folder, 1, 1, max_context=40, dtype=torch.float64).url
     prompt = [7, 8, 9, 10] * 7
 
     def run(decoder) -> list[int]:  # type: ignore[no-untyped-def]

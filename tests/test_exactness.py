@@ -4,6 +4,7 @@ the tokens of transformers' `generate(do_sample=False)` on the unsplit model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from splitllm.client.client import SplitClient
 from splitllm.model.precision import EXACT
@@ -48,7 +49,7 @@ def default_reference(default_prompts, hf_greedy) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "last", "prompts"), DEFAULT_SPLITS)
 def test_default_model_split_greedy_equals_transformers(first, last, prompts, server, default_prompts, default_reference):
-    url = server(None, first, last).url
+    url = server(None, first, last, dtype=torch.float32).url
     client = SplitClient(None, url, first, last, wire_dtype="float32", max_context=256, precision=EXACT)
     for i, (ids, ref) in enumerate(zip(default_prompts[:prompts], default_reference)):
         gen = client.generate(ids, NEW_TOKENS, decode="sequential")
@@ -62,7 +63,7 @@ def test_tiny_model_split_greedy_equals_transformers(
     name, first, last, tiny_models, server, load_client_model, split_greedy, hf_greedy, random_ids
 ):
     folder = tiny_models[name]
-    url = server(folder, first, last).url
+    url = server(folder, first, last, dtype=torch.float32).url
     client_model = load_client_model(folder, first, last)
     for seed, length in enumerate([1, 3, 5, 8, 9, 13, 21, 30]):  # around and past the 8-token windows
         prompt = random_ids(length, seed=100 + seed)

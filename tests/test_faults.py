@@ -154,7 +154,7 @@ def test_server_thread_restarted_on_the_same_port(tiny, load_client_model, solo)
 @pytest.mark.slow  # a server process started twice
 def test_server_process_killed_and_restarted(tiny, load_client_model, solo, tmp_path) -> None:  # type: ignore[no-untyped-def]
     prompt, expected = solo
-    args = ("--model", tiny, "--first", str(FIRST), "--last", str(LAST), "--exact", "--threads", "1")
+    args = ("--model", tiny, "--first", str(FIRST), "--last", str(LAST), "--threads", "1")
     processes = [ServerProcess(*args, log_path=str(tmp_path / "server.log")).__enter__()]
 
     def kill_and_restart(count: int) -> None:

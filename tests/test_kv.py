@@ -146,7 +146,7 @@ def test_keep_over_the_wire_equals_local(tiny_models, load_client_model, middle_
     """The server applies keep exactly as the client's stages do (tiny Mistral: windows and compaction)."""
     folder = tiny_models["mistral"]
     client_model = load_client_model(folder, 2, 1)
-    url = server(folder, 2, 1).url
+    url = server(folder, 2, 1, dtype=torch.float32).url
     remote = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
     try:
         runs = [SplitPipeline(client_model, m, 64) for m in (remote, InProcessMiddle(middle_stage(folder, 2, 1), 64))]

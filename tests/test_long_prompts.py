@@ -39,7 +39,7 @@ CUTS = [{"max_nodes_per_step": 8}, {"slice_rows": 3, "slice_above": 3}]
 @pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
 def test_prompt_three_times_max_nodes_decodes_exactly(tiny_models, server, load_client_model, pipeline, random_ids, limits) -> None:  # type: ignore[no-untyped-def]
     tiny = tiny_models["mistral"]  # sliding window 8: cuts must not change which positions see which
-    thread = server(tiny, FIRST, LAST, **limits)
+    thread = server(tiny, FIRST, LAST, dtype=torch.float32, **limits)
     client_model, prompt = load_client_model(tiny, FIRST, LAST), random_ids(29, 4)
     want = greedy(client_model, pipeline(tiny, FIRST, LAST, 64).middle, prompt, 12)
     remote = RemoteMiddle(thread.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
@@ -49,7 +49,7 @@ def test_prompt_three_times_max_nodes_decodes_exactly(tiny_models, server, load_
 @pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
 def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, load_client_model, middle_stage, limits) -> None:  # type: ignore[no-untyped-def]
     tiny = tiny_models["llama"]
-    thread = server(tiny, FIRST, LAST, **limits)
+    thread = server(tiny, FIRST, LAST, dtype=torch.float32, **limits)
     client_model = load_client_model(tiny, FIRST, LAST)
     width = client_model.files.config.hidden_size
     remote = RemoteMiddle(thread.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
@@ -74,7 +74,7 @@ def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_mo
     """A step's `while_waiting` (a draft model reading the prompt, a pass per piece) runs one piece after
     each request of a cut step is sent, while the server computes that part; the rest is the caller's."""
     tiny = tiny_models["llama"]
-    thread = server(tiny, FIRST, LAST, max_nodes_per_step=8)
+    thread = server(tiny, FIRST, LAST, dtype=torch.float32, max_nodes_per_step=8)
     client_model = load_client_model(tiny, FIRST, LAST)
     remote = RemoteMiddle(thread.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64)
     registry = thread.server.metrics.registry

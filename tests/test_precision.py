@@ -12,6 +12,8 @@ from report_tables import table, values
 from splitllm.client.client_model import ClientModel
 from splitllm.client.pipeline import InProcessMiddle, SplitPipeline
 from splitllm.client.client import SplitClient
+from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationConfig
 from splitllm.decoding.speculative import SpeculativeDecoder
@@ -178,20 +180,27 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
     assert client_model.shared_logit_rows == (1 if kernels is None else 32 if kernels.tiles_available() else dot_rows)
 
 
-@pytest.mark.parametrize("precision", [Precision(torch.float16), Precision(torch.float32, "int8")], ids=lambda p: p.name)
+@pytest.mark.parametrize("precision", [Precision(torch.float16), Precision(torch.float32, "int8"), Precision()],
+                         ids=lambda p: p.name)
 def test_speculation_is_refused_where_a_rows_bits_depend_on_its_step(precision, tiny_models) -> None:  # type: ignore[no-untyped-def]
-    """float16 and float32-int8 run PyTorch's kernels on every CPU: the client refuses to speculate with
-    them, and a server in such a precision says so when a session opens, so its client refuses too."""
+    """float16, float32-int8 and the float32 exact mode run PyTorch's kernels on every CPU, whose rows round
+    by their step's size: with them on either side a speculative mode is refused and `auto` decodes
+    sequentially (a server in such a precision says so when a session opens: test_server.py)."""
     files = ModelFiles(tiny_models["mistral"])
-    exact_client, lossy_client = ClientModel(files, 1, 1), ClientModel(files, 1, 1, precision)
+    reference_client, lossy_client = ClientModel(files, 1, 1, torch.float64), ClientModel(files, 1, 1, precision)
     lossy_middle = Stage.load(files, 1, files.config.num_layers - 1, precision)
-    assert exact_client.row_invariant and not lossy_client.row_invariant and not lossy_middle.row_invariant
-    exact_middle = Stage.load(files, 1, files.config.num_layers - 1, Precision())
-    for client_model, middle in [(lossy_client, exact_middle), (exact_client, lossy_middle)]:
-        pipeline = SplitPipeline(client_model, InProcessMiddle(middle, 64), 64)
+    assert reference_client.row_invariant and not lossy_client.row_invariant and not lossy_middle.row_invariant
+    reference_middle = Stage.load(files, 1, files.config.num_layers - 1, Precision(torch.float64))
+    for client_model, middle in [(lossy_client, reference_middle), (reference_client, lossy_middle)]:
+
+        def run(decoder):  # type: ignore[no-untyped-def]
+            pipeline = SplitPipeline(client_model, InProcessMiddle(middle, 64), 64)
+            return [out.tokens for out in decoder(pipeline, [3, 4, 5, 3, 4, 5], 6, frozenset())]
+
         with pytest.raises(ValueError, match="would not reproduce sequential decoding"):
-            next(SpeculativeDecoder(SpeculationConfig(next(iter(SPECULATIVE_MODES))))(pipeline, [3, 4, 5], 4, frozenset()))
-        assert len([t for out in decode_sequential(pipeline, [3, 4, 5], 4, frozenset()) for t in out.tokens]) == 4
+            run(SpeculativeDecoder(SpeculationConfig(Mode.LOOKUP)))
+        sequential = run(decode_sequential)
+        assert len(sequential) == 6 and run(DECODERS[Mode.AUTO]()) == sequential  # a token a step
 
 
 def test_lm_head_precision_is_its_own(tiny_models) -> None:  # type: ignore[no-untyped-def]

@@ -40,7 +40,7 @@ PROMPT = "Name three colors of the rainbow and say one thing about each."
 @pytest.mark.slow
 def test_server_holds_only_the_middle_layers(default_files, tensor_reads) -> None:
     names = tensor_reads
-    server = MiddleServer(None, ServerSettings(first=FIRST, last=LAST))
+    server = MiddleServer(None, ServerSettings(first=FIRST, last=LAST, dtype=torch.float32))  # the checkpoint's tensors
     cfg = default_files.config
     middle = range(FIRST, cfg.num_layers - LAST)
     assert names and {int(n.split(".")[2]) for n in names} == set(middle)
@@ -60,7 +60,7 @@ def test_server_holds_only_the_middle_layers(default_files, tensor_reads) -> Non
 
 def test_server_reads_middle_biases_only(tiny_models, tensor_reads) -> None:
     names = tensor_reads
-    MiddleServer(str(tiny_models["qwen2"]), ServerSettings(first=1, last=1))
+    MiddleServer(str(tiny_models["qwen2"]), ServerSettings(first=1, last=1, dtype=torch.float32))
     assert {int(n.split(".")[2]) for n in names} == {1, 2}
     assert "model.layers.1.self_attn.q_proj.bias" in names
     assert not any("embed" in n or "lm_head" in n or n == "model.norm.weight" for n in names)

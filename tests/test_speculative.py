@@ -171,11 +171,11 @@ def test_modes_match_sequential_on_a_repetitive_prompt(f64, mode: str) -> None: 
 
 
 def test_speculation_over_a_server_matches_sequential(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
-    """Over a real socket (float32 on the wire and in compute): trees and windows travel and compact there too."""
+    """Over a real socket (float32 on the wire, float64 in compute): trees and windows travel and compact there too."""
     folder = tiny_models["qwen2"]
-    client_model = ClientModel(ModelFiles(folder), 1, 1)
-    client_model.drafter = random_drafter(client_model.files)
-    url = server(folder, 1, 1).url
+    client_model = ClientModel(ModelFiles(folder), 1, 1, torch.float64)
+    client_model.drafter = random_drafter(client_model.files, torch.float64)
+    url = server(folder, 1, 1, dtype=torch.float64).url
     prompt = [3, 4, 5, 6] * 5
 
     def run(decoder) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]

@@ -103,8 +103,8 @@ PRECISION = (
     Option("device", str, "cpu", "cpu, cuda or mps (only cpu is verified)", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
            group="precision"),
     Option("exact", bool, False, "float32 with the checkpoint's weights (a client's in-process middle too): "
-           "transformers' output, bit for bit, never compiling the CPU kernels", (SERVE, *CLIENTS, ATTEST_WEIGHTS),
-           group="precision", flags=("--exact",)),
+           "transformers' output, bit for bit, never compiling the CPU kernels (so decoding sequentially)",
+           (SERVE, *CLIENTS, ATTEST_WEIGHTS), group="precision", flags=("--exact",)),
 )
 SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit their names carry
     Option("max_context", int, 4096, "longest session", (SERVE, BENCH_LOAD), "tokens", "server",

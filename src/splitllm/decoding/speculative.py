@@ -24,7 +24,9 @@ once, so outputs stay sequential's (greedy) and exactly distributed (sampling).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
@@ -43,7 +45,9 @@ from splitllm.drafting.draft_model_proposer import DraftModelProposer
 from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
 from splitllm.drafting.scored_tree import ScoredTreeProposer
+from splitllm.decoding.mode_names import Mode
 from splitllm.decoding.sampling import Sampler
+from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.scorer import Scorer
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, CandidateTree
@@ -51,6 +55,8 @@ from splitllm.decoding.verifier import Graft, Verdict, verify
 from splitllm.stats import StepSpeculation, StepStats, StepTiming
 from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -175,14 +181,18 @@ class SpeculativeDecoder:
         The proposers read `sampler.history` (everything the model has seen and emitted so far, which
         the sampler extends with each emitted token), so a conversation's earlier turns feed lookups too.
         """
-        if not pipeline.row_invariant:
-            raise ValueError(
-                "speculative decoding would not reproduce sequential decoding here: a part of the split runs "
-                "PyTorch's 16-bit or quantized kernels, whose rows depend on the step's size (splitllm's CPU kernels "
-                "and the float32 exact mode do not); use --decode sequential, --exact, or bfloat16 where the "
-                "kernels run"
-            )
         sampler = sampler or Sampler(history=prompt)
+        if not pipeline.row_invariant:
+            if self.config.mode != Mode.AUTO:
+                raise ValueError(
+                    f"decode mode '{self.config.mode}' would not reproduce sequential decoding here: a part of the "
+                    "split runs PyTorch's kernels (the float32 exact mode, float16, or no splitllm kernel variant on "
+                    "this CPU), whose rows round differently in a tree than alone; use --decode sequential or auto, "
+                    "or bfloat16 where splitllm's kernels run"
+                )
+            _say_auto_is_sequential()
+            yield from decode_sequential(pipeline, prompt, max_new_tokens, frozenset(stop_ids), sampler, keep)
+            return
         generation = _Generation(self, pipeline, prompt, max_new_tokens, stop_ids, sampler, keep)
         try:
             while not generation.done:
@@ -190,6 +200,15 @@ class SpeculativeDecoder:
         except GeneratorExit:  # the caller stopped between steps (a stop string): the caches end at the last path
             generation.give_up_ahead()
             raise
+
+
+@functools.cache
+def _say_auto_is_sequential() -> None:
+    """Said once per process: `auto` keeps its promise of sequential decoding's output by not speculating."""
+    log.warning(
+        "auto decodes sequentially here: a part of the split runs PyTorch's kernels (the float32 exact mode, "
+        "float16, or no splitllm kernel variant on this CPU), where speculation would not reproduce it bit for bit"
+    )
 
 
 def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], list[ScoredTreeProposer]]:

@@ -127,6 +127,8 @@ def settings_from_args(args: dict[str, Any]) -> ServerSettings:
         raw, hint = args[name], str(hints[name])
         if name == "operators":
             values[name] = tuple(raw.split(",") if isinstance(raw, str) else raw)
+        elif "str" in hint and raw is not None:
+            values[name] = str(raw)
         elif raw is None or (isinstance(raw, str) and raw.lower() == "none"):
             values[name] = None
         else:

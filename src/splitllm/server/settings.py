@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 import torch
 
-from splitllm.model.precision import Precision
+from splitllm.model.precision import EXACT, Precision, fastest
 from splitllm.options import SERVE, Split, option, options_of
 from splitllm.server.setting_fields import fields_of
 
@@ -20,8 +20,10 @@ class ServerSettings:
 
     first: int = Split.first
     last: int = Split.last
-    dtype: torch.dtype = torch.float32  # the exact mode; `serve` itself runs the fastest here unless told
-    quant: str = "none"  # weight-only quantization of the middle layers: none, int8 or int4
+    # The middle layers' compute dtype and weight-only quantization (none, int8, int4 or mixed): neither given
+    # is the fastest here, as for `serve`; one given alone takes the exact mode's other (float32, none).
+    dtype: torch.dtype | None = None
+    quant: str | None = None
     device: str = option(SERVE, "device").default
     max_context: int = _SERVE["max_context"]
     max_sessions: int = _SERVE["max_sessions"]
@@ -56,4 +58,6 @@ class ServerSettings:
 
     @property
     def precision(self) -> Precision:
-        return Precision(self.dtype, self.quant, self.device)
+        if self.dtype is None and self.quant is None:
+            return fastest(self.device)
+        return Precision(self.dtype or EXACT.dtype, self.quant or EXACT.quant, self.device)

@@ -74,7 +74,7 @@ class StepRunner:
         try:
             vis = Visibility.from_wire(request.parents, request.bits, n)
             positions = torch.tensor(request.positions, dtype=torch.long)
-            step = Step(hidden.to(self.settings.dtype), positions, vis, request.keep, request.crop)
+            step = Step(hidden.to(self.stage.dtype), positions, vis, request.keep, request.crop)
             self.stage.check_step(session.cache, step)
         except ValueError as exc:
             raise ProtocolError("bad_request", str(exc)) from None
@@ -87,7 +87,7 @@ class StepRunner:
         n = prepared.rows()
         base = cache.length if prepared.done or prepared.step.crop is None else prepared.step.crop
         context = base + len(prepared.step.keep) + prepared.parts[prepared.done][1]
-        itemsize = torch.finfo(self.settings.dtype).bits // 8
+        itemsize = torch.finfo(self.stage.dtype).bits // 8
         activations = n * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * itemsize
         masks = len(set(self.stage.windows)) * n * context * itemsize
         return n, activations + masks
