@@ -12,6 +12,8 @@ runtime command never imports `splitllm.lab`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import typer
 from typer.core import TyperCommand, TyperGroup
 
@@ -36,12 +38,13 @@ class _Root(TyperGroup):
         self.commands = {name: every[name] for name in sorted(every, key=lambda n: isinstance(every[n], TyperGroup))}
         self.lab_added = True
 
-    def get_command(self, ctx: typer.Context, cmd_name: str) -> TyperCommand | TyperGroup | None:
+    # typer types the base methods' ctx as the Context of the click it vendors (private), typer.Context's base.
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> TyperCommand | TyperGroup | None:  # type: ignore[override]
         if cmd_name not in self.commands:
             self._add_lab()
-        return super().get_command(ctx, cmd_name)
+        return cast("TyperCommand | TyperGroup | None", super().get_command(ctx, cmd_name))  # typer's commands
 
-    def list_commands(self, ctx: typer.Context) -> list[str]:
+    def list_commands(self, ctx: typer.Context) -> list[str]:  # type: ignore[override]
         self._add_lab()
         return super().list_commands(ctx)
 

@@ -80,7 +80,7 @@ class Option:
 
 
 def _choices(names: Any) -> Any:
-    return Literal[tuple(names)]  # type: ignore[valid-type]
+    return Literal[tuple(names)]
 
 
 SPLIT = (
@@ -202,7 +202,7 @@ CLIENT = (  # the fields of commands.client_commands.ClientSettings
            "server may grant fewer, and the caches take memory as they fill)", CLIENTS, "tokens", "client", min=1),
 )
 SAMPLING = tuple(
-    Option(*fields, (GENERATE, CHAT, BENCH_SPECULATION), group="sampling", flags=flags)  # type: ignore[misc]
+    Option(*fields, (GENERATE, CHAT, BENCH_SPECULATION), group="sampling", flags=flags)  # type: ignore[arg-type, call-arg, misc]  # *fields: mypy cannot count them
     for *fields, flags in (
         ("sample", bool, False, "sample instead of taking the argmax", ("--sample/--greedy",)),
         ("temperature", float, 1.0, "divides the logits before sampling", ()),

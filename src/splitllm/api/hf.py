@@ -62,7 +62,7 @@ class SplitModelForCausalLM:
         return cls(SplitClient(model, server, first, last, **kwargs))
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self):
         return self.client.tokenizer
 
     def generate(

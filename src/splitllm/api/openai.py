@@ -19,10 +19,10 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from importlib import resources
 from dataclasses import replace
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, cast
 
 import anyio
 import llguidance
@@ -266,7 +266,7 @@ class OpenAIEndpoint:
             "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitllm"}],
         }
 
-    async def _start(self, prompt: Prompt, req: _Request, owner: str | None) -> tuple[str, Iterator[tuple[Generation, Any, int]]]:
+    async def _start(self, prompt: Prompt, req: _Request, owner: str | None) -> tuple[str, Generator[tuple[Generation, Any, int], None, None]]:
         """Validate a request up front (so errors come back as 400s before any streaming starts); the
         generation continues the kept conversation the prompt extends, if any."""
         try:
@@ -302,7 +302,7 @@ class OpenAIEndpoint:
         tok = self.client.tokenizer
         if not tok.chat_template:
             raise _APIError(400, "this model has no chat template; use /v1/completions")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+        tools: list[dict[str, Any]] = [t.model_dump(exclude_none=True) for t in req.tools or ()]
         uses_tools = tools or req.tool_choice is not None or any(m.role == "tool" or m.tool_calls for m in req.messages)
         if uses_tools and not takes_tools(tok):
             raise _APIError(400, "tools: this model's chat template takes no tools (the Qwen2.5 models' does)")
@@ -314,7 +314,10 @@ class OpenAIEndpoint:
         messages = [m.template() for m in req.messages]
         # With tool_choice "none" the tools stay in the prompt (as vLLM keeps them) and calls are not read
         # back: the prompt stays the one the conversation's earlier turns had, so it goes on.
-        text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        # transformers types `tools` as a list of dicts or callables (a list of dicts is one), and its
+        # result as every form it can return: untokenized, it is the text.
+        offered = cast("list[dict[Any, Any] | Callable[..., Any]]", tools)
+        text = cast(str, tok.apply_chat_template(messages, tools=offered or None, tokenize=False, add_generation_prompt=True))
         return Prompt(tok(text, add_special_tokens=False)["input_ids"], text)
 
     def text_prompt(self, req: CompletionRequest) -> Prompt:
@@ -328,7 +331,7 @@ class OpenAIEndpoint:
         if chat:
             calls = _Calls(req)
             calls.feed(gen.text, True)
-            message = {"role": "assistant", "content": calls.content(gen.text)}
+            message: dict[str, Any] = {"role": "assistant", "content": calls.content(gen.text)}
             if calls.found:
                 message["tool_calls"] = [c.openai() for c in calls.found]
             reply["choices"] = [{"index": 0, "message": message, "finish_reason": calls.finish(gen)}]

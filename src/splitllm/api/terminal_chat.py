@@ -92,7 +92,7 @@ def run_chat(
         conv.close()
 
 
-def _answer(console, conv, line, decode, sampling, max_new_tokens) -> Generation | None:  # type: ignore[no-untyped-def]
+def _answer(console, conv, line, decode, sampling, max_new_tokens) -> Generation | None:
     """Stream one answer; Ctrl-C stops it (between steps the conversation keeps what was said)."""
     gen, shown = None, ""
     try:

@@ -101,6 +101,10 @@ class Evidence:
         """Malformed evidence is the `evidence` check failing, never a crash: every field must have its
         exact type, since a converted one (an int turned into that many zero bytes, a string into
         digits) is a different value than the server sent."""
+        certs: Any  # the header's values, whatever was sent: checked below
+        layers: Any
+        fingerprint: Any
+        weights: Any
         certs, layers, fingerprint, weights = h.get("certs"), h.get("layers"), h.get("fingerprint"), h.get("weights")
         valid = {
             "platform": isinstance(h.get("platform"), str),

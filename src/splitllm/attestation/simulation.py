@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -147,7 +148,7 @@ class SimulatedSnp:
     def report(self, report_data: bytes) -> tuple[bytes, dict[str, bytes]]:
         g = self.guest
         tcb = Tcb(**g.tcb).pack(g.product)
-        fields = dict(
+        fields: dict[str, Any] = dict(
             version=2, guest_svn=0, policy=g.guest_policy, image_id=bytes.fromhex(g.image_id), vmpl=0,
             signature_algo=SIGNATURE_ECDSA_P384_SHA384, current_tcb=tcb, platform_info=1, report_data=report_data,
             measurement=bytes.fromhex(g.measurement), host_data=bytes.fromhex(g.host_data), report_id=os.urandom(32),

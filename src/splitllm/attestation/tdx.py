@@ -274,7 +274,7 @@ class QuoteSource(Protocol):
 def _expiry(collateral: str) -> datetime.datetime:
     """When the first part of the collateral (TCB info, QE identity or a CRL) expires."""
     data = json.loads(collateral)
-    dates = [datetime.datetime.fromisoformat(json.loads(data[k])["nextUpdate"]) for k in ("tcb_info", "qe_identity")]
+    dates: list[datetime.datetime | None] = [datetime.datetime.fromisoformat(json.loads(data[k])["nextUpdate"]) for k in ("tcb_info", "qe_identity")]
     dates += [x509.load_der_x509_crl(bytes.fromhex(data[k])).next_update_utc for k in ("pck_crl", "root_ca_crl")]
     return min(d for d in dates if d is not None)
 

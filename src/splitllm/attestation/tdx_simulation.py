@@ -146,7 +146,8 @@ def tdx_sim_init(folder: str | os.PathLike, tcb_status: str = "UpToDate", debug:
         key.write_bytes(keys[name].private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                  serialization.NoEncryption()))
         key.chmod(0o600)
-    td = SimulatedTd(*(os.urandom(48).hex() for _ in range(4)), tcb_status=tcb_status, debug=debug)
+    mrtd, rtmr0, rtmr1, rtmr2 = (os.urandom(48).hex() for _ in range(4))
+    td = SimulatedTd(mrtd, rtmr0, rtmr1, rtmr2, tcb_status=tcb_status, debug=debug)
     (out / "attester.json").write_text(json.dumps(asdict(td), indent=2) + "\n")
     policy = {
         "platform": PLATFORM,

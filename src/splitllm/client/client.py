@@ -6,9 +6,10 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -140,7 +141,7 @@ class SplitClient:
         if isinstance(prompt, list):
             return prompt
         if chat and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template(
+            ids: Any = self.tokenizer.apply_chat_template(  # a BatchEncoding, or the ids from older transformers
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -173,7 +174,7 @@ class SplitClient:
         chat: bool = True,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
-    ) -> Iterator[tuple[Generation, StepOutput]]:
+    ) -> Generator[tuple[Generation, StepOutput], None, None]:
         """Yield after every step: the generation so far and what the step added."""
         with self.conversation() as conv:
             yield from conv.stream(self.encode_prompt(prompt, chat), max_new_tokens, decode, sampling, stop)
@@ -275,7 +276,7 @@ class Conversation:
         decode: str | Decoder = DEFAULT_DECODE,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
-    ) -> Iterator[tuple[Generation, StepOutput]]:
+    ) -> Generator[tuple[Generation, StepOutput], None, None]:
         """Append `new_ids` and generate after them; yield after every step like `SplitClient.stream`."""
         client = self.client
         if isinstance(decode, str):
@@ -351,7 +352,7 @@ class Conversation:
         decode: str | Decoder = DEFAULT_DECODE,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
-    ) -> Iterator[tuple[Generation, StepOutput]]:
+    ) -> Generator[tuple[Generation, StepOutput], None, None]:
         """One chat turn: the user's message through the chat template, then the streamed answer."""
         messages = [*self.messages, {"role": "user", "content": user}]
         if self.system and not self.messages:
@@ -363,7 +364,7 @@ class Conversation:
         finally:
             if gen is not None and self.ids:  # answered, even in part, and the caches still hold it
                 # What the model saw (a stop string included), so the next template lines up with the cache.
-                seen = self.client.tokenizer.decode(gen.ids, skip_special_tokens=True)
+                seen = cast(str, self.client.tokenizer.decode(gen.ids, skip_special_tokens=True))  # one sequence: text
                 self.messages = [*messages, {"role": "assistant", "content": seen}]
 
     def _turn_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -375,6 +376,6 @@ class Conversation:
         """
         self.client.check_chat()
         tok = self.client.tokenizer
-        full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        seen = tok.decode(self.ids, skip_special_tokens=False)
+        full = cast(str, tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))  # untokenized: text
+        seen = cast(str, tok.decode(self.ids, skip_special_tokens=False))
         return tok(full[len(os.path.commonprefix([full, seen])) :], add_special_tokens=False)["input_ids"]

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from splitllm.client.client import Conversation, Generation, SplitClient
 from splitllm.decoding.modes import Decoder
@@ -77,7 +78,7 @@ class ConversationCache:
         if not conv.ids:  # closed after a failure: nothing to continue
             return
         self._ids += 1
-        self._kept[self._ids] = _Kept(conv, time.monotonic(), self.client.tokenizer.decode(conv.ids), owner)
+        self._kept[self._ids] = _Kept(conv, time.monotonic(), cast(str, self.client.tokenizer.decode(conv.ids)), owner)
         while len(self._kept) > self.limits.max_conversations or (
             len(self._kept) > 1 and sum(k.conversation.nbytes for k in self._kept.values()) > self.limits.max_bytes
         ):
@@ -100,7 +101,7 @@ class ConversationCache:
         stop: Sequence[str] = (),
         text: str | None = None,
         owner: str | None = None,
-    ) -> Iterator[tuple[Generation, StepOutput, int]]:
+    ) -> Generator[tuple[Generation, StepOutput, int], None, None]:
         """Generate after `prompt` (whose text `text` is, if given) like `SplitClient.stream`, in a
         conversation only `owner`'s requests continue; each item also says how many tokens an earlier
         request had already read (0: a fresh conversation)."""

@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from websockets.sync.client import ClientConnection
@@ -130,7 +130,7 @@ class RemoteMiddle:
         """Send one frame; the plain frame of its reply."""
         assert self._ws is not None
         self._ws.send(self._sealed(message))
-        return self._opened(self._ws.recv(timeout=timeout or self.options.step_timeout_s))
+        return self._opened(cast(bytes, self._ws.recv(timeout=timeout or self.options.step_timeout_s)))  # binary frames
 
     def _call(self, request: OpenMessage | StepMessage | CloseMessage, kind: type[_R], timeout: float | None = None) -> _R:
         """The reply to `request`, of `kind`; ServerError if the server refused it."""
@@ -141,7 +141,7 @@ class RemoteMiddle:
         parents, bits = step.vis.to_wire()
         positions = tuple(step.positions.tolist())
         return StepMessage(
-            self.session, step.inputs, self.wire_dtype, positions, step.keep, parents, bits, next(self._ids), step.crop
+            self.session, step.inputs, self.wire_dtype, positions, tuple(step.keep), parents, bits, next(self._ids), step.crop
         )
 
     def _attest(self) -> None:
@@ -360,11 +360,11 @@ class RemoteMiddle:
         finally:
             self._in_flight_whole = False
         for _ in range(self._drain):
-            dropped = messages.decode(self._opened(self._ws.recv(timeout=self.options.step_timeout_s)), messages.REPLIES)
+            dropped = messages.decode(self._opened(cast(bytes, self._ws.recv(timeout=self.options.step_timeout_s))), messages.REPLIES)
             self._drain -= 1
             if not isinstance(dropped, ResultMessage):
                 raise ConnectionResetError(f"a step sent ahead was refused ({dropped.OP}); replaying")
-        reply = self._ws.recv(timeout=self.options.step_timeout_s)
+        reply = cast(bytes, self._ws.recv(timeout=self.options.step_timeout_s))  # the protocol's frames are binary
         t2 = time.perf_counter()
         result = _expect(messages.decode(self._opened(reply), messages.REPLIES), ResultMessage)
         if result.hidden.shape != part.inputs.shape:

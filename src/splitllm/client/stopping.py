@@ -9,6 +9,7 @@ as at the two-thousandth, and stop strings are searched only where new text can 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -42,7 +43,7 @@ class IncrementalText:
         self._read = 0  # tokens already turned into `text`
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=True))  # one sequence: text
 
     def push(self, token: int) -> str:
         """Add a token; return the text it completes (often its own, sometimes more, or nothing yet)."""

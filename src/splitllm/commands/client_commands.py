@@ -145,7 +145,7 @@ def client_api(
     where = split_client.server or "in-process middle"
     typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})", err=True)
     reuse = ReuseLimits(max_conversations, int(max_conversation_gib * (1 << 30)))
-    keys = frozenset()
+    keys: frozenset[str] = frozenset()
     if api_keys is not None:
         with reported(OSError):
             keys = frozenset(line.strip() for line in api_keys.read_text().splitlines() if line.strip())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 import llguidance.hf
@@ -27,9 +27,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # typed in llguidance's stub only
+    from transformers import PreTrainedTokenizerFast
+
 # The JSON the grammar admits: the separators models write by habit, no other whitespace, so a greedy
 # model cannot spin on blank lines inside an object.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_tokenizer(
@@ -39,7 +43,9 @@ def grammar_tokenizer(
 
     `vocab_size` is the LM head's (rows past the tokenizer's are never allowed); every stop id ends a
     generation the grammar has completed."""
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_ids))
+    # llguidance types a fast tokenizer, and raises a ValueError for any other.
+    fast = cast("PreTrainedTokenizerFast", tokenizer)
+    return llguidance.hf.from_tokenizer(fast, n_vocab=vocab_size, eos_token=sorted(stop_ids))
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,7 +8,7 @@ state (what `auto` learns about a link belongs to the conversation that measured
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from types import MappingProxyType
 
 from splitllm.decoding.mode_names import Mode
@@ -18,7 +18,7 @@ from splitllm.decoding.sequential import decode_sequential
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.step import StepOutput
 
-Decoder = Callable[..., Iterator[StepOutput]]
+Decoder = Callable[..., Generator[StepOutput, None, None]]
 
 
 def _auto() -> Decoder:
@@ -26,7 +26,8 @@ def _auto() -> Decoder:
     return SpeculativeDecoder(SpeculationConfig(Mode.AUTO, AdaptivePolicy(), drafter_policy=ValuePolicy()))
 
 
-DECODERS: Mapping[Mode, Callable[[], Decoder]] = MappingProxyType({
+# Keyed by `Mode`, a StrEnum, so a mode's name finds its factory too.
+DECODERS: Mapping[str, Callable[[], Decoder]] = MappingProxyType({
     Mode.SEQUENTIAL: lambda: decode_sequential,
     **{
         mode: functools.partial(SpeculativeDecoder, SpeculationConfig(mode))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers.generation.logits_process import (
@@ -84,7 +85,8 @@ class Sampler:
         if self.grammar is not None:
             scores = scores.masked_fill(~self.grammar.allowed(scores.shape[-1]), float("-inf"))
         if self.processors:
-            scores = self.processors(torch.tensor([self.history], dtype=torch.long).reshape(1, -1), scores)
+            ids = torch.tensor([self.history], dtype=torch.long).reshape(1, -1)
+            scores = self.processors(cast(torch.LongTensor, ids), scores)  # transformers types its ids so
         return scores[0]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -21,7 +21,7 @@ def decode_sequential(
     stop_ids: frozenset[int],
     sampler: Sampler | None = None,
     keep: Sequence[int] = (),
-) -> Iterator[StepOutput]:
+) -> Generator[StepOutput, None, None]:
     """Prefill the prompt in one step, then feed back each chosen token (greedy by default).
 
     `keep` commits the previous generation's path when this one continues it (a conversation).

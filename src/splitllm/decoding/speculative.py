@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -175,7 +175,7 @@ class SpeculativeDecoder:
         stop_ids: Collection[int],
         sampler: Sampler | None = None,
         keep: Sequence[int] = (),
-    ) -> Iterator[StepOutput]:
+    ) -> Generator[StepOutput, None, None]:
         """Same contract as `decode_sequential`: `prompt` is fed first, `keep` commits a previous path.
 
         The proposers read `sampler.history` (everything the model has seen and emitted so far, which

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,8 @@ class Drafter(nn.Module):
     the top feature (empty: the top feature alone).
     """
 
+    vocab: torch.Tensor  # the buffer __init__ registers
+
     def __init__(
         self, cfg: ModelConfig, vocab: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.float32, taps: Sequence[int] = ()
     ) -> None:
@@ -69,8 +72,9 @@ class Drafter(nn.Module):
         d = cfg.hidden_size
         self.cfg, self.dtype, self.taps = cfg, dtype, tuple(taps)
         self.quant = "none"  # how its weights run once `packed`
-        self.fuse = nn.Linear(len(self.taps) * d, d, bias=False, dtype=dtype) if self.taps else None
-        self.fc = nn.Linear(2 * d, d, bias=True, dtype=dtype)
+        # nn.Linear until `packed` swaps in the form the runtime drafts with.
+        self.fuse: nn.Module | None = nn.Linear(len(self.taps) * d, d, bias=False, dtype=dtype) if self.taps else None
+        self.fc: nn.Module = nn.Linear(2 * d, d, bias=True, dtype=dtype)
         self.stage = Stage(cfg, 0, 1, dtype)
         self.register_buffer("vocab", torch.as_tensor(vocab, dtype=torch.long), persistent=True)
 
@@ -84,9 +88,10 @@ class Drafter(nn.Module):
         for name in ("qkv", "o_proj", "gate_up", "down"):
             linear = getattr(layer, name)
             setattr(layer, name, precision.linear(precision.store_linear(linear.weight.data), linear.bias))
-        self.fc = precision.linear(precision.store_linear(self.fc.weight.data), self.fc.bias.data)
+        fc = cast(nn.Linear, self.fc)  # still the trained linears
+        self.fc = precision.linear(precision.store_linear(fc.weight.data), fc.bias.data)
         if self.fuse is not None:
-            self.fuse = precision.linear(precision.store_linear(self.fuse.weight.data), None)
+            self.fuse = precision.linear(precision.store_linear(cast(nn.Linear, self.fuse).weight.data), None)
         return self
 
     def new_cache(self, max_context: int) -> KVCache:

@@ -10,7 +10,7 @@ takes its parent's predicted feature and its own token (scored_tree.py grows and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -76,7 +76,8 @@ class DrafterProposer(ScoredTreeProposer):
         if not self.pending or self.next_position is None:
             return None
         features = torch.cat([f for _, f, _ in self.pending])
-        taps = torch.cat([t for _, _, t in self.pending]) if self.drafter.taps else None
+        # A tapped drafter observes taps with every feature (`observe` checks).
+        taps = torch.cat(cast("list[torch.Tensor]", [t for _, _, t in self.pending])) if self.drafter.taps else None
         first = self.pending[0][0]
         self.pending = []
         if first != self.next_position:
@@ -98,5 +99,5 @@ class DrafterProposer(ScoredTreeProposer):
 
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         normed = self.client_model.normed(outputs.to(self.client_model.dtype)).to(self.drafter.dtype)  # the vocab head's dtype
-        q, idx = torch.softmax(self.vocab_head(normed).float(), dim=-1).topk(min(k, self.vocab_head.out_features), dim=-1)
+        q, idx = torch.softmax(self.vocab_head(normed).float(), dim=-1).topk(min(k, cast(int, self.vocab_head.out_features)), dim=-1)
         return q, self.drafter.vocab[idx]

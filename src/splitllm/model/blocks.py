@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -98,11 +99,11 @@ class DecoderLayer(nn.Module):
         def norm(size: int, present: bool = True) -> nn.Parameter | None:
             return nn.Parameter(empty(size), requires_grad=False) if present else None
 
-        self.input_norm = norm(d)
+        self.input_norm = cast(nn.Parameter, norm(d))  # present: never None
         # Linear modules: dense here; the loader swaps in the stored (possibly quantized) ones.
         self.qkv: nn.Module = Linear(empty(q + 2 * kv, d), empty(q + 2 * kv) if cfg.qkv_bias else None)
         self.o_proj: nn.Module = Linear(empty(d, q))
-        self.post_norm = norm(d)
+        self.post_norm = cast(nn.Parameter, norm(d))
         self.gate_up: nn.Module = Linear(empty(2 * cfg.intermediate_size, d))
         self.down: nn.Module = Linear(empty(d, cfg.intermediate_size))
         self.q_norm = norm(hd, cfg.qk_norm)
@@ -140,6 +141,7 @@ class DecoderLayer(nn.Module):
         n, heads = qkv.shape[1], cfg.num_heads
         qk = qkv[..., : self.q_size + self.kv_size].view(1, n, heads + cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # the config's qk_norm makes both or neither
             eps = cfg.rms_norm_eps
             qk = torch.cat([rms_norm(qk[:, :, :heads], self.q_norm, eps), rms_norm(qk[:, :, heads:], self.k_norm, eps)], 2)
         qk = apply_rotary(qk.to(k_cache.dtype).transpose(1, 2), seg.cos, seg.sin)

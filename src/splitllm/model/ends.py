@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cached_property
+from typing import cast
 
 import torch
 
@@ -52,7 +53,7 @@ class ModelEnds:
         hidden-size-row product. A tied head's rows are the embedding's (a packed head would have to
         unpack all of its rows first)."""
         if self._tied_dense or isinstance(self.lm_head, (Linear, PackedLinear, BlockedLinear)):
-            weight = self.embed_weight if self._tied_dense else self.lm_head.weight
+            weight = self.embed_weight if self._tied_dense else cast(torch.Tensor, self.lm_head.weight)  # one of the linears above
             return weight[ids.to(weight.device)]
         hp = self.lm_head_precision
         eye = torch.eye(self.cfg.hidden_size, dtype=hp.dtype, device=hp.torch_device)
@@ -115,6 +116,7 @@ class ModelEnds:
         """The LM head `approx_logits` reads: a float32 one again as bfloat16; any other is cheap already."""
         if not self._row_by_row:
             return self.lm_head
+        assert isinstance(self.lm_head, Linear)  # row by row: a dense float head (__init__)
         head = Linear(self.lm_head.weight.to(torch.bfloat16))
         return lambda x: head(x.to(torch.bfloat16))
 

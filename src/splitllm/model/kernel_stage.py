@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 import torch
+from torch import nn
 
 from splitllm.model.kv import KVCache
 from splitllm.model.attention import KernelAttention
@@ -36,7 +37,8 @@ class KernelStage:
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, scale=scale, gelu=_ACTIVATIONS[cfg.hidden_act],
         )
 
-        def projection(linear: BlockedLinear) -> object:
+        def projection(linear: nn.Module) -> object:
+            assert isinstance(linear, BlockedLinear)  # as `supports` checked
             return kernels.Projection(linear.packed, linear.out_features, linear.bias, linear.scales)
 
         self.layers = [

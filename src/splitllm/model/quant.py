@@ -53,6 +53,9 @@ class PackedLinear(nn.Module):
     (docs/precision.md has the kernels' measured speeds).
     """
 
+    packed: torch.Tensor  # the buffers __init__ registers
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self._out = weight.shape[0]
@@ -90,6 +93,10 @@ class BlockedLinear(nn.Module):
     `scales` is the int8 per-output float32 vector or the int4 kernel's packed float16 scales and minimums.
     """
 
+    packed: torch.Tensor  # the buffers __init__ registers
+    scales: torch.Tensor | None
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
         """weight (out, in): float (run in bfloat16); int8 with float32 `scales` (out,); or uint8 values
         0..15 with `scales` the (out, in / INT4_GROUP, 2) scales and minimums of w = q * scale + min."""
@@ -105,6 +112,7 @@ class BlockedLinear(nn.Module):
         assert variant is not None  # the kernels loaded
         self._dot_rows = variant.shared_rows[weight.dtype in (torch.int8, torch.uint8)]
         if weight.dtype == torch.uint8:
+            assert scales is not None  # int4 weights come with their scales and minimums
             packed, scales = kernels.pack_int4(weight.contiguous(), scales.to(torch.float16).contiguous())
         else:
             dense = weight.contiguous() if weight.dtype == torch.int8 else weight.to(torch.bfloat16).contiguous()
@@ -192,6 +200,10 @@ def _release_freed_memory() -> None:
 class Int8Linear(nn.Module):
     """Symmetric int8 weights with one scale per output channel: w ~= q * scale."""
 
+    q: torch.Tensor  # the buffers __init__ registers
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("q", q)
@@ -229,6 +241,10 @@ class Int4Linear(nn.Module):
     The form of GGUF's 4-bit blocks (Q4_0, Q4_1, and Q4_K's sub-blocks of 32), so a model shipped in one
     of them keeps its weights (`quantize` finds each block's grid again in the float32 conversion).
     """
+
+    packed: torch.Tensor  # the buffers __init__ registers
+    scales_zeros: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()

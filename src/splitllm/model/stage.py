@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import cast
 
 import torch
 from torch import nn
@@ -83,7 +84,7 @@ class Step:
     inputs: torch.Tensor
     positions: torch.Tensor
     vis: Visibility
-    keep: tuple[int, ...] = ()
+    keep: Sequence[int] = ()  # any sequence in, a tuple kept (__post_init__)
     crop: int | None = None
 
     def __post_init__(self) -> None:
@@ -151,7 +152,7 @@ class Stage(nn.Module):
                 getattr(layer, attr).data = read_norm(weights, name)
             for attr, (weight, bias) in linears.items():
                 setattr(layer, attr, weights.linear(weight, bias))
-        on_huge_pages(m for layer in stage.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        on_huge_pages(m for layer in cast("Sequence[DecoderLayer]", stage.layers) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         stage.loaded_fingerprint = loaded_fingerprint(files.config, (start, end), stage.precision.name, weights.digests)
         return stage
 
@@ -275,9 +276,10 @@ class Stage(nn.Module):
         if self.precision.exact or self.precision.torch_device.type != "cpu":
             return None  # the exact mode never compiles the kernels
         kernels = cpu_kernels.load()
-        if kernels is None or not KernelStage.supports(self.cfg, self.layers, self.dtype):
+        layers = cast("Sequence[DecoderLayer]", self.layers)  # the ModuleList's items
+        if kernels is None or not KernelStage.supports(self.cfg, layers, self.dtype):
             return None
-        return KernelStage(kernels, self.cfg, self.layers, self.layer_kinds)
+        return KernelStage(kernels, self.cfg, layers, self.layer_kinds)
 
     def _mask(
         self, vis: Visibility, cache_positions: torch.Tensor, positions: torch.Tensor, window: int | None

@@ -13,7 +13,7 @@ builds and reads them, framed by `wire` like these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeAlias, TypeVar, cast
+from typing import Any, ClassVar, TypeAlias, TypeGuard, TypeVar, cast
 
 import torch
 
@@ -279,7 +279,7 @@ def request_id(frame: wire.Frame) -> RequestId:
     return rid if isinstance(rid, (int, str)) else None
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -364,7 +364,7 @@ def create_app(server: MiddleServer) -> Starlette:
         return Response(server.metrics.render(scope), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette):  # type: ignore[no-untyped-def]
+    async def lifespan(_app: Starlette):
         reaper = asyncio.create_task(server.reap())
         yield
         reaper.cancel()

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import Any, cast, get_type_hints
 
 
 from splitllm.weights.sources import ModelFiles
@@ -101,7 +101,8 @@ def application(spec: ReplicaSpec, replicas: int, cpus_per_replica: float | None
             "Ray Serve replicas cannot be attested: Ray runs code its driver ships and any client of the cluster can "
             "call a replica's methods, which no measurement covers (docs/confidential.md); serve with uvicorn"
         )
-    deployment = serve.deployment(
+    # Given the class, serve.deployment returns the Deployment (Ray types only its decorator form).
+    deployment = cast("serve.Deployment", serve.deployment(
         MiddleReplica,
         name=DEPLOYMENT,
         num_replicas=replicas,
@@ -110,7 +111,7 @@ def application(spec: ReplicaSpec, replicas: int, cpus_per_replica: float | None
         ray_actor_options={"num_cpus": spec.threads if cpus_per_replica is None else cpus_per_replica},
         health_check_period_s=5,
         graceful_shutdown_timeout_s=5,
-    )
+    ))
     return deployment.bind(spec)
 
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def loaded_fingerprint(config: ModelConfig, layers: tuple[int, int], precision: 
 class _HashedReader:
     """A file read once from its start, every byte hashed as it is read."""
 
-    def __init__(self, file: BinaryIO, path: Path) -> None:
+    def __init__(self, file: io.BufferedIOBase, path: Path) -> None:
         self.file, self.path = file, path
         self.sha256 = hashlib.sha256()
         self._scratch = memoryview(bytearray(_BLOCK))

@@ -153,7 +153,7 @@ class _Cursor:
         from gguf import GGUFValueType as V
 
         self.blob, self.pos = blob, 0
-        self.widths = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
+        self.widths: dict[int, int] = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
                        V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}  # the fixed-size value types
 
     def read(self, layout: str) -> tuple:
@@ -263,8 +263,8 @@ def _write_gguf_shards(gguf: Path, fields: dict, config: PretrainedConfig, folde
 
     groups: dict[str, list[_GGUFTensor]] = {}
     for tensor in tensors:
-        group = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else tensor.name
-        groups.setdefault(group, []).append(tensor)
+        key = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else tensor.name
+        groups.setdefault(key, []).append(tensor)
     # where processors that split tensors (mixtures of experts) leave them
     parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
 
