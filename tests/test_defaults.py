@@ -94,7 +94,9 @@ print(client.client_model.drafter.dtype, len(gen.ids) > 0, "splitllm_cpu_kernels
 
 
 @pytest.mark.slow
-def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy) -> None:  # type: ignore[no-untyped-def]
+def test_serve_and_generate_with_exact_give_transformers_greedy_output(  # type: ignore[no-untyped-def]
+    hf_greedy
+) -> None:
     """The commands as a user runs them: `splitllm serve --exact` in its own process, `splitllm generate
     --exact --json` in another; the answer is transformers' greedy continuation, token for token."""
     from splitllm.testing.launch import ServerProcess
@@ -102,7 +104,8 @@ def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy
     prompt = "Name three prime numbers."
     with ServerProcess("--exact", "--threads", "1") as server:
         run = subprocess.run(
-            [sys.executable, "-m", "splitllm.cli", "generate", prompt, "--server", server.url, "--exact", "--threads", "1",
+            [sys.executable, "-m", "splitllm.cli", "generate", prompt, "--server", server.url, "--exact", "--threads",
+             "1",
              "--json", "--max-new-tokens", "16", "--wire-dtype", "float32", "--decode", "auto"],
             capture_output=True, text=True, timeout=600,
         )
@@ -114,7 +117,8 @@ def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy
     from splitllm.weights.sources import ModelFiles
 
     tokenizer = AutoTokenizer.from_pretrained(ModelFiles(None).path)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     assert summary["prompt_tokens"] == len(ids)
     assert summary["ids"] == hf_greedy(None, ids, 16)[: len(summary["ids"])] and len(summary["ids"]) == 16

@@ -58,7 +58,8 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 def test_page_streams_the_apis_answer_and_charts_its_steps(chat_url: str, browser: webdriver.Chrome) -> None:
     body = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 256, "decode": "auto"}
-    expected = httpx.post(f"{chat_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["content"]
+    expected = httpx.post(f"{chat_url}/v1/chat/completions", json=body,
+                          timeout=120).json()["choices"][0]["message"]["content"]
 
     browser.get(chat_url)
     wait = WebDriverWait(browser, 120)
@@ -98,7 +99,9 @@ def test_page_streams_the_apis_answer_and_charts_its_steps(chat_url: str, browse
     browser.find_element(By.ID, "prompt").send_keys(follow)
     browser.find_element(By.ID, "send").click()
     wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done='true']")) == 2)
-    texts = browser.execute_script("return [...document.querySelectorAll('.msg.assistant .text')].map(e => e.textContent)")
+    texts = browser.execute_script(
+        "return [...document.querySelectorAll('.msg.assistant .text')].map(e => e.textContent)"
+    )
     assert texts == [expected, second]
     assert "sequential" in browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[1].text
     assert float(browser.find_element(By.ID, "tpr").text) == 1.0  # one token per round trip, as sequential must

@@ -194,11 +194,16 @@ def _step(**fields: object) -> bytes:
     [
         (wire.encode({"op": "result"}, _HIDDEN), "unknown_op"),  # a reply is no request
         (wire.encode({"op": "attest"}), "unknown_op"),  # the handshake is read before, by the server
-        (wire.encode({"op": "open", "version": 4}), "version_mismatch"),  # from before evidence bound the loaded weights
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "layers": [2, 28], "dtype": "float32"}), "model_mismatch"),
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2], "dtype": "float32"}), "split_mismatch"),
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28], "dtype": "int8"}), "bad_dtype"),
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28], "dtype": "float32",
+        # from before evidence bound the loaded weights
+        (wire.encode({"op": "open", "version": 4}), "version_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "layers": [2, 28], "dtype": "float32"}),
+         "model_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2],
+                      "dtype": "float32"}), "split_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28],
+                      "dtype": "int8"}), "bad_dtype"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28],
+                      "dtype": "float32",
                       "max_context": None}), "bad_request"),
         (wire.encode({"op": "step", "positions": [0, 1]}, _HIDDEN), "unknown_session"),
         (wire.encode({"op": "step", "session": "s", "positions": [0, 1]}), "bad_shape"),

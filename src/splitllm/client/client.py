@@ -106,7 +106,8 @@ class SplitClient:
         self.connection = _with_policy(connection, attestation_policy, server)  # before any model work
         self.files = ModelFiles(model)
         self.precision = fastest() if precision is None else Precision.of(precision)
-        self.client_model = ClientModel(self.files, first, last, self.precision, lm_head_precision, drafter, draft_model)
+        self.client_model = ClientModel(self.files, first, last, self.precision, lm_head_precision, drafter,
+                                        draft_model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype = server, wire_dtype
         self.max_context = self._context(max_context)
@@ -189,7 +190,7 @@ class SplitClient:
     ) -> Generation:
         gen = None
         try:
-            for gen, _ in self.stream(prompt, max_new_tokens, decode, chat, sampling, stop):
+            for gen, _ in self.stream(prompt, max_new_tokens, decode, chat, sampling, stop):  # noqa: B007 (the last)
                 pass
         except ServerUnreachable as exc:
             exc.generation = gen  # the tokens produced before the link was lost stay usable
@@ -282,7 +283,8 @@ class Conversation:
             check_mode(decode)
         if max_new_tokens < 1 or not new_ids:
             raise ValueError("a generation needs input tokens and max_new_tokens >= 1")
-        self._check_fits(len(new_ids), max_new_tokens, client.max_context, f"the maximum context of {client.max_context}")
+        self._check_fits(len(new_ids), max_new_tokens, client.max_context,
+                         f"the maximum context of {client.max_context}")
         rule = StopRule(client.tokenizer, client.stop_ids, stop, max_new_tokens)
         if self._pipeline is None:
             self._pipeline = SplitPipeline(client.client_model, client._middle(), client.max_context)
@@ -294,7 +296,8 @@ class Conversation:
         feed = self.ids[-1:] + gen.prompt_ids
         self.ids.extend(gen.prompt_ids)
         sampler = Sampler(sampling or SamplingParams(), self.ids)
-        decoder = self._decoder(decode)(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
+        decoder = self._decoder(decode)(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler,
+                                        keep=self.keep)
         pipeline.take_score_ms()
         t0 = last = time.perf_counter()
         try:

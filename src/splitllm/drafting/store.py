@@ -131,7 +131,11 @@ def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
     installation: a FileNotFoundError naming what is missing, never a silent run without the drafter."""
     root = root or shipped_drafters_root()
     reinstall = "this installation of splitllm lacks part of what it ships (reinstall it)"
-    folders = [p for p in sorted(root.iterdir()) if (p / METADATA).is_file() or (p / WEIGHTS).is_file()] if root.is_dir() else []
+    folders = (
+        [p for p in sorted(root.iterdir()) if (p / METADATA).is_file() or (p / WEIGHTS).is_file()]
+        if root.is_dir()
+        else []
+    )
     if not folders:
         raise FileNotFoundError(f"{root} holds no drafter: {reinstall}")
     for folder in folders:

@@ -68,7 +68,8 @@ class Variant:
 _X86 = ("x86_64", "AMD64")
 VARIANTS = (  # widest first: a process takes the first its CPU runs
     Variant("avx512", _X86, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni"}),
-            ("-DSPLITLLM_SIMD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni",
+            ("-DSPLITLLM_SIMD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
+             "-mavx512vnni",
              "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", (4, 2)),
     Variant("avx2", _X86, frozenset({"avx2", "fma", "f16c"}), ("-DSPLITLLM_SIMD_AVX2", "-mavx2", "-mfma", "-mf16c"),
             "avx2-fma", (2, 1)),

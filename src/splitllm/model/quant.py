@@ -90,7 +90,8 @@ class BlockedLinear(nn.Module):
     `scales` is the int8 per-output float32 vector or the int4 kernel's packed float16 scales and minimums.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None) -> None:
         """weight (out, in): float (run in bfloat16); int8 with float32 `scales` (out,); or uint8 values
         0..15 with `scales` the (out, in / INT4_GROUP, 2) scales and minimums of w = q * scale + min."""
         super().__init__()
@@ -230,7 +231,8 @@ class Int4Linear(nn.Module):
     of them keeps its weights (`quantize` finds each block's grid again in the float32 conversion).
     """
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
@@ -299,7 +301,9 @@ def _grid_step(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.
     for parts in (3, 2, 1):  # the widest spacing that fits wins, so it is tried last
         candidate = smallest / parts
         levels = (g - low[..., None]) / candidate[..., None]
-        fits = ((levels - levels.round()).abs() <= 0.01).all(-1) & (levels.amax(-1) <= 15.01) & torch.isfinite(candidate)
+        fits = (
+            ((levels - levels.round()).abs() <= 0.01).all(-1) & (levels.amax(-1) <= 15.01) & torch.isfinite(candidate)
+        )
         step = torch.where(fits, candidate, step)
     return step
 

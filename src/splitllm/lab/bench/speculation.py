@@ -185,7 +185,11 @@ def _cores(cores: dict) -> str:
 def _drafting(drafter: Drafter | None, draft_model: DraftModel | None, folder: str | None) -> str:
     """What drafts, for the report: the draft model's folder name and precision, and the drafter's folder
     ("shipped": the package's)."""
-    names = [f"draft model {draft_model.files.path.name} in {draft_model.precision.name}"] if draft_model is not None else []
+    names = (
+        [f"draft model {draft_model.files.path.name} in {draft_model.precision.name}"]
+        if draft_model is not None
+        else []
+    )
     return ", ".join(names + ([f"drafter {folder or 'shipped'}"] if drafter is not None else []))
 
 
@@ -273,7 +277,8 @@ class SpeculationBench:
     draft_model: str | None = None
 
 
-def run_speculation(bench: SpeculationBench = SpeculationBench(), progress: Callable[[str], None] = lambda _: None) -> dict:
+def run_speculation(bench: SpeculationBench = SpeculationBench(),
+                    progress: Callable[[str], None] = lambda _: None) -> dict:
     """The benchmark end to end, both sides in the bench's precision; writes OUT/speculation.json and
     OUT/speculation.md."""
     modes = bench.modes if "sequential" in bench.modes else ("sequential", *bench.modes)
@@ -314,7 +319,8 @@ def _settings(bench: SpeculationBench, client: SplitClient, cores: Sides) -> dic
     return {
         "model": bench.model, "rtt_ms": bench.rtt_ms, "max_new_tokens": bench.max_new_tokens,
         "prompts_per_category": bench.prompts_per_category, "first": bench.first, "last": bench.last,
-        "modes": list(bench.modes), "sampling": asdict(bench.sampling or SamplingParams()), "wire_dtype": bench.wire_dtype,
+        "modes": list(bench.modes), "sampling": asdict(bench.sampling or SamplingParams()),
+        "wire_dtype": bench.wire_dtype,
         "drafter": _drafting(client.client_model.drafter, client.client_model.draft_model, bench.drafter),
         "precision": bench.precision.name, "linear_kernels": cpu_kernels.linear_path(),
         "cores": {"layout": cores.layout, "threads": cores.threads,
@@ -328,7 +334,8 @@ def _measure_over_link(
 ) -> list[dict]:
     """A server process on its cores behind the WAN proxy; the client, warmed up, measures every mode on its own."""
     assert bench.precision is not None
-    serve = ("--model", bench.model, "--first", str(bench.first), "--last", str(bench.last), "--threads", str(cores.threads),
+    serve = ("--model", bench.model, "--first", str(bench.first), "--last", str(bench.last), "--threads",
+             str(cores.threads),
              *bench.precision.serve_args())
     with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=bench.rtt_ms)) as proxy:

@@ -47,7 +47,8 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> dict[s
     return {"median_ms": median, "min_ms": low, "p10_ms": q[0], "p90_ms": q[-1], "repeats": repeats}
 
 
-def idle_cost(fn: Callable[[], object], idle_s: float = IDLE_S, rounds: int = 6, per_round: int = 4) -> dict[str, float]:
+def idle_cost(fn: Callable[[], object], idle_s: float = IDLE_S, rounds: int = 6, per_round: int = 4) -> dict[str,
+                                                                                                             float]:
     """Median time of `fn` back to back and after `idle_s` of sleep, in alternating blocks (this host's
     speed drifts within minutes): a server's step always follows its wait for the client, a timing loop's
     does not, so this says whether the loop flatters the server (cores and thread pools gone idle)."""
@@ -114,7 +115,7 @@ def server_forward(
     for n in FORWARD_TOKENS:
         timed = Step(torch.randn(n, d, generator=gen), torch.arange(context, context + n), Visibility.chain(n))
 
-        def step() -> None:
+        def step(timed: Step = timed) -> None:
             stage(cache, timed)
 
         with OtherLoad([os.getpid()]) as others:

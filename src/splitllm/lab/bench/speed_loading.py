@@ -83,7 +83,9 @@ def child(kind: str, first: int | str, last: int | str, setting: str = "float32-
 def _in_subprocess(
     kind: str, first: int, last: int, setting: str = "float32-none", env: dict[str, str] | None = None
 ) -> dict[str, float]:
-    code = "import json, sys; from splitllm.lab.bench.speed_loading import child; print(json.dumps(child(*sys.argv[1:])))"
+    code = (
+        "import json, sys; from splitllm.lab.bench.speed_loading import child; print(json.dumps(child(*sys.argv[1:])))"
+    )
     command = [sys.executable, "-c", code, kind, str(first), str(last), setting]
     proc = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

@@ -12,7 +12,8 @@ from splitllm.commands.wiring import Values, command, reported, set_threads
 from splitllm.lab.training.recipes import recipe_for
 from splitllm.options import DRAFTER_COMPARE, DRAFTER_TRAIN
 
-app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train one for a model, compare drafters on held-out conversations.")
+app = typer.Typer(no_args_is_help=True,
+                  help="The client's learned drafter: train one for a model, compare drafters on held-out conversations.")
 
 
 def layer_counts(text: str) -> tuple[int, ...]:
