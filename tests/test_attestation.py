@@ -212,7 +212,8 @@ def _issue(
     builder = (
         x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
         .public_key(key.public_key())  # type: ignore[attr-defined]
-        .serial_number(1).not_valid_before(WHEN - datetime.timedelta(days=1)).not_valid_after(WHEN + datetime.timedelta(days=1))
+        .serial_number(1).not_valid_before(WHEN - datetime.timedelta(days=1))
+        .not_valid_after(WHEN + datetime.timedelta(days=1))
     )
     if ca is not None:
         builder = builder.add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)

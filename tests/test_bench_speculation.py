@@ -52,13 +52,12 @@ def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() ->
     text = markdown(summary, {**SETTINGS, "cores": {"layout": "alternate", "threads": 2}})
     assert "2 threads a side, both sides on every core" in text
     by_mode = table(text, "tokens/step")
-    assert [(row["category"], row["mode"]) for row in by_mode] == [(group,
-                                                                    mode) for group in summary for mode in summary[group]]
+    assert [(row["category"], row["mode"]) for row in by_mode] == [
+        (group, mode) for group in summary for mode in summary[group]
+    ]
     shown = values(by_mode[-1])  # overall, lookup
-    assert (shown["tokens/step"], shown["identical"], shown["server ms/step"], shown["first token ms"]) == ([2.0],
-                                                                                                            [1, 2],
-                                                                                                            [28.8],
-                                                                                                            [500])
+    assert (shown["tokens/step"], shown["identical"], shown["server ms/step"], shown["first token ms"]) == (
+        [2.0], [1, 2], [28.8], [500])
     assert [values(row) for row in table(text, "proposer")] == [
         {"mode": "lookup", "proposer": "lookup", "steps won": [1], "draft tokens accepted": [2],
          "share of tokens": [50.0]}

@@ -63,7 +63,8 @@ from splitllm.weights.sources import ModelFiles
 files = ModelFiles({str(tiny_models["mistral"])!r})
 client_model = ClientModel(files, 1, 1, EXACT)
 middle = Stage.load(files, 1, files.config.num_layers - 1, EXACT)
-steps = list(decode_sequential(SplitPipeline(client_model, InProcessMiddle(middle, 64), 64), [1, 2, 3, 4], 4, frozenset()))
+pipeline = SplitPipeline(client_model, InProcessMiddle(middle, 64), 64)
+steps = list(decode_sequential(pipeline, [1, 2, 3, 4], 4, frozenset()))
 print(len(steps), "splitllm_cpu_kernels" in sys.modules)
 """
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
@@ -104,9 +105,8 @@ def test_serve_and_generate_with_exact_give_transformers_greedy_output(  # type:
     prompt = "Name three prime numbers."
     with ServerProcess("--exact", "--threads", "1") as server:
         run = subprocess.run(
-            [sys.executable, "-m", "splitllm.cli", "generate", prompt, "--server", server.url, "--exact", "--threads",
-             "1",
-             "--json", "--max-new-tokens", "16", "--wire-dtype", "float32", "--decode", "auto"],
+            [sys.executable, "-m", "splitllm.cli", "generate", prompt, "--server", server.url, "--exact",
+             "--threads", "1", "--json", "--max-new-tokens", "16", "--wire-dtype", "float32", "--decode", "auto"],
             capture_output=True, text=True, timeout=600,
         )
     assert run.returncode == 0, run.stderr

@@ -217,8 +217,8 @@ def test_drafter_mode_needs_a_drafter(tiny_models, load_client_model) -> None:  
 
 def test_drafter_cache_follows_the_committed_sequence(model) -> None:  # type: ignore[no-untyped-def]
     """Fed step by step (features of each step's committed nodes, trees grown in between, some steps
-    not drafting), the drafter's cache holds exactly what one sync of the whole sequence computes, and drafts the same tree given
-    the same calibration (what the stepped proposer learned from the tokens it saw)."""
+    not drafting), the drafter's cache holds exactly what one sync of the whole sequence computes, and
+    drafts the same tree given the same calibration (what the stepped proposer learned from the tokens it saw)."""
     client_model, _ = model
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     features, _ = _pipeline(model).forward(Step(torch.tensor(ids[:-1]), torch.arange(29), Visibility.chain(29)))

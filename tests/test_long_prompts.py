@@ -131,7 +131,8 @@ def default_client() -> SplitClient:
 @pytest.mark.parametrize("mode", ["sequential", "lookup"])
 def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server,  # type: ignore[no-untyped-def]
                                                           mode) -> None:
-    """The prompt cut into 16-row steps gives the tokens of one in-process step, the server in the client's precision."""
+    """The prompt cut into 16-row steps gives the tokens of one in-process step, the server in the client's
+    precision."""
     prompt = "Repeat this list back: " + ", ".join(f"item {i}" for i in range(20)) + "."
     default_client.server = None
     want = default_client.generate(prompt, 16, mode)

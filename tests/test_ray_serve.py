@@ -96,8 +96,7 @@ def test_a_replica_killed_mid_generation_loses_no_output(  # type: ignore[no-unt
                     killed.set()
 
     got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST),
-                                prompts,
-                                kill_once)
+                                prompts, kill_once)
     assert killed.is_set()
     assert got == expected
     # Connections spread over both replicas, so the victim held some clients' sessions: they came back.

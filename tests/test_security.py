@@ -127,7 +127,8 @@ def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
 
 
 def _options(certs: Path, principal: str | None = None, **kw: object) -> ConnectionOptions:
-    return ConnectionOptions(token=TOKENS.get(principal or ""), ca_file=str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
+    return ConnectionOptions(token=TOKENS.get(principal or ""), ca_file=str(certs / "ca.pem"),
+                             **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
 
 
 def _middle(thread: ServerThread, options: ConnectionOptions | None = None, context: int = CONTEXT) -> RemoteMiddle:

@@ -93,8 +93,7 @@ def test_a_tools_answer_continues_the_chat(api) -> None:  # type: ignore[no-unty
     if name == "default":
         pytest.skip("the default model's template takes no tools")
     first = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           temperature=0,
-                                           max_tokens=32)
+                                           temperature=0, max_tokens=32)
     call = first.choices[0].message.tool_calls[0]
     messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": "It is 31 degrees Celsius and sunny in Paris."}]

@@ -230,8 +230,9 @@ class _Pccs(BaseHTTPRequestHandler):
             "/sgx/certification/v4/pckcrl": (bytes.fromhex(c["pck_crl"]), "SGX-PCK-CRL-Issuer-Chain",
                                              "pck_crl_issuer_chain"),
             "/sgx/certification/v4/rootcacrl": (c["root_ca_crl"].encode(), None, None),  # a PCCS sends it in hex
-            "/tdx/certification/v4/tcb": (f'{{"tcbInfo":{c["tcb_info"]},"signature":"{c["tcb_info_signature"]}"}}'.encode(),
-                                          "TCB-Info-Issuer-Chain", "tcb_info_issuer_chain"),
+            "/tdx/certification/v4/tcb": (
+                f'{{"tcbInfo":{c["tcb_info"]},"signature":"{c["tcb_info_signature"]}"}}'.encode(),
+                "TCB-Info-Issuer-Chain", "tcb_info_issuer_chain"),
             "/tdx/certification/v4/qe/identity": (
                 f'{{"enclaveIdentity":{c["qe_identity"]},"signature":"{c["qe_identity_signature"]}"}}'.encode(),
                 "SGX-Enclave-Identity-Issuer-Chain", "qe_identity_issuer_chain"),
@@ -413,7 +414,8 @@ def test_tdx_policy_sections_are_parsed_strictly(tmp_path: Path) -> None:
         AttestationPolicy.load(doubled)
     inner = tmp_path / "inner.json"
     inner.write_text('{"platform": "tdx", "tdx": {"measurements": [{"mrtd": "' + "00" * 48 + '", "mrtd": "' + "11" * 48
-                     + '", "rtmr0": "' + "00" * 48 + '", "rtmr1": "' + "00" * 48 + '", "rtmr2": "' + "00" * 48 + '"}]}}')
+                     + '", "rtmr0": "' + "00" * 48 + '", "rtmr1": "' + "00" * 48
+                     + '", "rtmr2": "' + "00" * 48 + '"}]}}')
     with pytest.raises(PolicyError, match="key 'mrtd' is given twice"):
         AttestationPolicy.load(inner)
     impostor_key = ec.generate_private_key(ec.SECP384R1())

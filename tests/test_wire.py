@@ -161,7 +161,8 @@ def test_every_message_round_trips(message: messages.Message) -> None:
 
 
 def test_an_opened_reply_without_row_invariance_means_it_and_a_non_boolean_is_refused() -> None:
-    """Servers from before the field computed in float32 or splitllm's kernels: their rows never depended on the step."""
+    """Servers from before the field computed in float32 or splitllm's kernels: their rows never depended on
+    the step."""
     header = {"op": "opened", "session": "s", "max_context": 8, "max_nodes": 4}
     assert messages.decode(wire.encode(header), messages.REPLIES) == OpenedMessage("s", 8, 4)
     with pytest.raises(ProtocolError, match="row_invariant"):

@@ -138,9 +138,10 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
     Option("batch_window_ms", float, 2.0, "steps of different sessions this close together share one forward; "
            "0 disables", (SERVE,), "ms", "server"),
     Option("attestation", str, "none", "evidence offered to clients: none; sev-snp (this SEV-SNP guest's report, "
-           "which clients verify); tdx (this TD's quote with its collateral, which clients verify); simulated (a simulated "
-           "vendor's report or quote: protects nothing, for tests only). Anything but none serves sealed sessions only, "
-           "never with --engine ray, and a machine without the device refuses to start (docs/confidential.md)",
+           "which clients verify); tdx (this TD's quote with its collateral, which clients verify); "
+           "simulated (a simulated vendor's report or quote: protects nothing, for tests only). "
+           "Anything but none serves sealed sessions only, never with --engine ray, and a machine without "
+           "the device refuses to start (docs/confidential.md)",
            (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
@@ -173,8 +174,7 @@ CLIENT = (  # the fields of commands.client_commands.ClientSettings
            group="client"),
     Option("wire_dtype", _choices(WIRE_DTYPE_NAMES), "float16", "hidden states on the wire, each session its own "
            "(float32 makes every mode's output sequential's, bit for bit)", (*CLIENTS, BENCH_SPEED, BENCH_SPECULATION),
-           group="client",
-           defaults={BENCH_SPECULATION: "float32"}),
+           group="client", defaults={BENCH_SPECULATION: "float32"}),
     Option("threads", Optional[int], None, "compute threads (default: the cores this process may use)",
            (SERVE, *CLIENTS, DRAFTER_TRAIN, DRAFTER_COMPARE), "threads", "client"),
     Option("lm_head_dtype", Optional[str], None, "compute dtype of embedding and LM head (default: the layers')",

@@ -240,7 +240,7 @@ def verify_gpu_chain(certificates: bytes, roots: tuple[x509.Certificate, ...],
         except (ValueError, TypeError, InvalidSignature):
             raise AttestationError("gpu-chain",
                                    f"certificate {depth} ({cert.subject.rfc4514_string()}) was not issued by "
-                                                f"certificate {depth + 1} ({issuer.subject.rfc4514_string()})") from None
+                                   f"certificate {depth + 1} ({issuer.subject.rfc4514_string()})") from None
     return chain[0]
 
 

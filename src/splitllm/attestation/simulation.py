@@ -69,9 +69,8 @@ def _certificate(
     if ca:
         builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).add_extension(
             x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False,
-                          key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False,
-                          decipher_only=False),
+                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                          encipher_only=False, decipher_only=False),
             critical=True,
         )
     for oid, value in (extensions or {}).items():
@@ -137,7 +136,8 @@ class SimulatedSnp:
             self.guest = SimulatedGuest(**json.loads((folder / "attester.json").read_text()))
             key = serialization.load_pem_private_key((folder / "vcek.key").read_bytes(), None)
             self.certs = {
-                name: x509.load_pem_x509_certificate((folder / f"{name}.pem").read_bytes()).public_bytes(serialization.Encoding.DER)
+                name: x509.load_pem_x509_certificate((folder / f"{name}.pem").read_bytes()).public_bytes(
+                    serialization.Encoding.DER)
                 for name in ("vcek", "ask", "ark")
             }
         except (OSError, ValueError, TypeError) as exc:

@@ -226,7 +226,8 @@ def verify_quote(quote: bytes, collateral: bytes, root: x509.Certificate, now: d
         pck_root = None
     if pck_root != root:
         raise AttestationError("chain",
-                               f"the quote's PCK chain does not end at the trusted root ({root.subject.rfc4514_string()})")
+                               "the quote's PCK chain does not end at the trusted root "
+                               f"({root.subject.rfc4514_string()})")
     root_der = root.public_bytes(serialization.Encoding.DER)
     try:
         verified = dcap_qvl.verify_with_root_ca(quote, collateral_v3, root_der, int(now.timestamp()))

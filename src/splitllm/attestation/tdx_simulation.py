@@ -139,8 +139,7 @@ def tdx_sim_init(folder: str | os.PathLike, tcb_status: str = "UpToDate", debug:
         "pck_ca": _certificate("Simulated SGX PCK Platform CA", keys["pck_ca"], "Simulated SGX Root CA", keys["root"],
                                ca=True),
         "pck": _certificate("Simulated SGX PCK Certificate", keys["pck"], "Simulated SGX PCK Platform CA",
-                            keys["pck_ca"],
-                            ca=False, extension=_sgx_extension(os.urandom(16))),
+                            keys["pck_ca"], ca=False, extension=_sgx_extension(os.urandom(16))),
         "tcb": _certificate("Simulated SGX TCB Signing", keys["tcb"], "Simulated SGX Root CA", keys["root"], ca=False),
     }
     for name in _KEYS:

@@ -82,8 +82,8 @@ class SplitClient:
     `max_context` (default: the model's own limit) bounds a conversation's positions; the server may
     grant fewer, and the caches are sized to what it grants. `attestation_policy` (a JSON file or an
     `AttestationPolicy`): the server must prove it runs in a confidential VM that meets it before any
-    hidden state leaves this process, and every frame is sealed (docs/confidential.md). Without one, the server's operator can read the hidden states,
-    which are as good as the text (docs/privacy.md).
+    hidden state leaves this process, and every frame is sealed (docs/confidential.md). Without one, the
+    server's operator can read the hidden states, which are as good as the text (docs/privacy.md).
     Generate inside `threads.compute_threads_pinned()`, as the client commands do, so that the thread
     pool keeps a core per thread across the round trips' waits.
     """

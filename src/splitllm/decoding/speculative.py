@@ -221,7 +221,10 @@ def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Prop
     if decoder.drafter_policy is not None and drafting.drafter_ngrams is not None:
         if client_model.draft_model is not None:
             kept = decoder.draft_model_proposer
-            if kept is None or kept.model is not client_model.draft_model or kept.cache.max_context < pipeline.max_context:
+            if (
+                kept is None or kept.model is not client_model.draft_model
+                or kept.cache.max_context < pipeline.max_context
+            ):
                 kept = DraftModelProposer(client_model.draft_model, pipeline.max_context, config.tree.top_k,
                                           config.tree.beam, config.calibration)
                 decoder.draft_model_proposer = kept
@@ -427,8 +430,8 @@ class _Generation:
         room = self.pipeline.room(start)
         graft = path[-1] if path else flight.entry
         there = set(flight.tree.child_tokens(graft))
-        candidates = [replace(c,
-                              score=(c.score or 0.0) * reached) for c in drafter.send_prepared() if c.tokens[0] not in there]
+        candidates = [replace(c, score=(c.score or 0.0) * reached) for c in drafter.send_prepared()
+                      if c.tokens[0] not in there]
         tree = CandidateTree.build(candidates, min(budget.max_nodes, room), budget.depth, None, budget.cost)
         if not len(tree):
             drafter.drop_sent()

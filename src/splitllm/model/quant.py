@@ -2,9 +2,9 @@
 
 Weight-only quantization as gpt-fast does it: the weights are streamed from memory as 8 or 4 bits and
 multiplied by 16-bit activations in packed kernels (splitllm's own where a variant runs: AVX-512 BF16,
-AVX2 with FMA, or ARM NEON; else PyTorch's), so a one-token step reads 2-3x fewer bytes than with bfloat16 weights and 4-6x
-fewer than with float32. Each module's `stored` form (plain tensors, device independent) is what the
-conversion cache keeps; `from_stored` builds the running module on a device.
+AVX2 with FMA, or ARM NEON; else PyTorch's), so a one-token step reads 2-3x fewer bytes than with
+bfloat16 weights and 4-6x fewer than with float32. Each module's `stored` form (plain tensors, device
+independent) is what the conversion cache keeps; `from_stored` builds the running module on a device.
 """
 
 from __future__ import annotations

@@ -149,8 +149,8 @@ def markdown(result: dict) -> str:
         f"cores ({s['core_layout']}); attested with the simulated vendor. {result['provenance']['date'][:10]}, "
         f"`{result['provenance']['git_commit'][:10]}`, {result['provenance']['cpu']}.",
         "",
-        "| model | RTT ms | decoding | plain tok/s | sealed tok/s | sealed / plain | tokens per step, plain / sealed | identical "
-        "| connect + open ms | connect + attest + open ms | sealing µs per step |",
+        "| model | RTT ms | decoding | plain tok/s | sealed tok/s | sealed / plain | tokens per step, plain / sealed "
+        "| identical | connect + open ms | connect + attest + open ms | sealing µs per step |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:

@@ -89,18 +89,19 @@ def run_conversation(models: Sequence[str], rtt_ms: float, tokens: int, chats: i
 def markdown(result: dict) -> str:
     s, p = result["settings"], result["provenance"]
     lines = [
-        f"A chat's follow-up turn through `client-api` (the official `openai` client, streaming) at {s['rtt_ms']:g} ms, "
-        f"after a first turn of about {s['first_turn_tokens']} tokens; {s['chats']} chats; each side on its own cores "
-        f"({s['core_layout']}). {p['date'][:10]}, `{p['git_commit'][:10]}`, {p['cpu']}.",
+        "A chat's follow-up turn through `client-api` (the official `openai` client, streaming) "
+        f"at {s['rtt_ms']:g} ms, after a first turn of about {s['first_turn_tokens']} tokens; {s['chats']} chats; "
+        f"each side on its own cores ({s['core_layout']}). {p['date'][:10]}, `{p['git_commit'][:10]}`, {p['cpu']}.",
         "",
-        "| model | first turn, prompt tokens | follow-up first token, continued ms | fresh ms | continued / fresh | same answer |",
+        "| model | first turn, prompt tokens | follow-up first token, continued ms | fresh ms | continued / fresh "
+        "| same answer |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         chats = r["chats"]
         mean = lambda key, chats=chats: sum(c[key] for c in chats) / len(chats)  # noqa: E731
         lines.append(
-            f"| {r['model']} | {mean('first_turn_prompt_tokens'):.0f} | {mean('continued_ms'):.0f} | {mean('fresh_ms'):.0f} "
-            f"| {r['ratio']:.2f}x | {sum(c['identical'] for c in chats)}/{len(chats)} |"
+            f"| {r['model']} | {mean('first_turn_prompt_tokens'):.0f} | {mean('continued_ms'):.0f} "
+            f"| {mean('fresh_ms'):.0f} | {r['ratio']:.2f}x | {sum(c['identical'] for c in chats)}/{len(chats)} |"
         )
     return "\n".join(lines) + "\n"

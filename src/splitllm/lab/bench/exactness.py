@@ -55,8 +55,8 @@ class ExactnessReport:
 
     def markdown(self) -> str:
         lines = [
-            f"Exactness on the {self.model} model ({self.precision}), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
-            "every mode against sequential greedy decoding.",
+            f"Exactness on the {self.model} model ({self.precision}), {self.prompts} prompts x "
+            f"{self.max_new_tokens} new tokens, every mode against sequential greedy decoding.",
             "",
             "| mode | identical / total |",
             "| --- | --- |",

@@ -117,7 +117,8 @@ def markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]["settings"]
     lines = []
     for model, figures in result["models"].items():
-        lines += [f"**{model}**, one core, one thread, tok/s (sequential, {result['settings']['max_new_tokens']} tokens):", "",
+        lines += [f"**{model}**, one core, one thread, tok/s "
+                  f"(sequential, {result['settings']['max_new_tokens']} tokens):", "",
                   "| kernels | " + " | ".join(settings) + " | llama.cpp (same instructions) | default / llama.cpp |",
                   "| --- |" + " --- |" * (len(settings) + 2)]
         for variant, row in figures["splitllm"].items():

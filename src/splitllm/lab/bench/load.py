@@ -219,7 +219,8 @@ def _load_server(
         try:
             for clients in client_counts:
                 progress(
-                    f"{kind.label}: {clients} {s.clients_compute} clients x {s.max_new_tokens} tokens at {s.rtt_ms:g} ms"
+                    f"{kind.label}: {clients} {s.clients_compute} clients x {s.max_new_tokens} tokens "
+                    f"at {s.rtt_ms:g} ms"
                 )
                 with _Watch(server.port, pid) as watch:
                     row = _load_once(client, netem.port, prompt_ids, solo, clients, s, watch)

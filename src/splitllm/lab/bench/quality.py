@@ -87,7 +87,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Quality against float32, default model split 2+2, {result['prompts']} prompts x "
         f"{result['max_new_tokens']} greedy tokens; perplexity on held-out text.",
         "",
-        "| setting | identical to float32 | mean first divergence (token) | perplexity | vs float32 | KL from float32 (nats/token) |",
+        "| setting | identical to float32 | mean first divergence (token) | perplexity | vs float32 "
+        "| KL from float32 (nats/token) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in result["settings"].items():

@@ -66,7 +66,8 @@ def idle_cost(fn: Callable[[], object], idle_s: float = IDLE_S, rounds: int = 6,
 
 
 def copy_bandwidth(mib: int = 512, repeats: int = 7) -> dict[str, float]:
-    """Memory bandwidth at the current thread count: a large tensor copy (bytes read + written) and a pure read (sum)."""
+    """Memory bandwidth at the current thread count: a large tensor copy (bytes read + written) and a
+    pure read (sum)."""
     src = torch.ones(mib * MIB // 4)
     dst = torch.empty_like(src)
     copy = median_ms(lambda: dst.copy_(src), repeats, warmup=2)

@@ -94,7 +94,8 @@ def _in_subprocess(
 
 
 def load_times(first: int, last: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Cold: GGUF conversion into an empty cache (exact mode); then each setting's first (converting) and cached load."""
+    """Cold: GGUF conversion into an empty cache (exact mode); then each setting's first (converting) and
+    cached load."""
     with tempfile.TemporaryDirectory(prefix="splitllm-cold-") as empty:
         out = {"cold": _in_subprocess("load", first, last, env={"SPLITLLM_CACHE": empty})}
         for setting in settings:

@@ -132,9 +132,8 @@ def _server_step(
     server_cores, client_cores = cores
     with on_cores(server_cores):
         forward = server_forward(split.model, split.first, split.last, bandwidth["read_gb_s"], precision)
-    serve = ("--model", split.model, "--first", str(split.first), "--last", str(split.last), "--threads",
-             str(len(server_cores)),
-             *precision.serve_args())
+    serve = ("--model", split.model, "--first", str(split.first), "--last", str(split.last),
+             "--threads", str(len(server_cores)), *precision.serve_args())
     set_compute_threads(len(client_cores))
     with ServerProcess(*serve, cores=server_cores) as server, on_cores(client_cores):
         client = split.client(server.url, precision)
@@ -155,8 +154,7 @@ def _server_step(
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"Runtime of {r['model']} (split {r['split'][0]}+{r['split'][1]}), {r['new_tokens']} tokens per prompt.",
-             "",
-             f"In-process sequential decoding, {r['threads']} threads:", "", "| decoder | tok/s | vs llama.cpp |",
+             "", f"In-process sequential decoding, {r['threads']} threads:", "", "| decoder | tok/s | vs llama.cpp |",
              "| --- | --- | --- |"]
     peer = r["llama_cpp"].get("tokens_per_second")
     for setting, row in r["in_process"].items():

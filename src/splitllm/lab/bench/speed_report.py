@@ -106,11 +106,10 @@ def _client_step(result: dict[str, Any]) -> list[str]:
     gemma = result.get("client_step_gemma3")
     if gemma:
         lines += ["", f"## Gemma 3 270M: client compute for one token (one thread; LM head of {GEMMA_VOCAB:,} rows)",
-                  "",
-                  "| setting | weights MiB | LM head MiB | median ms | others' cores |",
+                  "", "| setting | weights MiB | LM head MiB | median ms | others' cores |",
                   "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {setting} | {c['weight_bytes'] / MIB:.0f} | {c['lm_head_bytes'] / MIB:.0f} | {c['median_ms']:.2f} | "
-                  f"{c['others_cores']:.2f} |" for setting, c in gemma.items()]
+        lines += [f"| {setting} | {c['weight_bytes'] / MIB:.0f} | {c['lm_head_bytes'] / MIB:.0f} "
+                  f"| {c['median_ms']:.2f} | {c['others_cores']:.2f} |" for setting, c in gemma.items()]
     return lines
 
 
@@ -126,9 +125,8 @@ def _loading(result: dict[str, Any]) -> list[str]:
 
 def _decoding(result: dict[str, Any]) -> list[str]:
     lines = ["", f"## Decoding through `splitllm serve` ({result['decoding_wire_dtype']} wire, one thread per side)",
-             "",
-             "| setting | decoding | RTT ms | tok/s | tokens/step | step ms | first stage | server | network | last stage | "
-             "others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| setting | decoding | RTT ms | tok/s | tokens/step | step ms | first stage | server | network "
+             "| last stage | others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting, runs in result["decoding"].items():
         for decode, by_rtt in runs.items():
             for run in by_rtt.values():

@@ -171,8 +171,7 @@ def _schema_runs(api: Any, chat: bool, max_tokens: int) -> dict:
             extra = {"decode": decode, "response_format": fmt}
             if chat:
                 reply = api.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}],
-                                                    temperature=0,
-                                                    max_tokens=max_tokens, extra_body=extra)
+                                                    temperature=0, max_tokens=max_tokens, extra_body=extra)
                 text = reply.choices[0].message.content
             else:
                 prompt = f"{ask}\nAn example: {json.dumps(SAMPLE)}\nJSON: "  # a base model needs the example
@@ -256,7 +255,8 @@ def markdown(result: dict) -> str:
         said = "n/a (template takes no tools)" if tools is None else (
             f"{len(tools['calls'])} / {len(tools['streamed_calls'])} ({tools['finish_reason']})")
         lines.append(f"| {r['model']} | {sum(x['valid'] for x in runs)}/{len(runs)} | {_rate(r['schema']['auto']):.2f} "
-                     f"| {_rate(r['schema']['sequential']):.2f} | {r['speedup']:.2f}x | {r['identical']}/{len(ASKS)} | {said} |")
+                     f"| {_rate(r['schema']['sequential']):.2f} | {r['speedup']:.2f}x | {r['identical']}/{len(ASKS)} "
+                     f"| {said} |")
     lines += ["", "Grammar mask cost per token (compute the mask over the vocabulary, then take the token):", "",
               "| model | library | mean ms | p50 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
     for r in result["rows"]:

@@ -158,7 +158,8 @@ def markdown(summary: dict, command: str) -> str:
             "| --- | ---: | --- | ---: | ---: |"]
     for v in summary["auto_vs_best_fixed"]:
         out.append(
-            f"| {v['point']} | {v['auto']:.2f} | {v['best_fixed']} | {v['best_fixed_tokens_per_second']:.2f} | {v['ratio']:.3f} |"
+            f"| {v['point']} | {v['auto']:.2f} | {v['best_fixed']} | {v['best_fixed_tokens_per_second']:.2f} "
+            f"| {v['ratio']:.3f} |"
         )
     out += ["", "## Mean decode step (ms) and tokens per step", "", "| link | mode | tok/step | nodes | "
             + " | ".join(PARTS) + " | total |", "| --- | --- |" + " ---: |" * (len(PARTS) + 3)]

@@ -94,7 +94,8 @@ def private_first_stage(
 @app.command("docs")
 def docs(
     report: Annotated[str | None,
-                      typer.Argument(help="the report.json to generate the tables from (default: the published one)")] = None,
+                      typer.Argument(help="the report.json to generate the tables from "
+                                          "(default: the published one)")] = None,
 ) -> None:
     """Regenerate the privacy tables in the checkout's docs/privacy.md from a report."""
     from splitllm.lab import CHECKOUT

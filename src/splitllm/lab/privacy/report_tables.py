@@ -201,7 +201,8 @@ def _corpus_text(r: dict) -> str:
         + ", ".join(f"{k} {v}" for k, v in c["test_windows_by_kind"].items())
         + ")"
         + (
-            f", plus {c['long_positions']} positions in whole {c['long_window']}-token contexts for the white-box search"
+            f", plus {c['long_positions']} positions in whole {c['long_window']}-token contexts "
+            "for the white-box search"
             if c["long_positions"]
             else ""
         )
