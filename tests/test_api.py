@@ -62,7 +62,8 @@ def test_chat_completion_matches_the_client(api: openai.OpenAI, split_client: Sp
 
 def test_chat_streaming_equals_non_streaming(api: openai.OpenAI) -> None:
     whole = _chat(api, temperature=0.7, seed=4, extra_body={"decode": "lookup"})
-    chunks = list(_chat(api, temperature=0.7, seed=4, stream=True, stream_options={"include_usage": True}, extra_body={"decode": "lookup"}))
+    chunks = list(_chat(api, temperature=0.7, seed=4, stream=True, stream_options={"include_usage": True},
+                        extra_body={"decode": "lookup"}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and len(chunks) > 3
@@ -73,7 +74,8 @@ def test_chat_streaming_equals_non_streaming(api: openai.OpenAI) -> None:
 
 
 def test_speculative_greedy_and_seeded_sampling_are_stable(api: openai.OpenAI) -> None:
-    greedy = {mode: _chat(api, temperature=0, extra_body={"decode": mode}).choices[0].message.content for mode in ("sequential", "auto")}
+    greedy = {mode: _chat(api, temperature=0,
+                          extra_body={"decode": mode}).choices[0].message.content for mode in ("sequential", "auto")}
     assert greedy["sequential"] == greedy["auto"]
     sampled = [_chat(api, temperature=0.8, seed=9).choices[0].message.content for _ in range(2)]
     assert sampled[0] == sampled[1]
@@ -85,7 +87,8 @@ def test_completions_with_stop_strings(api: openai.OpenAI, split_client: SplitCl
     ref = split_client.generate(prompt, 30, chat=False, stop=["Friday"])
     assert reply.choices[0].text == ref.text and "Friday" not in ref.text
     assert reply.choices[0].finish_reason == "stop"
-    streamed = api.completions.create(model="x", prompt=prompt, max_tokens=30, temperature=0, stop=["Friday"], stream=True)
+    streamed = api.completions.create(model="x", prompt=prompt, max_tokens=30, temperature=0, stop=["Friday"],
+                                      stream=True)
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == "stop" and "splitllm" in chunks[-1].model_extra
@@ -119,7 +122,8 @@ def test_a_field_the_endpoint_cannot_honour_is_a_400_naming_it(api: openai.OpenA
         with pytest.raises(openai.BadRequestError, match=name):
             _chat(api, **fields)
     with pytest.raises(openai.BadRequestError, match="name"):
-        api.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION, "name": "bob"}], max_tokens=2)
+        api.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION, "name": "bob"}],
+                                    max_tokens=2)
     honoured = _chat(api, max_tokens=2, response_format={"type": "text"}, frequency_penalty=0, user="u1",
                      extra_body={"tool_choice": None, "functions": None})  # null: as if not sent
     assert honoured.choices[0].finish_reason in ("stop", "length")
@@ -164,7 +168,8 @@ def hf_fast(server) -> SplitModelForCausalLM:  # type: ignore[no-untyped-def]
     return SplitModelForCausalLM.from_pretrained("default", server=server(None, 2, 2).url)
 
 
-def test_hf_generate_matches_transformers(hf_split: SplitModelForCausalLM, hf_greedy) -> None:  # type: ignore[no-untyped-def]
+def test_hf_generate_matches_transformers(hf_split: SplitModelForCausalLM,  # type: ignore[no-untyped-def]
+                                          hf_greedy) -> None:
     prompt = hf_split.tokenizer("The capital of France is")["input_ids"]
     out = hf_split.generate(torch.tensor([prompt]), max_new_tokens=12)
     assert out.dtype == torch.long and out.shape == (1, len(prompt) + 12)

@@ -38,7 +38,7 @@ FINGERPRINT = "ab" * 32
 WEIGHTS = "5e" * 32
 LAYERS = (2, 28)
 VERSION = 2
-WHEN = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)  # inside every genuine VCEK's validity
+WHEN = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)  # inside every genuine VCEK's validity
 ALL_AMD = ["amd-milan", "amd-genoa", "amd-turin"]
 # Where AMD's ABI puts the report fields the tampering tests rewrite: (offset, struct format).
 _FIELDS = {"version": (0x00, "<I"), "policy": (0x08, "<Q"), "vmpl": (0x30, "<I"), "signer_info": (0x48, "<I")}
@@ -98,7 +98,7 @@ def test_a_tampered_vcek_or_another_products_root_breaks_the_chain(genuine) -> N
         verify_chain(load_certificate(bytes(der)), (pinned_anchor("milan"),), WHEN)
     with pytest.raises(AttestationError, match=r"\(chain\).*amd-genoa, amd-turin"):
         verify_chain(vcek, (pinned_anchor("genoa"), pinned_anchor("turin")), WHEN)
-    later = datetime.datetime(2031, 1, 1, tzinfo=datetime.timezone.utc)
+    later = datetime.datetime(2031, 1, 1, tzinfo=datetime.UTC)
     with pytest.raises(AttestationError, match="VCEK certificate is not valid now"):
         verify_chain(vcek, (pinned_anchor("milan"),), later)
 
@@ -138,7 +138,8 @@ def test_genuine_evidence_meets_the_default_policy_only_for_its_own_handshake(na
         verify_evidence(report, vcek, strict, report.report_data, WHEN)
 
 
-def test_firmware_below_the_shipped_floor_is_refused_without_any_min_tcb(genuine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_firmware_below_the_shipped_floor_is_refused_without_any_min_tcb(genuine,  # type: ignore[no-untyped-def]
+                                                                         tmp_path: Path) -> None:
     """The older genuine Milan report passes every other check; a policy naming no minimum still refuses its TCB."""
     report, vcek = genuine
     policy = _amd_policy(tmp_path, report)
@@ -156,7 +157,8 @@ def test_a_policy_may_raise_the_floor_never_lower_it(tmp_path: Path) -> None:
     assert raised.min_tcb["turin"] == dataclasses.replace(TCB_FLOORS["turin"], fmc=2)
     assert raised.min_tcb["genoa"].snp == 27 and raised.min_tcb["milan"] == TCB_FLOORS["milan"]
     with pytest.raises(PolicyError, match="below this release's floor"):  # in code too, not only in files
-        dataclasses.replace(raised, min_tcb={**raised.min_tcb, "genoa": Tcb(bootloader=10, tee=0, snp=22, microcode=84)})
+        dataclasses.replace(raised,
+                            min_tcb={**raised.min_tcb, "genoa": Tcb(bootloader=10, tee=0, snp=22, microcode=84)})
 
 
 @pytest.mark.parametrize(
@@ -175,7 +177,8 @@ def test_a_policy_may_raise_the_floor_never_lower_it(tmp_path: Path) -> None:
         ({"policy": 0x3001F | POLICY_DEBUG}, "debug"),
     ],
 )
-def test_a_report_of_unknown_form_or_from_a_guest_below_vmpl_0_is_refused(fields: dict, check: str, tmp_path: Path) -> None:
+def test_a_report_of_unknown_form_or_from_a_guest_below_vmpl_0_is_refused(fields: dict, check: str,
+                                                                          tmp_path: Path) -> None:
     report, vcek = _genuine("milan_v3")
     policy = _amd_policy(tmp_path, report)
     with pytest.raises(AttestationError) as err:
@@ -198,7 +201,8 @@ _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA384()), salt_length=48)
 
 
 def _issue(
-    subject: str, issuer: str, signer: rsa.RSAPrivateKey, key: object, *, ca: bool | None = None, sign_certs: bool = True,
+    subject: str, issuer: str, signer: rsa.RSAPrivateKey, key: object, *, ca: bool | None = None,
+    sign_certs: bool = True,
     rsa_padding: padding.AsymmetricPadding = _PSS, extensions: dict[str, bytes] | None = None,
 ) -> x509.Certificate:
     """A certificate from a vendor made here, to issue what AMD never would; the verifier reads it as it reads AMD's."""
@@ -208,7 +212,8 @@ def _issue(
     builder = (
         x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
         .public_key(key.public_key())  # type: ignore[attr-defined]
-        .serial_number(1).not_valid_before(WHEN - datetime.timedelta(days=1)).not_valid_after(WHEN + datetime.timedelta(days=1))
+        .serial_number(1).not_valid_before(WHEN - datetime.timedelta(days=1))
+        .not_valid_after(WHEN + datetime.timedelta(days=1))
     )
     if ca is not None:
         builder = builder.add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
@@ -239,7 +244,8 @@ class _Vendor:
 @pytest.fixture(scope="module")
 def vendor_here() -> _Vendor:
     ark_key, ask_key = rsa.generate_private_key(65537, 4096), rsa.generate_private_key(65537, 4096)
-    return _Vendor(ark_key, ask_key, _issue("ARK", "ARK", ark_key, ark_key, ca=True), _issue("ASK", "ARK", ark_key, ask_key, ca=True))
+    return _Vendor(ark_key, ask_key, _issue("ARK", "ARK", ark_key, ark_key, ca=True),
+                   _issue("ASK", "ARK", ark_key, ask_key, ca=True))
 
 
 def test_certificates_are_held_to_amds_algorithms_and_roles(vendor_here: _Vendor) -> None:
@@ -284,9 +290,11 @@ def test_a_vcek_names_its_chip_and_tcb_as_amd_lays_them_out_for_its_product(vend
     ]
     turin_tcb = TCB_FLOORS["turin"]
     turin = dataclasses.replace(genoa, chip_id=genoa.chip_id[:8] + bytes(56), reported_tcb=turin_tcb.pack("turin"))
-    verify_vcek_binding(turin, vendor_here.vcek(extensions={**_spl(turin_tcb, "turin"), HWID_OID: turin.chip_id[:8]}), "turin")
+    verify_vcek_binding(turin, vendor_here.vcek(extensions={**_spl(turin_tcb, "turin"), HWID_OID: turin.chip_id[:8]}),
+                        "turin")
     refused += [
-        (turin, "turin", {**_spl(turin_tcb, "turin"), HWID_OID: turin.chip_id}, "hwID is 64 bytes; a turin VCEK's is 8"),
+        (turin, "turin", {**_spl(turin_tcb, "turin"), HWID_OID: turin.chip_id},
+         "hwID is 64 bytes; a turin VCEK's is 8"),
         (turin, "turin", {**_spl(turin_tcb, "turin", skip="fmc"), HWID_OID: turin.chip_id[:8]}, "names no fmc level"),
         (dataclasses.replace(turin, reported_tcb=turin_tcb.pack("milan")), "turin",
          {**_spl(turin_tcb, "turin"), HWID_OID: turin.chip_id[:8]}, "issued for tee level 1, the report's is 0"),
@@ -342,7 +350,8 @@ def test_policy_files_are_refused_with_the_reason(tmp_path: Path) -> None:
         ({**amd, "min_tcb": {"snp": 30}}, "'min_tcb' maps products"),
         ({**amd, "min_tcb": {"milan": {"fmc": 1}}}, "milan: maps some of bootloader, tee, snp, microcode"),
         ({**amd, "min_tcb": {"genoa": {"snp": True}}}, "levels 0-255"),
-        ({"platform": "tdx", "trust_anchors": ["amd-milan"], "measurements": [measurement]}, "requirements in a .tdx. section"),
+        ({"platform": "tdx", "trust_anchors": ["amd-milan"], "measurements": [measurement]},
+         "requirements in a .tdx. section"),
         ({"measurements": [measurement]}, "at least one root"),
         ({**amd, "trust_anchors": "amd-milan"}, "'trust_anchors' must list"),
         ({**amd, "trust_anchors": {"amd-milan": True}}, "'trust_anchors' must list"),
@@ -403,7 +412,11 @@ def test_a_root_named_like_amds_but_not_amds_is_refused(vendor: Path, tmp_path: 
 def test_the_docs_name_the_protocol_version_and_what_each_attestation_protects() -> None:
     assert set(re.findall(r"protocol version \((\d+)\)", (DOCS / "protocol.md").read_text())) == {str(PROTOCOL_VERSION)}
     said = option("serve", "attestation").help
-    assert "simulated" in said and "protects nothing" in said and "tdx (this TD's quote with its collateral, which clients verify)" in said
+    assert (
+        "simulated" in said
+        and "protects nothing" in said
+        and "tdx (this TD's quote with its collateral, which clients verify)" in said
+    )
 
 
 def test_a_simulated_root_is_refused_unless_the_policy_says_so(vendor: Path) -> None:
@@ -415,7 +428,8 @@ def test_a_simulated_root_is_refused_unless_the_policy_says_so(vendor: Path) -> 
     assert AttestationPolicy.load(vendor / "policy.json").simulated
 
 
-def _handshake(vendor: Path, policy: AttestationPolicy | None = None, attester: object = None, **claims: object) -> tuple:
+def _handshake(vendor: Path, policy: AttestationPolicy | None = None, attester: object = None,
+               **claims: object) -> tuple:
     """One attest round trip between a client handshake and `answer` (claims override the server's)."""
     policy = policy or AttestationPolicy.load(vendor / "policy.json")
     client = ClientHandshake(policy, FINGERPRINT, LAYERS, VERSION)
@@ -459,7 +473,8 @@ def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
     policy = AttestationPolicy.load(vendor / "policy.json")
     cases = [
         (dataclasses.replace(policy, measurements=frozenset({bytes(48)})), "measurement"),
-        (dataclasses.replace(policy, min_tcb={**policy.min_tcb, "milan": Tcb(bootloader=4, tee=0, snp=24, microcode=220)}),
+        (dataclasses.replace(policy,
+                             min_tcb={**policy.min_tcb, "milan": Tcb(bootloader=4, tee=0, snp=24, microcode=220)}),
          "tcb"),
         (dataclasses.replace(policy, host_data=frozenset({b"\x01" * 32})), "host_data"),
         (dataclasses.replace(policy, image_ids=frozenset({b"\x01" * 16})), "image_id"),
@@ -486,7 +501,8 @@ def test_each_policy_field_is_checked(vendor: Path, tmp_path: Path) -> None:
 def test_malformed_evidence_is_a_named_failure(vendor: Path) -> None:
     client, evidence, _ = _handshake(vendor)
     header = evidence.header(1)
-    for broken in ({**header, "key": b"short"}, {**header, "layers": "x"}, {k: v for k, v in header.items() if k != "report"}):
+    for broken in ({**header, "key": b"short"}, {**header, "layers": "x"},
+                   {k: v for k, v in header.items() if k != "report"}):
         with pytest.raises(AttestationError, match=r"\(evidence\)"):
             Evidence.from_header(broken)
     with pytest.raises(AttestationError, match=r"\(evidence\).*1184 bytes"):

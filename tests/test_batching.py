@@ -26,7 +26,8 @@ def _session_steps(hidden_size: int, seed: int) -> list[tuple[torch.Tensor, list
     prompt = 3 + seed % 5
     tree = Visibility.from_parents([-1, 0, 0, 1, -1][: 2 + seed % 4])
     steps = [(torch.randn(prompt, hidden_size, generator=g), list(range(prompt)), Visibility.chain(prompt), [])]
-    steps.append((torch.randn(tree.n, hidden_size, generator=g), [prompt + d for d in _depths(tree)], tree, list(range(prompt))))
+    steps.append((torch.randn(tree.n, hidden_size, generator=g), [prompt + d for d in _depths(tree)], tree,
+                  list(range(prompt))))
     kept = [0, 1] if tree.parents[1] == 0 else [0]
     start = prompt + len(kept)
     steps.append((torch.randn(2, hidden_size, generator=g), [start, start + 1], Visibility.chain(2), kept))
@@ -54,7 +55,8 @@ def test_forward_many_matches_one_by_one(tiny_models) -> None:  # type: ignore[n
         torch.testing.assert_close(b.k[:, :, :, : b.length + b.pending], a.k[:, :, :, : a.length + a.pending])
 
 
-def test_eight_concurrent_sessions_are_batched_and_match_solo_runs(tiny_models, server) -> None:  # type: ignore[no-untyped-def]
+def test_eight_concurrent_sessions_are_batched_and_match_solo_runs(tiny_models,  # type: ignore[no-untyped-def]
+                                                                   server) -> None:
     files = ModelFiles(tiny_models["qwen2"])
     layers = (FIRST, files.config.num_layers - LAST)
     sessions = [_session_steps(files.config.hidden_size, seed) for seed in range(8)]
@@ -79,7 +81,9 @@ def test_eight_concurrent_sessions_are_batched_and_match_solo_runs(tiny_models, 
 
 
 @pytest.mark.slow
-def test_batched_greedy_decoding_equals_solo_on_the_default_model(default_files, load_client_model, server, split_greedy) -> None:  # type: ignore[no-untyped-def]
+def test_batched_greedy_decoding_equals_solo_on_the_default_model(  # type: ignore[no-untyped-def]
+    default_files, load_client_model, server, split_greedy
+) -> None:
     client_model = load_client_model(None, 2, 2)
     prompts = [[1, 504, 3458, 282, 4649, 314] + [28 + i] * (i + 1) for i in range(8)]
     url = server(None, 2, 2, batch_window_ms=20).url
@@ -107,9 +111,11 @@ def test_load_report_scales_each_server_against_its_own_single_client(tmp_path) 
                      "scaling": factors})
     shown = [values(r) for r in table(text, "server")]
     assert [(r["server"], r["clients"]) for r in shown] == [(r["server"], [r["clients"]]) for r in rows]
-    assert shown[-1] == {"server": "batching 2 ms", "clients": [16], "match solo": [16, 16], "tok/s": [35.0], "vs 1 client": [5.0],
+    assert shown[-1] == {"server": "batching 2 ms", "clients": [16], "match solo": [16, 16], "tok/s": [35.0],
+                         "vs 1 client": [5.0],
                          "step p50 / p99 ms": [180.0, 360.0], "p50 vs 1 client": [1.5], "server compute p50 ms": [30.0]}
-    assert [r["vs 1 client"] + r["p50 vs 1 client"] for r in shown[::2]] == [[1.0, 1.0]] * 2  # each single client is its own 1x
+    # each single client is its own 1x
+    assert [r["vs 1 client"] + r["p50 vs 1 client"] for r in shown[::2]] == [[1.0, 1.0]] * 2
     plot(rows, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 0
 
@@ -136,7 +142,8 @@ def _schedule(items: list[tuple[str, int, int]], max_rows: int) -> list[list[str
         with ThreadPoolExecutor(1) as pool:
             batcher = StepBatcher(run, pool, 0.05, lambda: len(items), owner=lambda i: f"p{i[1]}",
                                   cost=lambda i: (i[2], 0), max_rows=max_rows)
-            assert [r.decode() for r in await asyncio.gather(*(batcher.submit(i) for i in items))] == [n for n, _, _ in items]
+            assert [r.decode() for r in await asyncio.gather(*(batcher.submit(i) for i in items))] == [n for n, _,
+                                                                                                       _ in items]
 
     asyncio.run(main())
     return forwards

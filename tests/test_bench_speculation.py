@@ -8,7 +8,14 @@ import os
 import pytest
 from report_tables import table, values
 
-from splitllm.lab.bench.speculation import EXTRA_DECODERS, SpeculationBench, markdown, report, run_speculation, summarize
+from splitllm.lab.bench.speculation import (
+    EXTRA_DECODERS,
+    SpeculationBench,
+    markdown,
+    report,
+    run_speculation,
+    summarize,
+)
 from splitllm.lab.data.workload import CATEGORIES, workload
 from splitllm.testing.launch import sides
 
@@ -25,7 +32,8 @@ SETTINGS = {"rtt_ms": 80, "first": 2, "last": 2, "max_new_tokens": 4, "prompts_p
 def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() -> None:
     prefill = _step(1, 500.0)
     runs = [
-        {"prompt": 0, "category": "code", "mode": "sequential", "ids": [1, 2, 3, 4], "steps": [prefill] + [_step(1, 100.0)] * 3},
+        {"prompt": 0, "category": "code", "mode": "sequential", "ids": [1, 2, 3, 4],
+         "steps": [prefill] + [_step(1, 100.0)] * 3},
         {"prompt": 0, "category": "code", "mode": "lookup", "ids": [1, 2, 3, 4],
          "steps": [prefill, _step(3, 120.0, "lookup")]},
         {"prompt": 1, "category": "creative", "mode": "sequential", "ids": [5, 6], "steps": [prefill, _step(1, 100.0)]},
@@ -44,11 +52,15 @@ def test_summary_counts_decode_steps_against_sequential_of_the_same_prompts() ->
     text = markdown(summary, {**SETTINGS, "cores": {"layout": "alternate", "threads": 2}})
     assert "2 threads a side, both sides on every core" in text
     by_mode = table(text, "tokens/step")
-    assert [(row["category"], row["mode"]) for row in by_mode] == [(group, mode) for group in summary for mode in summary[group]]
+    assert [(row["category"], row["mode"]) for row in by_mode] == [
+        (group, mode) for group in summary for mode in summary[group]
+    ]
     shown = values(by_mode[-1])  # overall, lookup
-    assert (shown["tokens/step"], shown["identical"], shown["server ms/step"], shown["first token ms"]) == ([2.0], [1, 2], [28.8], [500])
+    assert (shown["tokens/step"], shown["identical"], shown["server ms/step"], shown["first token ms"]) == (
+        [2.0], [1, 2], [28.8], [500])
     assert [values(row) for row in table(text, "proposer")] == [
-        {"mode": "lookup", "proposer": "lookup", "steps won": [1], "draft tokens accepted": [2], "share of tokens": [50.0]}
+        {"mode": "lookup", "proposer": "lookup", "steps won": [1], "draft tokens accepted": [2],
+         "share of tokens": [50.0]}
     ]
 
 
@@ -79,7 +91,8 @@ def test_report_shows_steps_sent_ahead_and_llama_cpp_whole_model_only_where_meas
     rpc = {"skipped": "no llama.cpp build"}
     whole = {"1": {"name": "llama.cpp whole model", "tokens_per_second": 4.0, "threads": 1},
              "2": {"skipped": "no llama.cpp build here"}}
-    text = report({"settings": SETTINGS, "summary": summary, "divergences": [], "llama_cpp_rpc": rpc, "llama_cpp_whole": whole})
+    text = report({"settings": SETTINGS, "summary": summary, "divergences": [], "llama_cpp_rpc": rpc,
+                   "llama_cpp_whole": whole})
     rows = {(row["category"], row["mode"]): row for row in table(text, "steps sent ahead used")}
     assert rows[("overall", "auto")]["steps sent ahead used"] == "67% of 75%"
     assert rows[("overall", "sequential")]["steps sent ahead used"] == "0% of 0%"
@@ -114,11 +127,13 @@ def test_workload_has_every_category() -> None:
 
 @pytest.mark.slow
 def test_a_short_run_through_server_and_proxy(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    result = run_speculation(SpeculationBench(1, 6, rtt_ms=10, modes=("lookup", "drafter-wide", "auto-wide"), out=tmp_path))
+    result = run_speculation(SpeculationBench(1, 6, rtt_ms=10, modes=("lookup", "drafter-wide", "auto-wide"),
+                                              out=tmp_path))
     overall = result["summary"]["overall"]
     assert set(overall) == {"sequential", "lookup", "drafter-wide", "auto-wide"}
     assert overall["auto-wide"]["identical"] == 4
     assert overall["sequential"]["tokens_per_step"] == 1.0 and overall["lookup"]["prompts"] == 4
-    assert overall["drafter-wide"]["identical"] == 4 and overall["drafter-wide"]["nodes_per_step"] > 24  # wider than drafter's 24
+    # wider than drafter's 24
+    assert overall["drafter-wide"]["identical"] == 4 and overall["drafter-wide"]["nodes_per_step"] > 24
     data = json.loads((tmp_path / "speculation.json").read_text())
     assert len(data["runs"]) == 16 and (tmp_path / "speculation.md").read_text().startswith("Speculative decoding")

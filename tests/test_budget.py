@@ -12,7 +12,17 @@ from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.modes import DECODERS
 from splitllm.decoding.sizing.policies import AdaptivePolicy, ValuePolicy, split_rows
 from splitllm.decoding.speculative import SpeculativeDecoder
-from splitllm.decoding.sizing.latency import LOCAL, OVERHEAD, PER_BYTE, STEP_SIZE, COMPUTE, LatencyProfile, LinearFit, Link, StepShape
+from splitllm.decoding.sizing.latency import (
+    LOCAL,
+    OVERHEAD,
+    PER_BYTE,
+    STEP_SIZE,
+    COMPUTE,
+    LatencyProfile,
+    LinearFit,
+    Link,
+    StepShape,
+)
 from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.stats import StepSpeculation, StepStats, StepTiming
 

@@ -31,7 +31,8 @@ class PositionLog:
         return getattr(self.stage, name)
 
 
-def test_turns_send_the_server_only_new_positions(server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_turns_send_the_server_only_new_positions(server,  # type: ignore[no-untyped-def]
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     thread = server(None, 2, 2)
     log = PositionLog(thread.server.stage)
     monkeypatch.setattr(thread.server.steps, "stage", log)  # where the server runs its forwards
@@ -40,7 +41,7 @@ def test_turns_send_the_server_only_new_positions(server, monkeypatch: pytest.Mo
         for question in TURNS:
             before, first_step = len(conv.ids), len(log.steps)
             gen = None
-            for gen, _ in conv.say(question, max_new_tokens=12, decode="sequential"):
+            for gen, _ in conv.say(question, max_new_tokens=12, decode="sequential"):  # noqa: B007 (the last step)
                 pass
             assert gen is not None and gen.ids
             # The turn's first step: the previous answer's last token, then the new template tokens.

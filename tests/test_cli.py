@@ -28,7 +28,8 @@ from splitllm.decoding.mode_names import DEFAULT_DECODE
 from splitllm.decoding.modes import DECODERS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "splitllm"
-COMMAND_FILES = [*sorted((SRC / "commands").glob("*.py")), SRC / "cli.py", *sorted((SRC / "lab").rglob("*_commands.py"))]
+COMMAND_FILES = [*sorted((SRC / "commands").glob("*.py")), SRC / "cli.py",
+                 *sorted((SRC / "lab").rglob("*_commands.py"))]
 
 
 def _help(command: list[str]) -> str:
@@ -58,7 +59,8 @@ def test_server_limits_below_one_are_refused_before_anything_loads(option: str) 
 
 @pytest.mark.parametrize("command", [["generate", "hello"], ["chat"], ["client-api"], ["bench", "speculation"]])
 def test_a_wire_dtype_the_protocol_lacks_is_refused_before_anything_loads(command: list[str]) -> None:
-    result = CliRunner().invoke(app, [*command, "--wire-dtype", "int8", "--model", "/nonexistent"], env={"COLUMNS": "400"})
+    result = CliRunner().invoke(app, [*command, "--wire-dtype", "int8", "--model", "/nonexistent"],
+                                env={"COLUMNS": "400"})
     assert result.exit_code == 2 and "Invalid value for '--wire-dtype'" in result.output and "bfloat16" in result.output
 
 
@@ -88,7 +90,9 @@ def test_ray_replicas_are_never_attested(attestation: str) -> None:
     assert time.perf_counter() - t0 < 5
 
 
-def test_tls_files_that_do_not_load_are_refused_before_the_model_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_tls_files_that_do_not_load_are_refused_before_the_model_loads(  # type: ignore[no-untyped-def]
+    tmp_path
+) -> None:
     (tmp_path / "bad.pem").write_text("not a certificate\n")
     for cert in (str(tmp_path / "bad.pem"), str(tmp_path / "missing.pem")):
         args = ["serve", "--tls-cert", cert, "--tls-key", cert, "--model", "/nonexistent"]
@@ -100,7 +104,8 @@ def test_client_tls_files_that_do_not_load_are_refused_not_retried(tmp_path) -> 
     (tmp_path / "bad.pem").write_text("not a certificate\n")
     for option in ("--ca", "--client-cert"):
         t0 = time.perf_counter()
-        args = ["generate", "hi", "--server", "wss://127.0.0.1:9", option, str(tmp_path / "bad.pem"), "--model", "/nonexistent"]
+        args = ["generate", "hi", "--server", "wss://127.0.0.1:9", option, str(tmp_path / "bad.pem"), "--model",
+                "/nonexistent"]
         result = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
         assert result.exit_code == 2 and f"the TLS files do not load ({option} {tmp_path / 'bad.pem'}" in result.output
         assert time.perf_counter() - t0 < 5  # refused, not retried until the deadline
@@ -221,7 +226,8 @@ def _in_a_fresh_interpreter(*invocations: list[str]) -> tuple[list[tuple[int, st
 
 def test_help_and_a_mistyped_flag_answer_without_loading_torch_or_transformers() -> None:
     """The model code loads when a command runs, not to list the commands, show one's options or refuse a flag."""
-    runs, heavy = _in_a_fresh_interpreter(["--help"], ["generate", "--help"], ["serve", "--help"], ["generate", "hi", "--bogus"])
+    runs, heavy = _in_a_fresh_interpreter(["--help"], ["generate", "--help"], ["serve", "--help"],
+                                          ["generate", "hi", "--bogus"])
     assert [code for code, _ in runs] == [0, 0, 0, 2]
     (_, root), (_, generate), (_, serve), (_, bogus) = runs
     assert all(name in root for name in ("generate", "serve", "attest", "bench", "privacy", "drafter"))

@@ -151,12 +151,14 @@ def _op(message: bytes) -> str | None:
 def _policy(vendor: Path, folder: Path, **changes: object) -> AttestationPolicy:
     data = json.loads((vendor / "policy.json").read_text()) | changes
     if "trust_anchors" not in changes:  # keep pointing at the simulated vendor's files
-        data["trust_anchors"] = [{**a, "ark": str(vendor / a["ark"]), "ask": str(vendor / a["ask"])} for a in data["trust_anchors"]]
+        data["trust_anchors"] = [{**a, "ark": str(vendor / a["ark"]),
+                                  "ask": str(vendor / a["ask"])} for a in data["trust_anchors"]]
     (folder / "policy.json").write_text(json.dumps(data))
     return AttestationPolicy.load(folder / "policy.json")
 
 
-def _run(client_model, url: str, prompt: list[int], policy: AttestationPolicy | None) -> list[int]:  # type: ignore[no-untyped-def]
+def _run(client_model, url: str, prompt: list[int],  # type: ignore[no-untyped-def]
+         policy: AttestationPolicy | None) -> list[int]:
     options = ConnectionOptions(attestation=policy, deadline_s=5)
     middle = RemoteMiddle(url, client_model.files.fingerprint, client_model.middle_range, "float16", 64, options)
     return greedy(client_model, middle, prompt, NEW_TOKENS)
@@ -179,7 +181,8 @@ def test_an_attested_server_gives_the_plain_output_and_the_wire_carries_only_cip
 
 def _evidence_of_another_handshake(url: str, vendor: Path, files) -> bytes:  # type: ignore[no-untyped-def]
     """An honest evidence frame, recorded from an earlier handshake, for a replay."""
-    hs = ClientHandshake(AttestationPolicy.load(vendor / "policy.json"), files.fingerprint, (FIRST, 30 - LAST), PROTOCOL_VERSION)
+    hs = ClientHandshake(AttestationPolicy.load(vendor / "policy.json"), files.fingerprint, (FIRST, 30 - LAST),
+                         PROTOCOL_VERSION)
     with connect(url + "/ws", compression=None) as ws:
         ws.send(wire.encode(hs.request(1)))
         return ws.recv(timeout=30)  # type: ignore[return-value]
@@ -206,11 +209,14 @@ def test_every_failed_check_sends_no_state(
         ("debug", server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(debug_vendor)).url,
          AttestationPolicy.load(debug_vendor / "policy.json"), None),
         ("tcb", honest, _policy(vendor, tmp_path, min_tcb={"milan": {"microcode": 230}}), None),
-        ("chain", honest, _policy(vendor, tmp_path, trust_anchors=["amd-milan"], simulated=False, measurements=measurement), None),
+        ("chain", honest,
+         _policy(vendor, tmp_path, trust_anchors=["amd-milan"], simulated=False, measurements=measurement), None),
         ("binding", honest, trusted, lambda i, reply: replayed if i == 0 else reply),
         ("binding", honest, trusted, _with_intruders_key),
-        ("model", server(tiny_models["llama"], 1, 1, attestation="simulated", attestation_sim=str(vendor)).url, trusted, None),
-        ("split", server(None, FIRST + 1, LAST, attestation="simulated", attestation_sim=str(vendor)).url, trusted, None),
+        ("model", server(tiny_models["llama"], 1, 1, attestation="simulated", attestation_sim=str(vendor)).url, trusted,
+         None),
+        ("split", server(None, FIRST + 1, LAST, attestation="simulated", attestation_sim=str(vendor)).url, trusted,
+         None),
     ]
     for check, url, policy, rewrite in cases:
         mitm = relay(url, rewrite)
@@ -271,7 +277,8 @@ def test_a_server_whose_loaded_weights_differ_by_one_byte_is_refused(
     prompt = random_ids(6, seed=5)
     with ServerThread(honest) as good, ServerThread(tampered) as bad:
         accepted = relay(good.url)
-        middle = RemoteMiddle(accepted.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64, options)
+        middle = RemoteMiddle(accepted.url, client_model.files.fingerprint, client_model.middle_range, "float32", 64,
+                              options)
         assert len(greedy(client_model, middle, prompt, 4)) == 4
         assert [_op(m) for m in accepted.received] == ["attest"] + [None] * (len(accepted.received) - 1)
         refused = relay(bad.url)
@@ -284,7 +291,9 @@ def test_a_server_whose_loaded_weights_differ_by_one_byte_is_refused(
     assert (steps, opened, len(tampered.sessions)) == (0, 0, 0)  # the server saw no session and no step
 
 
-def test_tampered_and_replayed_frames_are_refused(server, load_client_model, relay, vendor, prompt) -> None:  # type: ignore[no-untyped-def]
+def test_tampered_and_replayed_frames_are_refused(  # type: ignore[no-untyped-def]
+    server, load_client_model, relay, vendor, prompt
+) -> None:
     client_model = load_client_model(None, FIRST, LAST)
     url = server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(vendor)).url
     policy = AttestationPolicy.load(vendor / "policy.json")
@@ -298,7 +307,7 @@ def test_tampered_and_replayed_frames_are_refused(server, load_client_model, rel
         mitm = relay(url, rewrite)
         if rewrite is None:
             first: list[bytes] = []
-            mitm.rewrite = lambda i, r: (first.append(r) or r) if i == 1 else first[0] if i == 2 else r
+            mitm.rewrite = lambda i, r, first=first: (first.append(r) or r) if i == 1 else first[0] if i == 2 else r
         with pytest.raises(SealError) as err:
             _run(client_model, mitm.url, prompt, policy)
         assert err.value.check == check
@@ -314,13 +323,20 @@ def test_tampered_and_replayed_frames_are_refused(server, load_client_model, rel
 def test_the_commands_refuse_without_evidence(server, tmp_path, vendor) -> None:  # type: ignore[no-untyped-def]
     cli = [sys.executable, "-m", "splitllm.cli"]
     out = subprocess.run([*cli, "serve", "--attestation", "sev-snp"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: neither /sys/kernel/config/tsm")
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+        "error: neither /sys/kernel/config/tsm"
+    )
     plain = server(None, FIRST, LAST).url
     out = subprocess.run(
-        [*cli, "generate", "--server", plain, "--attestation-policy", str(vendor / "policy.json"), "--max-new-tokens", "4", "hi"],
+        [*cli, "generate", "--server", plain, "--attestation-policy", str(vendor / "policy.json"), "--max-new-tokens",
+         "4", "hi"],
         capture_output=True, text=True, timeout=300,
     )
-    assert out.returncode == 1 and "attestation failed (evidence)" in out.stderr and "no hidden state was sent" in out.stderr
+    assert (
+        out.returncode == 1
+        and "attestation failed (evidence)" in out.stderr
+        and "no hidden state was sent" in out.stderr
+    )
     assert "SIMULATED vendor" in out.stderr
 
 

@@ -28,7 +28,8 @@ def _write(path: Path) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     values: dict[str, np.ndarray] = {}
     for name, qtype, shape in [("f32", GGMLQuantizationType.F32, (3, 5)), ("f16", GGMLQuantizationType.F16, (2, 7)),
-                               ("q8", GGMLQuantizationType.Q8_0, (4, 64)), ("q5", GGMLQuantizationType.Q5_0, (2, 3, 32))]:
+                               ("q8", GGMLQuantizationType.Q8_0, (4, 64)),
+                               ("q5", GGMLQuantizationType.Q5_0, (2, 3, 32))]:
         data = rng.standard_normal(shape).astype(np.float32)
         if qtype == GGMLQuantizationType.F32:
             writer.add_tensor(name, data)
@@ -54,7 +55,8 @@ def test_the_tensor_table_agrees_with_ggufs_reader(tmp_path: Path) -> None:
     reader = GGUFReader(path)
     assert architecture == "llama"
     assert [(t.name, t.shape, t.qtype, t.start, t.nbytes) for t in table] == [
-        (t.name, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+        (t.name, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.tensor_type), int(t.data_offset),
+         int(t.n_bytes))
         for t in reader.tensors
     ]
     with open(path, "rb") as f:

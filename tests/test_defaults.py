@@ -63,7 +63,8 @@ from splitllm.weights.sources import ModelFiles
 files = ModelFiles({str(tiny_models["mistral"])!r})
 client_model = ClientModel(files, 1, 1, EXACT)
 middle = Stage.load(files, 1, files.config.num_layers - 1, EXACT)
-steps = list(decode_sequential(SplitPipeline(client_model, InProcessMiddle(middle, 64), 64), [1, 2, 3, 4], 4, frozenset()))
+pipeline = SplitPipeline(client_model, InProcessMiddle(middle, 64), 64)
+steps = list(decode_sequential(pipeline, [1, 2, 3, 4], 4, frozenset()))
 print(len(steps), "splitllm_cpu_kernels" in sys.modules)
 """
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
@@ -94,7 +95,9 @@ print(client.client_model.drafter.dtype, len(gen.ids) > 0, "splitllm_cpu_kernels
 
 
 @pytest.mark.slow
-def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy) -> None:  # type: ignore[no-untyped-def]
+def test_serve_and_generate_with_exact_give_transformers_greedy_output(  # type: ignore[no-untyped-def]
+    hf_greedy
+) -> None:
     """The commands as a user runs them: `splitllm serve --exact` in its own process, `splitllm generate
     --exact --json` in another; the answer is transformers' greedy continuation, token for token."""
     from splitllm.testing.launch import ServerProcess
@@ -102,8 +105,8 @@ def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy
     prompt = "Name three prime numbers."
     with ServerProcess("--exact", "--threads", "1") as server:
         run = subprocess.run(
-            [sys.executable, "-m", "splitllm.cli", "generate", prompt, "--server", server.url, "--exact", "--threads", "1",
-             "--json", "--max-new-tokens", "16", "--wire-dtype", "float32", "--decode", "auto"],
+            [sys.executable, "-m", "splitllm.cli", "generate", prompt, "--server", server.url, "--exact",
+             "--threads", "1", "--json", "--max-new-tokens", "16", "--wire-dtype", "float32", "--decode", "auto"],
             capture_output=True, text=True, timeout=600,
         )
     assert run.returncode == 0, run.stderr
@@ -114,7 +117,8 @@ def test_serve_and_generate_with_exact_give_transformers_greedy_output(hf_greedy
     from splitllm.weights.sources import ModelFiles
 
     tokenizer = AutoTokenizer.from_pretrained(ModelFiles(None).path)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     assert summary["prompt_tokens"] == len(ids)
     assert summary["ids"] == hf_greedy(None, ids, 16)[: len(summary["ids"])] and len(summary["ids"]) == 16

@@ -8,7 +8,6 @@ A second random 16-token model drafts the same way as a whole draft model.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -57,7 +56,9 @@ def _pipeline(model: tuple[ClientModel, Stage], context: int = CONTEXT) -> Split
     return SplitPipeline(client_model, InProcessMiddle(stage, context), context)
 
 
-def _ids(decoder, pipeline: SplitPipeline, prompt: list[int], n: int) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
+def _ids(  # type: ignore[no-untyped-def]
+    decoder, pipeline: SplitPipeline, prompt: list[int], n: int
+) -> tuple[list[int], list]:
     outs = list(decoder(pipeline, prompt, n, frozenset()))
     return [t for o in outs for t in o.tokens], outs
 
@@ -100,21 +101,25 @@ def two_drafters_split(vocab16_model: Path, vocab16_draft_model: Path) -> tuple[
 def test_draft_modes_match_sequential(  # type: ignore[no-untyped-def]
     model, tapped_model, draft_model_split, two_drafters_split, mode: str, drafter: str
 ) -> None:
-    model = {"drafter": model, "tapped drafter": tapped_model, "draft model": draft_model_split, "both, priced": two_drafters_split}[drafter]
+    model = {"drafter": model, "tapped drafter": tapped_model, "draft model": draft_model_split,
+             "both, priced": two_drafters_split}[drafter]
     budget = replace(BIG, cost=NodeCost(step_ms=100.0, node_ms=0.5)) if "priced" in drafter else BIG
     accepted_from_drafter = 0
     for seed in range(4):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected, _ = _ids(decode_sequential, _pipeline(model), prompt, 40)
-        ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, drafter_policy=StaticPolicy(budget))), _pipeline(model), prompt, 40)
+        ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, drafter_policy=StaticPolicy(budget))),
+                         _pipeline(model), prompt, 40)
         assert ids == expected, seed
-        accepted_from_drafter += sum(n for o in outs for src, n in o.stats.speculation.sources.items() if "draft" in src)
+        accepted_from_drafter += sum(n for o in outs for src,
+                                     n in o.stats.speculation.sources.items() if "draft" in src)
         assert all(o.stats.timing.draft_ms > 0 for o in outs[1:])
     assert accepted_from_drafter > 10  # the drafter's nodes were accepted (and so its cache kept in step)
 
 
 @pytest.mark.parametrize("drafter", ["drafter", "draft model"])
-def test_a_wider_tree_drafts_more_nodes_and_stays_exact(model, draft_model_split, drafter: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_wider_tree_drafts_more_nodes_and_stays_exact(model, draft_model_split,  # type: ignore[no-untyped-def]
+                                                        drafter: str) -> None:
     """`SpeculationConfig.tree` reaches the drafters: two levels of 4 x 6 hold at most 6 + 24 nodes (with
     context lookup's 3 guesses of 2 tokens, 36), of 8 x 8 up to 72 (64 kept)."""
     split = {"drafter": model, "draft model": draft_model_split}[drafter]
@@ -137,13 +142,15 @@ def test_the_gate_learns_from_what_each_step_yielded(model, monkeypatch) -> None
     seen: list[int] = []
     observe = DraftGate.observe
 
-    def spy(gate: DraftGate, speculation, source: str, drafted_ms: float | None) -> None:  # type: ignore[no-untyped-def]
+    def spy(gate: DraftGate, speculation, source: str,  # type: ignore[no-untyped-def]
+            drafted_ms: float | None) -> None:
         seen.append(speculation.accepted)
         observe(gate, speculation, source, drafted_ms)
 
     monkeypatch.setattr(DraftGate, "observe", spy)
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(0)).tolist()
-    _ids(SpeculativeDecoder(SpeculationConfig(Mode.AUTO, drafter_policy=StaticPolicy(BIG))), _pipeline(model), prompt, 40)
+    _ids(SpeculativeDecoder(SpeculationConfig(Mode.AUTO, drafter_policy=StaticPolicy(BIG))), _pipeline(model), prompt,
+         40)
     assert seen and min(seen) >= 1 and max(seen) > 1
 
 
@@ -210,8 +217,8 @@ def test_drafter_mode_needs_a_drafter(tiny_models, load_client_model) -> None:  
 
 def test_drafter_cache_follows_the_committed_sequence(model) -> None:  # type: ignore[no-untyped-def]
     """Fed step by step (features of each step's committed nodes, trees grown in between, some steps
-    not drafting), the drafter's cache holds exactly what one sync of the whole sequence computes, and drafts the same tree given
-    the same calibration (what the stepped proposer learned from the tokens it saw)."""
+    not drafting), the drafter's cache holds exactly what one sync of the whole sequence computes, and
+    drafts the same tree given the same calibration (what the stepped proposer learned from the tokens it saw)."""
     client_model, _ = model
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     features, _ = _pipeline(model).forward(Step(torch.tensor(ids[:-1]), torch.arange(29), Visibility.chain(29)))
@@ -243,7 +250,8 @@ def test_the_drafters_vocabulary_rows_are_read_once_per_drafter(vocab16_model: P
     first = DrafterProposer(client_model.drafter, client_model, CONTEXT).vocab_head
     assert DrafterProposer(client_model.drafter, client_model, CONTEXT).vocab_head is first
     assert first.weight.dtype == client_model.drafter.dtype
-    torch.testing.assert_close(first.weight, client_model.lm_head_rows(client_model.drafter.vocab).to(client_model.drafter.dtype))
+    torch.testing.assert_close(first.weight,
+                               client_model.lm_head_rows(client_model.drafter.vocab).to(client_model.drafter.dtype))
     client_model.drafter = random_drafter(files, torch.float64)
     assert client_model.drafter_vocab_head() is not first
 
@@ -295,7 +303,9 @@ def test_a_draft_model_takes_the_leanest_weights_the_kernels_run_beside_quantize
     assert drafting_precision(Precision(torch.bfloat16, "int8")) == Precision(torch.bfloat16, "int8")
 
 
-def test_the_likely_path_of_a_step_taken_up_begins_at_its_entry(draft_model_split) -> None:  # type: ignore[no-untyped-def]
+def test_the_likely_path_of_a_step_taken_up_begins_at_its_entry(  # type: ignore[no-untyped-def]
+    draft_model_split
+) -> None:
     """A step sent ahead and taken up verifies below its entry node, which is accepted already: the
     path to prepare after starts there, and its chance is counted from there."""
     from splitllm.drafting.scored_tree import _Node
@@ -312,7 +322,8 @@ def test_the_likely_path_of_a_step_taken_up_begins_at_its_entry(draft_model_spli
     assert proposer.likely_path(lambda tokens: tuple(tokens) in held) == ([1, 3], pytest.approx(0.4))
 
 
-def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split,  # type: ignore[no-untyped-def]
+                                                             monkeypatch) -> None:
     """A step whose chain is a prefill (the prompt, a conversation's next turn) sends no draft-model
     tree: the draft model reads those tokens beside the step (`overlap_ms`), a pass while the middle
     computes and the rest after it, so the next step's tree feeds only what that step committed.
@@ -349,7 +360,9 @@ def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, 
     assert proposer.tokens[: len(history)] == history
 
 
-def _drafting(drafting: str, draft_model_split, model, vocab16_model: Path) -> tuple[ClientModel, Stage]:  # type: ignore[no-untyped-def]
+def _drafting(  # type: ignore[no-untyped-def]
+    drafting: str, draft_model_split, model, vocab16_model: Path
+) -> tuple[ClientModel, Stage]:
     """The split a test drafts with: a random draft model, the model itself as its own draft model, or a
     random learned drafter."""
     client_model, stage = model if drafting == "a random learned drafter" else draft_model_split
@@ -389,7 +402,8 @@ def test_a_draft_model_prepares_the_next_tree_while_a_step_is_in_flight(  # type
         assert all(o.stats.timing.overlap_ms > 0 for o in outs if o.stats.speculation.prepared)
         prepared += sum(o.stats.speculation.prepared for o in outs)
         adopted += sum(o.stats.speculation.adopted for o in outs)
-        proposer = decoder.draft_model_proposer  # its cache may hold guesses: drafting after the real history drops them
+        # its cache may hold guesses: drafting after the real history drops them
+        proposer = decoder.draft_model_proposer
         fresh = DraftModelProposer(client_model.draft_model, CONTEXT)
         fresh.calibration = proposer.calibration
         proposer.prepared = None  # (a tree prepared for the sequence's end would be taken instead)
@@ -476,7 +490,9 @@ def test_a_step_sent_ahead_on_the_likely_outcome_keeps_the_output_sequentials(  
     assert sent > 0 and (taken > 2 if drafting == "the model itself" else taken <= sent)
 
 
-def test_steps_sent_ahead_over_a_real_server_stay_exact_across_generations(vocab16_model: Path, server) -> None:  # type: ignore[no-untyped-def]
+def test_steps_sent_ahead_over_a_real_server_stay_exact_across_generations(  # type: ignore[no-untyped-def]
+    vocab16_model: Path, server
+) -> None:
     """Over a server on loopback (protocol crops and all), steps go ahead of the one in flight, are taken
     up or dropped, and a second generation on the same session after the first (which may end with a
     step ahead dropped) goes on exactly where sequential decoding of the whole sequence would."""
@@ -489,12 +505,14 @@ def test_steps_sent_ahead_over_a_real_server_stay_exact_across_generations(vocab
     sent = taken = 0
     for seed in range(3):
         first, more = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed)).tolist()
-        remote = SplitPipeline(client_model, RemoteMiddle(url, files.fingerprint, client_model.middle_range, "float32", 96), 96)
+        remote = SplitPipeline(client_model,
+                               RemoteMiddle(url, files.fingerprint, client_model.middle_range, "float32", 96), 96)
         ids, outs = _ids(decoder, remote, first, 24)
         ids2 = [t for o in decoder(remote, ids[-1:] + more, 24, frozenset(), keep=outs[-1].path) for t in o.tokens]
         local = _pipeline((client_model, stage), 96)
         expected, steps = _ids(decode_sequential, local, first, 24)
-        expected2 = [t for o in decode_sequential(local, expected[-1:] + more, 24, frozenset(), keep=steps[-1].path) for t in o.tokens]
+        expected2 = [t for o in decode_sequential(local, expected[-1:] + more, 24, frozenset(),
+                                                  keep=steps[-1].path) for t in o.tokens]
         assert (ids, ids2) == (expected, expected2), seed
         sent += sum(o.stats.speculation.sent_ahead for o in outs)
         taken += sum(o.stats.speculation.ran_ahead for o in outs)

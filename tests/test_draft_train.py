@@ -53,7 +53,7 @@ def test_captured_answers_are_the_references_and_features_the_clients_own(tiny_m
         assert ids == want.tolist()
         assert feats.shape == (len(ids), files.config.hidden_size)
         torch.testing.assert_close(feats.float(), _own_features(files, ids), rtol=2e-3, atol=2e-2)
-    for (ids, feats), again in zip(answers, capture.features([ids for ids, _ in answers])):
+    for (_ids, feats), again in zip(answers, capture.features([ids for ids, _ in answers])):
         torch.testing.assert_close(again.float(), feats.float(), rtol=2e-3, atol=2e-2)
 
 
@@ -109,14 +109,16 @@ def test_tiny_drafter_trains_and_round_trips(trainee, tmp_path) -> None:
     assert len(val.acceptance) == 3 and val.positions > 0
     shares = [val.in_top[k] for k in train.RANKS]
     assert shares == sorted(shares) and 0 <= val.outside_vocab <= 1 - shares[-1]
-    folder = store.save_drafter(drafter, tmp_path / "drafter", {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
+    folder = store.save_drafter(drafter, tmp_path / "drafter",
+                                {store.FINGERPRINT_KEY: files.fingerprint, "model": "tiny"})
     meta = json.loads((folder / store.METADATA).read_text())
     assert meta["draft_vocab"] == 128 and meta["size_bytes"] > 0
     loaded = store.load_drafter(files, folder)
     assert loaded is not None and loaded.vocab.tolist() == vocab
     x = seqs[0]
     args = (x.feats[:5], client_model.embed(x.ids[1:6]), torch.arange(5), Visibility.chain(5), [])
-    torch.testing.assert_close(loaded(loaded.new_cache(8), *args), drafter(drafter.new_cache(8), *args), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loaded(loaded.new_cache(8), *args), drafter(drafter.new_cache(8), *args), rtol=2e-2,
+                               atol=2e-2)
 
 
 def test_a_zero_feature_weight_scores_tokens_alone(trainee) -> None:
@@ -156,7 +158,8 @@ def test_taps_come_beside_the_top_feature(tiny_models) -> None:
         FeatureCapture(files, torch.float32, taps=(3, 1))
 
 
-def test_a_tapped_drafter_continues_a_plain_one_and_drafts_as_it_trained(trainee, tmp_path, monkeypatch, caplog) -> None:
+def test_a_tapped_drafter_continues_a_plain_one_and_drafts_as_it_trained(trainee, tmp_path, monkeypatch,
+                                                                         caplog) -> None:
     """Continued from a plain drafter, a tapped drafter first computes what that drafter did (its `fuse` passes
     the top feature); trained on tapped data it learns, round-trips with its taps, drafts through its
     cache what training computed, and a split that does not hold its taps refuses it."""
@@ -180,8 +183,10 @@ def test_a_tapped_drafter_continues_a_plain_one_and_drafts_as_it_trained(trainee
     assert json.loads((folder / store.METADATA).read_text())["taps"] == [1, n - 1]
     loaded = store.load_drafter(files, folder)
     assert loaded is not None and loaded.taps == (1, n - 1)
-    broken = store.save_drafter(with_taps, tmp_path / "elsewhere" / "broken", meta)  # not where the package's drafters are
-    (broken / store.METADATA).write_text(json.dumps({**json.loads((broken / store.METADATA).read_text()), "taps": [n - 1, 1]}))
+    # not where the package's drafters are
+    broken = store.save_drafter(with_taps, tmp_path / "elsewhere" / "broken", meta)
+    (broken / store.METADATA).write_text(json.dumps({**json.loads((broken / store.METADATA).read_text()),
+                                                     "taps": [n - 1, 1]}))
     with pytest.raises(ValueError, match="drafter.json: taps must be increasing"):
         store.load_drafter(files, broken)
     s = seqs[0]
@@ -276,7 +281,9 @@ def test_shipped_drafter_drafts_well_above_chance(default_files) -> None:
     assert drafter is not None, "the default model ships a drafter"
     tok = data.load_tokenizer(default_files)
     docs = [d for d in data.corpus.reference_documents() if d.test and d.kind == "prose"][:3]
-    seqs = [data.chat_ids(tok, [data.turn("user", "Tell me about Python."), data.turn("assistant", d.text[:600])]) for d in docs]
+    seqs = [data.chat_ids(tok,
+                          [data.turn("user", "Tell me about Python."),
+                           data.turn("assistant", d.text[:600])]) for d in docs]
     target = train.Target(ClientModel(default_files, 1, 0))
     val = train.validate(drafter, target, train.prepare(_features(default_files, seqs), target), depth=2)
     assert val.positions > 200
@@ -371,7 +378,8 @@ def test_follow_ups_are_answered_in_context_and_answers_cached(tmp_path) -> None
         return FeatureCapture(files, torch.float32)
 
     settings = DataSettings(max_new_tokens=5)
-    sequences, seconds = answer_conversations(capture, files, tok, conversations, settings, tmp_path / "work", Bar(None))
+    sequences, seconds = answer_conversations(capture, files, tok, conversations, settings, tmp_path / "work",
+                                              Bar(None))
     first = data.chat_ids(tok, [data.turn("user", "Say hello.")])
     (alone, _), = FeatureCapture(files, torch.float32).answer([first], 5)
     reply = tok.decode(alone[len(first):], skip_special_tokens=True).strip()
@@ -383,7 +391,8 @@ def test_follow_ups_are_answered_in_context_and_answers_cached(tmp_path) -> None
     ])) + 5
     assert seconds > 0 and calls
     calls.clear()
-    again, cached_seconds = answer_conversations(capture, files, tok, conversations, settings, tmp_path / "work", Bar(None))
+    again, cached_seconds = answer_conversations(capture, files, tok, conversations, settings, tmp_path / "work",
+                                                 Bar(None))
     assert again == sequences and cached_seconds == pytest.approx(seconds) and not calls
 
 
@@ -425,7 +434,8 @@ def test_each_model_trains_by_its_recipe_unless_told_otherwise() -> None:
     assert (mine.prompts, mine.weights, mine.epochs, mine.intermediate) == (10, "float16", qwen.epochs, 2048)
     assert mine.as_options(["epochs", "intermediate"]) == ["--epochs", str(qwen.epochs), "--intermediate", "2048"]
     assert default.as_options(["intermediate"]) == []  # the target's width: nothing to ask for
-    assert qwen.continuing().as_options(["intermediate"]) == []  # a continued drafter's width, which --init refuses to change
+    # a continued drafter's width, which --init refuses to change
+    assert qwen.continuing().as_options(["intermediate"]) == []
 
 
 @pytest.mark.slow
@@ -439,8 +449,9 @@ def test_draft_train_records_the_recipe_it_ran(tmp_path) -> None:
     from splitllm.lab.training.recipes import GENERIC
 
     model = tiny_model(tmp_path / "model")
-    args = ["drafter", "train", "--model", str(model), "--out", str(tmp_path / "drafter"), "--prompts", "2", "--texts", "0",
-            "--max-new-tokens", "3", "--vocab", "16", "--passes", "1", "--epochs", "1", "--work", str(tmp_path / "work")]
+    args = ["drafter", "train", "--model", str(model), "--out", str(tmp_path / "drafter"), "--prompts", "2",
+            "--texts", "0", "--max-new-tokens", "3", "--vocab", "16", "--passes", "1", "--epochs", "1",
+            "--work", str(tmp_path / "work")]
     subprocess.run([sys.executable, "-m", "splitllm.cli", *args], check=True, capture_output=True, timeout=300)
     meta = json.loads((tmp_path / "drafter" / store.METADATA).read_text())
     assert meta["reproduce"] == " ".join(["splitllm", *args, "--generate-batch", str(GENERIC.generate_batch),

@@ -48,7 +48,8 @@ def default_reference(default_prompts, hf_greedy) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "last", "prompts"), DEFAULT_SPLITS)
-def test_default_model_split_greedy_equals_transformers(first, last, prompts, server, default_prompts, default_reference):
+def test_default_model_split_greedy_equals_transformers(first, last, prompts, server, default_prompts,
+                                                        default_reference):
     url = server(None, first, last, dtype=torch.float32).url
     client = SplitClient(None, url, first, last, wire_dtype="float32", max_context=256, precision=EXACT)
     for i, (ids, ref) in enumerate(zip(default_prompts[:prompts], default_reference)):
@@ -57,7 +58,8 @@ def test_default_model_split_greedy_equals_transformers(first, last, prompts, se
 
 
 @pytest.mark.parametrize(("name", "first", "last"), [
-    pytest.param(n, h, t, marks=[pytest.mark.slow] if i else []) for n, splits in TINY_SPLITS.items() for i, (h, t) in enumerate(splits)
+    pytest.param(n, h, t, marks=[pytest.mark.slow] if i else []) for n, splits in TINY_SPLITS.items() for i,
+    (h, t) in enumerate(splits)
 ])
 def test_tiny_model_split_greedy_equals_transformers(
     name, first, last, tiny_models, server, load_client_model, split_greedy, hf_greedy, random_ids

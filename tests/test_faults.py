@@ -44,7 +44,8 @@ NEW = 40
 def solo(tiny, server, load_client_model, random_ids):  # type: ignore[no-untyped-def]
     """(prompt, its greedy ids through an undisturbed server)."""
     prompt = random_ids(12, 7)
-    return prompt, greedy(load_client_model(tiny, FIRST, LAST), _middle(server(tiny, FIRST, LAST).url, tiny), prompt, NEW)
+    return prompt, greedy(load_client_model(tiny, FIRST, LAST), _middle(server(tiny, FIRST, LAST).url, tiny), prompt,
+                          NEW)
 
 
 def _middle(url: str, model: str, **options: object) -> RemoteMiddle:
@@ -76,7 +77,8 @@ class _Chaos:
         self._thread.join()
 
 
-def test_connections_cut_at_random_moments_lose_nothing(tiny, server, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_connections_cut_at_random_moments_lose_nothing(tiny, server, load_client_model,  # type: ignore[no-untyped-def]
+                                                        solo) -> None:
     prompt, expected = solo
     target = server(tiny, FIRST, LAST)
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=20)) as proxy:
@@ -94,7 +96,8 @@ def test_connections_cut_at_random_moments_lose_nothing(tiny, server, load_clien
     assert middle.reconnects >= len(cut_at) and chaos.drops > 0
 
 
-def test_steps_sent_ahead_survive_connections_cut_at_random_moments(vocab16_model, server) -> None:  # type: ignore[no-untyped-def]
+def test_steps_sent_ahead_survive_connections_cut_at_random_moments(vocab16_model,  # type: ignore[no-untyped-def]
+                                                                    server) -> None:
     """With a second step on the wire, a cut can lose the step ahead, its reply, or one dropped and not
     yet read: each is sent again or replayed, and the output is still sequential's."""
     files = ModelFiles(str(vocab16_model))
@@ -107,14 +110,16 @@ def test_steps_sent_ahead_survive_connections_cut_at_random_moments(vocab16_mode
     decoder = SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(SpecBudget(12, depth=3))))
     target = server(vocab16_model, 1, 1, dtype=torch.float64)
     with ProxyThread("127.0.0.1", target.port, LinkProfile(rtt_ms=20)) as proxy:
-        middle = RemoteMiddle(f"ws://127.0.0.1:{proxy.port}", files.fingerprint, client_model.middle_range, "float32", 128)
+        middle = RemoteMiddle(f"ws://127.0.0.1:{proxy.port}", files.fingerprint, client_model.middle_range, "float32",
+                              128)
         with _Chaos(proxy, seed=7, gap_s=(0.05, 0.25)):
             outs = list(decoder(SplitPipeline(client_model, middle, 128), prompt, 48, frozenset()))
     assert [t for o in outs for t in o.tokens] == expected
     assert middle.reconnects > 0 and sum(o.stats.speculation.sent_ahead for o in outs) > 0
 
 
-def test_every_connection_cut_after_a_byte_budget(tiny, server, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_every_connection_cut_after_a_byte_budget(tiny, server, load_client_model,  # type: ignore[no-untyped-def]
+                                                  solo) -> None:
     prompt, expected = solo
     target = server(tiny, FIRST, LAST)
     client_model = load_client_model(tiny, FIRST, LAST)
@@ -130,7 +135,8 @@ def test_every_connection_cut_after_a_byte_budget(tiny, server, load_client_mode
             greedy(client_model, _middle(f"ws://127.0.0.1:{proxy.port}", tiny, deadline_s=1.0), prompt, NEW)
 
 
-def test_server_thread_restarted_on_the_same_port(tiny, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_server_thread_restarted_on_the_same_port(tiny, load_client_model,  # type: ignore[no-untyped-def]
+                                                  solo) -> None:
     prompt, expected = solo
     first = ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))).__enter__()
     restarted: list[ServerThread] = []
@@ -152,7 +158,8 @@ def test_server_thread_restarted_on_the_same_port(tiny, load_client_model, solo)
 
 
 @pytest.mark.slow  # a server process started twice
-def test_server_process_killed_and_restarted(tiny, load_client_model, solo, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_server_process_killed_and_restarted(tiny, load_client_model, solo,  # type: ignore[no-untyped-def]
+                                             tmp_path) -> None:
     prompt, expected = solo
     args = ("--model", tiny, "--first", str(FIRST), "--last", str(LAST), "--threads", "1")
     processes = [ServerProcess(*args, log_path=str(tmp_path / "server.log")).__enter__()]
@@ -174,7 +181,8 @@ def test_server_process_killed_and_restarted(tiny, load_client_model, solo, tmp_
     assert got == expected and middle.reconnects == 1
 
 
-def test_expired_session_is_rebuilt_from_the_record(tiny, load_client_model, solo) -> None:  # type: ignore[no-untyped-def]
+def test_expired_session_is_rebuilt_from_the_record(tiny, load_client_model,  # type: ignore[no-untyped-def]
+                                                    solo) -> None:
     prompt, expected = solo
     with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, session_ttl_s=0.3))) as thread:
 
@@ -202,7 +210,9 @@ def test_fails_over_to_the_next_server(tiny, load_client_model, solo) -> None:  
         assert backup.server.metrics.total("splitllm_sessions_opened_total") == 1
 
 
-def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(tiny, load_client_model, solo, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_unreachable_server_fails_after_the_deadline_keeping_the_tokens(  # type: ignore[no-untyped-def]
+    tiny, load_client_model, solo, caplog
+) -> None:
     prompt, expected = solo
     caplog.set_level(logging.WARNING, "splitllm.client")
     ids: list[int] = []
@@ -246,7 +256,9 @@ def test_default_model_decodes_through_cut_connections(default_client, server) -
 
 
 @pytest.mark.slow
-def test_default_model_generation_keeps_its_tokens_when_the_server_is_gone(default_client, server) -> None:  # type: ignore[no-untyped-def]
+def test_default_model_generation_keeps_its_tokens_when_the_server_is_gone(  # type: ignore[no-untyped-def]
+    default_client, server
+) -> None:
     target = server(None, 2, 2)
     client = default_client
     prompt = "Name a color."
@@ -284,7 +296,8 @@ def _tree_steps(d: int) -> list[tuple[torch.Tensor, list[int], Visibility, list[
     ]
 
 
-def test_a_step_failing_mid_forward_leaves_the_cache_as_it_was(tiny, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_failing_mid_forward_leaves_the_cache_as_it_was(tiny,  # type: ignore[no-untyped-def]
+                                                               monkeypatch) -> None:
     files = ModelFiles(tiny)
     layers = (FIRST, files.config.num_layers - LAST)
     server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))

@@ -89,7 +89,9 @@ def test_fingerprint_is_stable_across_instances(tiny_models, name) -> None:
 
 
 @pytest.mark.parametrize("setting", ["float32-none", "bfloat16-int8"])
-def test_the_loaded_fingerprint_is_the_digest_of_the_loaded_files_bytes(setting, tiny_models, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_loaded_fingerprint_is_the_digest_of_the_loaded_files_bytes(  # type: ignore[no-untyped-def]
+    setting, tiny_models, tmp_path, monkeypatch
+) -> None:
     """The definition in weights/loaded.py, computed here from the files' bytes alone: the checkpoint
     itself in the exact mode, the precision's converted layer files otherwise."""
     monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path / "cache"))
@@ -113,7 +115,8 @@ def test_the_loaded_fingerprint_is_the_digest_of_the_loaded_files_bytes(setting,
 
 
 @pytest.mark.parametrize("setting", ["bfloat16-int8", "bfloat16-int4"])
-def test_a_conversion_writes_the_same_bytes_every_time(setting, tiny_models, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_conversion_writes_the_same_bytes_every_time(setting, tiny_models, tmp_path,  # type: ignore[no-untyped-def]
+                                                       monkeypatch) -> None:
     """A policy writer's `splitllm attest weights` converts on its own machine and must get the server's
     value, so a converted file's bytes depend on its tensors alone: its header is written in one order
     (safetensors writes metadata in a hash map's order, which varies between writes)."""
@@ -127,11 +130,14 @@ def test_a_conversion_writes_the_same_bytes_every_time(setting, tiny_models, tmp
         header = (folder / "layer-0001.safetensors").read_bytes()
         size = int.from_bytes(header[:8], "little")
         keys = list(json.loads(header[8 : 8 + size]))
-        assert keys == sorted(keys) and list(json.loads(header[8 : 8 + size])["__metadata__"]) == ["format", "precision"]
+        assert keys == sorted(keys) and list(json.loads(header[8 : 8 + size])["__metadata__"]) == ["format",
+                                                                                                   "precision"]
     assert len(seen) == 1
 
 
-def test_read_safetensors_hashes_every_byte_and_keeps_what_it_is_asked(tiny_models) -> None:  # type: ignore[no-untyped-def]
+def test_read_safetensors_hashes_every_byte_and_keeps_what_it_is_asked(  # type: ignore[no-untyped-def]
+    tiny_models
+) -> None:
     path = tiny_models["qwen2"] / "model.safetensors"
     tensors, digest = read_safetensors(path, lambda name: name.startswith("model.layers.1."))
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -94,14 +94,16 @@ def _random_header(draw: st.DrawFn) -> Spec:
 @st.composite
 def _open(draw: st.DrawFn) -> Spec:
     """A real open header with some fields replaced by anything."""
-    fields = draw(st.dictionaries(st.sampled_from(["version", "fingerprint", "layers", "dtype", "max_context", "id"]), _values, min_size=1, max_size=3))
+    fields = draw(st.dictionaries(st.sampled_from(["version", "fingerprint", "layers", "dtype", "max_context", "id"]),
+                                  _values, min_size=1, max_size=3))
     return Spec("open", fields)
 
 
 _frames = st.one_of(
     _open(),
     st.builds(lambda b: Spec("bytes", payload=b), st.binary(max_size=300)),
-    st.builds(lambda n, b: Spec("length", payload=struct.pack(">I", n) + b), st.integers(0, 2**32 - 1), st.binary(max_size=64)),
+    st.builds(lambda n, b: Spec("length", payload=struct.pack(">I", n) + b), st.integers(0, 2**32 - 1),
+              st.binary(max_size=64)),
     _random_header(),
     st.builds(
         lambda p, extra, role: Spec("poison", poison=p, extra=extra, role=role),
@@ -172,7 +174,9 @@ class Target:
     overlaps = False
     row_invariant = True
 
-    def __init__(self, url: str, files: ModelFiles, client_model, prompt: list[int], expected: list[int], bystander) -> None:  # type: ignore[no-untyped-def]
+    def __init__(  # type: ignore[no-untyped-def]
+        self, url: str, files: ModelFiles, client_model, prompt: list[int], expected: list[int], bystander
+    ) -> None:
         self.url, self.files, self.client_model = url, files, client_model
         self.layers = (FIRST, files.config.num_layers - LAST)
         self.prompt, self.expected, self.bystander = prompt, expected, bystander
@@ -224,10 +228,12 @@ class Target:
 
     # Middle protocol: called by the decoder for each real step.
     def step(
-        self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None  # the decoder runs what this leaves
+        # the decoder runs what this leaves
+        self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None
     ) -> torch.Tensor:
         parents, bits = step.vis.to_wire()
-        request = StepMessage(self.live, step.inputs, "float32", tuple(step.positions.tolist()), step.keep, parents, bits, 1)
+        request = StepMessage(self.live, step.inputs, "float32", tuple(step.positions.tolist()), step.keep, parents,
+                              bits, 1)
         pending = step.keep[-1] + 1 if step.keep else 0
         for spec in self.specs:
             self._send(spec, request.header(), step.inputs, pending)
@@ -274,7 +280,8 @@ class Target:
 class Bystander:
     """A well-behaved client decoding on its own connection until told to stop."""
 
-    def __init__(self, url: str, files: ModelFiles, client_model, prompt: list[int], expected: list[int]) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, url: str, files: ModelFiles, client_model, prompt: list[int],  # type: ignore[no-untyped-def]
+                 expected: list[int]) -> None:
         self.url, self.files, self.client_model, self.prompt, self.expected = url, files, client_model, prompt, expected
         self.session = ""
         self.runs, self.mismatches, self.errors = 0, 0, []

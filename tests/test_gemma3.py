@@ -64,7 +64,8 @@ def test_gemma3_config() -> None:
     assert cfg.tie_word_embeddings and cfg.embed_scale == 640**0.5 and cfg.attn_scale == 256**-0.5
 
 
-def test_gemma3_logits_match_transformers_past_the_sliding_window(pipeline, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_gemma3_logits_match_transformers_past_the_sliding_window(pipeline,  # type: ignore[no-untyped-def]
+                                                                  hf_model) -> None:
     """A 700-token prompt: the last positions see their window of 512 in local layers, everything in global ones."""
     tokenizer = AutoTokenizer.from_pretrained(ModelFiles(MODEL).path)
     text = " ".join(f"Item {i}: the {i % 7}th colour of the {i % 11}th wheel." for i in range(80))
@@ -72,14 +73,16 @@ def test_gemma3_logits_match_transformers_past_the_sliding_window(pipeline, hf_m
     n = len(tokens)
     assert n == 700
     last = torch.arange(n - 4, n)
-    ours, _ = pipeline(MODEL, 2, 2, max_context=n).score(Step(torch.tensor(tokens), torch.arange(n), Visibility.chain(n)), rows=last)
+    ours, _ = pipeline(MODEL, 2, 2,
+                       max_context=n).score(Step(torch.tensor(tokens), torch.arange(n), Visibility.chain(n)), rows=last)
     with torch.no_grad():
         ref = hf_model(MODEL)(torch.tensor([tokens]), logits_to_keep=4).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_gemma3_split_greedy_equals_transformers_in_process(client, prompts, reference) -> None:  # type: ignore[no-untyped-def]
+def test_gemma3_split_greedy_equals_transformers_in_process(client, prompts,  # type: ignore[no-untyped-def]
+                                                            reference) -> None:
     for i, (ids, ref) in enumerate(zip(prompts, reference)):
         got = client.generate(ids, NEW_TOKENS).ids
         assert got == ref, f"prompt {i} diverges at token {first_difference(got, ref)}"
@@ -96,7 +99,8 @@ def test_gemma3_split_greedy_equals_transformers_over_loopback(
         assert got == ref, f"prompt {i} diverges at token {first_difference(got, ref)}"
 
 
-def test_gemma3_lookup_speculation_commits_the_same_tokens(fast_client, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_gemma3_lookup_speculation_commits_the_same_tokens(fast_client,  # type: ignore[no-untyped-def]
+                                                           prompts) -> None:
     """Lookup drafting from the prompt's own n-grams: trees of several nodes, verified row by row."""
     if not fast_client.client_model.row_invariant:
         pytest.skip("no splitllm kernel variant runs on this CPU: speculation is refused (test_precision.py)")
@@ -114,7 +118,9 @@ def test_gemma3_base_model_refuses_chat_turns(client) -> None:  # type: ignore[n
         next(conv.say("Hello"))
 
 
-def test_gemma3_json_under_a_schema_is_valid_and_speculation_changes_nothing(fast_client) -> None:  # type: ignore[no-untyped-def]
+def test_gemma3_json_under_a_schema_is_valid_and_speculation_changes_nothing(  # type: ignore[no-untyped-def]
+    fast_client
+) -> None:
     """A model with no chat template still answers in JSON under a schema (its vocabulary is 262k tokens)."""
     import json
 

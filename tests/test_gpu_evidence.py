@@ -32,7 +32,7 @@ from splitllm.attestation.tdx_simulation import SimulatedTdx, tdx_sim_init
 from splitllm.attestation.verify import AttestationError
 
 DATA = Path(__file__).parent / "data" / "nvidia"
-WHEN = datetime.datetime(2026, 6, 1, tzinfo=datetime.timezone.utc)  # inside every certificate's validity
+WHEN = datetime.datetime(2026, 6, 1, tzinfo=datetime.UTC)  # inside every certificate's validity
 BLACKWELL_NONCE = bytes.fromhex("931d8dd0add203ac3d8b4fbde75e115278eefcdceac5b87671a748f32364dfcb")
 FINGERPRINT = "ab" * 32
 WEIGHTS = "5e" * 32
@@ -57,7 +57,8 @@ def blackwell() -> GpuEvidence:
                        (DATA / "blackwellCertChain.txt").read_bytes())
 
 
-def _refused(evidence: GpuEvidence, nonce: bytes, policy: GpuPolicy | None = None, when: datetime.datetime = WHEN) -> AttestationError:
+def _refused(evidence: GpuEvidence, nonce: bytes, policy: GpuPolicy | None = None,
+             when: datetime.datetime = WHEN) -> AttestationError:
     with pytest.raises(AttestationError) as err:
         verify_gpu_evidence(evidence, nonce, policy, when)
     assert "no hidden state was sent" in str(err.value)
@@ -98,7 +99,8 @@ def test_each_tampered_copy_is_refused_by_its_named_check() -> None:
         (_flipped(gpu.report, len(gpu.report) - 1), gpu.certificates, nonce, "gpu-signature", "does not verify"),
         (_flipped(gpu.report, 4), gpu.certificates, nonce, "gpu-signature", "does not verify"),  # the nonce is signed
         (gpu.report, gpu.certificates, bytes(32), "gpu-nonce", "answers another nonce"),
-        (gpu.report, _pem([leaves[1][0], *leaves[0][1:]]), nonce, "gpu-chain", "was not issued by"),  # another GPU's leaf
+        # another GPU's leaf
+        (gpu.report, _pem([leaves[1][0], *leaves[0][1:]]), nonce, "gpu-chain", "was not issued by"),
         (gpu.report, other.certificates, nonce, "gpu-signature", "does not verify"),  # another GPU's whole chain
         (gpu.report, _pem(leaves[0][:-1]), nonce, "gpu-chain", "not at a pinned root"),  # the root left out
         (gpu.report, b"not a certificate", nonce, "gpu-chain", "does not parse"),
@@ -108,7 +110,7 @@ def test_each_tampered_copy_is_refused_by_its_named_check() -> None:
     for report, chain, expected_nonce, check, reason in cases:
         err = _refused(GpuEvidence(report, chain), expected_nonce)
         assert err.check == check and reason in str(err), (check, reason, str(err))
-    before = datetime.datetime(2021, 1, 1, tzinfo=datetime.timezone.utc)  # before NVIDIA's root was issued
+    before = datetime.datetime(2021, 1, 1, tzinfo=datetime.UTC)  # before NVIDIA's root was issued
     assert "not valid at 2021-01-01" in str(_refused(gpu, nonce, when=before))
     other_root = _ca("NVIDIA Device Identity CA", None, _key())[0]  # NVIDIA's name, someone else's key
     err = _refused(gpu, nonce, GpuPolicy(roots=(other_root,)))
@@ -177,7 +179,8 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _ca(cn: str, issuer: tuple[x509.Certificate, object] | None, key: object, *, ca: bool = True, path: int | None = None,
+def _ca(cn: str, issuer: tuple[x509.Certificate, object] | None, key: object, *, ca: bool = True,
+        path: int | None = None,
         usage: bool = True, hash_: hashes.HashAlgorithm = hashes.SHA384(), critical_extra: bool = False,
         rsa_padding: padding.AsymmetricPadding | None = None) -> tuple[x509.Certificate, object]:
     """A certificate for `key` (self-signed without `issuer`): a CA unless `ca` is False, with key usage to match."""
@@ -191,9 +194,11 @@ def _ca(cn: str, issuer: tuple[x509.Certificate, object] | None, key: object, *,
     if usage:
         builder = builder.add_extension(x509.KeyUsage(
             digital_signature=not ca, content_commitment=False, key_encipherment=False, data_encipherment=False,
-            key_agreement=False, key_cert_sign=ca, crl_sign=ca, encipher_only=False, decipher_only=False), critical=True)
+            key_agreement=False, key_cert_sign=ca, crl_sign=ca, encipher_only=False, decipher_only=False),
+                                        critical=True)
     if critical_extra:
-        builder = builder.add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier("1.3.6.1.4.1.99999.1"), b"\x05\x00"),
+        builder = builder.add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier("1.3.6.1.4.1.99999.1"),
+                                                                   b"\x05\x00"),
                                         critical=True)
     return builder.sign(signer, hash_, rsa_padding=rsa_padding), key  # type: ignore[arg-type]
 
@@ -263,7 +268,8 @@ def test_the_cvm_report_must_commit_to_exactly_the_gpu_evidence_presented(vendor
     evidence = _server_evidence(vendor, nonce, gpu_evidence_digest(gpus))
     channel, cvm, verified = finish_with_gpus(client, evidence, gpus, now=WHEN)
     assert cvm.simulated and len(verified) == 8 and channel.seal(b"x") != b"x"
-    restyled = dataclasses.replace(gpus[0], certificates=gpus[0].certificates + b"\n")  # the same certificates, other bytes
+    # the same certificates, other bytes
+    restyled = dataclasses.replace(gpus[0], certificates=gpus[0].certificates + b"\n")
     for presented in (gpus[:7], gpus[::-1], (restyled, *gpus[1:])):
         with pytest.raises(AttestationError, match=r"\(binding\)"):
             finish_with_gpus(client, evidence, presented, now=WHEN)
@@ -287,7 +293,8 @@ def tdx_vendor(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_td_quote_must_commit_to_exactly_the_gpu_evidence_presented(tdx_vendor: Path) -> None:
     """The same binding on TDX: the quote's report_data is the composite, checked before the measurements."""
     gpus, nonce = hopper()
-    client = ClientHandshake(AttestationPolicy.load(tdx_vendor / "policy.json"), FINGERPRINT, LAYERS, VERSION, nonce=nonce)
+    client = ClientHandshake(AttestationPolicy.load(tdx_vendor / "policy.json"), FINGERPRINT, LAYERS, VERSION,
+                             nonce=nonce)
     evidence = _server_evidence(tdx_vendor, nonce, gpu_evidence_digest(gpus), SimulatedTdx)
     channel, cvm, verified = finish_with_gpus(client, evidence, gpus, now=WHEN)
     assert isinstance(cvm, TdxVerified) and cvm.simulated and len(verified) == 8 and channel.seal(b"x") != b"x"

@@ -113,7 +113,8 @@ def _check_builds() -> dict[str, tuple[list[str], list[str]] | str]:
 
 
 @pytest.fixture(scope="module")
-def kernel_checks(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str] | str]:  # type: ignore[no-untyped-def]
+def kernel_checks(tmp_path_factory) -> dict[str,  # type: ignore[no-untyped-def]
+                                            subprocess.CompletedProcess[str] | str]:
     """kernel_check.cpp built for every backend this machine runs (the compilers side by side) and run once
     each, its outputs dumped to <backend>.bin beside it; a backend that cannot run here maps to the reason."""
     out = tmp_path_factory.mktemp("kernel_check")
@@ -126,7 +127,8 @@ def kernel_checks(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str
             continue
         compiler, runner = build
         command = [*compiler, *CHECK_FLAGS, "-I", str(cpu_kernels.CSRC), str(source), "-o", str(out / name)]
-        compiling[name] = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), runner)
+        compiling[name] = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+                           runner)
     for name, (compiler, runner) in compiling.items():
         log, _ = compiler.communicate(timeout=300)
         if compiler.returncode != 0:
@@ -138,7 +140,8 @@ def kernel_checks(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str
 
 
 @pytest.mark.parametrize("backend", ["scalar", "avx2", "avx512", "neon"])
-def test_every_simd_backend_gives_the_scalar_references_bits(backend, kernel_checks) -> None:  # type: ignore[no-untyped-def]
+def test_every_simd_backend_gives_the_scalar_references_bits(backend,  # type: ignore[no-untyped-def]
+                                                             kernel_checks) -> None:
     """The kernels' claim of one set of bits on every CPU, checked without PyTorch by csrc/kernel_check.cpp:
     each backend matches float64 references and simd.h's spec of every primitive, and writes byte for byte
     the scalar reference's outputs (for NEON too, which no x86-64 machine could otherwise check)."""
@@ -152,7 +155,8 @@ def test_every_simd_backend_gives_the_scalar_references_bits(backend, kernel_che
     assert dumps[0].read_bytes() == dumps[1].read_bytes(), f"{backend}'s outputs are not the scalar reference's bits"
 
 
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no kernel variant runs on this CPU (or SPLITLLM_KERNELS=off)")
+needs_kernels = pytest.mark.skipif(KERNELS is None,
+                                   reason="no kernel variant runs on this CPU (or SPLITLLM_KERNELS=off)")
 VARIANTS = {v.name: built for v in cpu_kernels.runnable() if (built := cpu_kernels.prebuilt(v)) is not None}
 
 
@@ -171,7 +175,8 @@ def test_every_variant_gives_the_same_bits() -> None:
 
     def outputs(kernels: object) -> list[torch.Tensor]:
         int4, packed_sz = kernels.pack_int4(q4, sz)
-        return [kernels.linear(x, kernels.pack(w), 70, bias, None), kernels.linear(x, kernels.pack(q8), 70, None, scales),
+        return [kernels.linear(x, kernels.pack(w), 70, bias, None),
+                kernels.linear(x, kernels.pack(q8), 70, None, scales),
                 kernels.linear(x, int4, 70, bias, packed_sz), kernels.attention(q, k, v, mask, 0.125)]
 
     first, *others = (outputs(kernels) for kernels in VARIANTS.values())
@@ -186,7 +191,8 @@ def test_the_avx2_path_holds_on_a_wider_cpu() -> None:
     """CPUs without AVX-512 BF16 (AMD Zen 3, Intel client chips) take the AVX2 kernels; their tests run here
     with SPLITLLM_KERNELS=avx2, in a process of their own since the choice is made once per process."""
     env = {**os.environ, cpu_kernels.SWITCH: "avx2"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "tests/test_precision.py",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "tests/test_precision.py",
                           "-m", "not slow"], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
 
@@ -198,9 +204,11 @@ def _close(out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> bool:
 @needs_kernels
 @pytest.mark.parametrize(
     ("form", "outputs", "inputs"),  # whole blocks; a ragged block (and an odd width where the form allows it)
-    [("bfloat16", 96, 128), ("bfloat16", 7, 101), ("int8", 96, 128), ("int8", 7, 101), ("int4", 96, 128), ("int4", 7, 96)],
+    [("bfloat16", 96, 128), ("bfloat16", 7, 101), ("int8", 96, 128), ("int8", 7, 101), ("int4", 96, 128),
+     ("int4", 7, 96)],
 )
-def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs, inputs) -> None:  # type: ignore[no-untyped-def]
+def test_blocked_linear_matches_reference_and_is_batch_invariant(form, outputs,  # type: ignore[no-untyped-def]
+                                                                 inputs) -> None:
     gen = torch.Generator().manual_seed(0)
     w, bias = torch.randn(outputs, inputs, generator=gen) * 0.1, torch.randn(outputs, generator=gen)
     if form == "int8":
@@ -280,7 +288,8 @@ def _cache(heads: int, length: int, dim: int, seed: int) -> tuple[torch.Tensor, 
 
 
 @needs_kernels
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "n"), [(9, 3, 64, 1), (9, 3, 64, 13), (4, 1, 256, 6), (2, 2, 128, 3)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "n"),
+                         [(9, 3, 64, 1), (9, 3, 64, 13), (4, 1, 256, 6), (2, 2, 128, 3)])
 def test_attention_kernel_matches_pytorch(heads, kv_heads, dim, n) -> None:  # type: ignore[no-untyped-def]
     k, v = _cache(kv_heads, 40 + n, dim, seed=1)
     q = torch.randn(1, n, heads, dim, generator=torch.Generator().manual_seed(2)).transpose(1, 2)
@@ -409,7 +418,8 @@ def test_kernel_stage_is_batch_invariant(tiny_models) -> None:  # type: ignore[n
 
 @needs_kernels
 def test_kernel_stage_rejects_what_does_not_fit() -> None:
-    shape = KERNELS.Shape(hidden=64, heads=2, kv_heads=1, head_dim=64, intermediate=64, eps=1e-5, scale=0.125, gelu=False)
+    shape = KERNELS.Shape(hidden=64, heads=2, kv_heads=1, head_dim=64, intermediate=64, eps=1e-5, scale=0.125,
+                          gelu=False)
 
     def projection(outputs: int, inputs: int) -> object:
         return KERNELS.Projection(KERNELS.pack(torch.zeros(outputs, inputs, dtype=torch.bfloat16)), outputs, None, None)
@@ -428,7 +438,8 @@ def test_kernel_stage_rejects_what_does_not_fit() -> None:
     fits = KERNELS.Sequence(row=0, count=3, offset=1, k=cache, v=cache, cos=[table], sin=[table], masks=[None])
     with pytest.raises(RuntimeError, match="cover every row"):
         KERNELS.decode(shape, [layer], torch.zeros(4, 64, dtype=torch.bfloat16), [fits])
-    wider = KERNELS.Shape(hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=64, eps=1e-5, scale=0.125, gelu=False)
+    wider = KERNELS.Shape(hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=64, eps=1e-5, scale=0.125,
+                          gelu=False)
     with pytest.raises(RuntimeError, match="projection shapes"):  # a layer built for another shape
         KERNELS.decode(wider, [layer], torch.zeros(3, 128, dtype=torch.bfloat16), [fits])
     for k, v, masks, said in [

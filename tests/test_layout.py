@@ -35,7 +35,10 @@ def test_a_layer_order_the_real_imports_disagree_with_is_refused(tmp_path: Path)
     layers = config["contracts"][0]["layers"]
     assert layers[:2] == ["splitllm.cli", "splitllm.lab"]
     swapped = [layers[0], *layers[2:5], layers[1], *layers[5:]]
-    ini = ["[importlinter]\nroot_package = splitllm\n\n[importlinter:contract:swapped]\nname = swapped\ntype = layers\nlayers ="]
+    ini = [
+        "[importlinter]\nroot_package = splitllm\n\n[importlinter:contract:swapped]\n"
+        "name = swapped\ntype = layers\nlayers ="
+    ]
     ini += [f"    {layer}" for layer in swapped]
     path = tmp_path / "swapped.ini"
     path.write_text("\n".join(ini) + "\n")

@@ -37,7 +37,9 @@ CUTS = [{"max_nodes_per_step": 8}, {"slice_rows": 3, "slice_above": 3}]
 
 
 @pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
-def test_prompt_three_times_max_nodes_decodes_exactly(tiny_models, server, load_client_model, pipeline, random_ids, limits) -> None:  # type: ignore[no-untyped-def]
+def test_prompt_three_times_max_nodes_decodes_exactly(  # type: ignore[no-untyped-def]
+    tiny_models, server, load_client_model, pipeline, random_ids, limits
+) -> None:
     tiny = tiny_models["mistral"]  # sliding window 8: cuts must not change which positions see which
     thread = server(tiny, FIRST, LAST, dtype=torch.float32, **limits)
     client_model, prompt = load_client_model(tiny, FIRST, LAST), random_ids(29, 4)
@@ -47,7 +49,9 @@ def test_prompt_three_times_max_nodes_decodes_exactly(tiny_models, server, load_
 
 
 @pytest.mark.parametrize("limits", CUTS, ids=["client", "server"])
-def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, load_client_model, middle_stage, limits) -> None:  # type: ignore[no-untyped-def]
+def test_cut_steps_then_trees_and_keeps_match_one_forward(  # type: ignore[no-untyped-def]
+    tiny_models, server, load_client_model, middle_stage, limits
+) -> None:
     tiny = tiny_models["llama"]
     thread = server(tiny, FIRST, LAST, dtype=torch.float32, **limits)
     client_model = load_client_model(tiny, FIRST, LAST)
@@ -57,7 +61,8 @@ def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, l
     g = torch.Generator().manual_seed(3)
     steps = [
         (torch.randn(20, width, generator=g), torch.arange(20), Visibility.chain(20), []),
-        (torch.randn(3, width, generator=g), torch.tensor([10, 11, 11]), Visibility.from_parents([-1, 0, 0]), list(range(10))),
+        (torch.randn(3, width, generator=g), torch.tensor([10, 11, 11]), Visibility.from_parents([-1, 0, 0]),
+         list(range(10))),
         (torch.randn(2, width, generator=g), torch.tensor([12, 13]), Visibility.chain(2), [0, 2]),
     ]
     for hidden, positions, vis, keep in steps:
@@ -70,7 +75,9 @@ def test_cut_steps_then_trees_and_keeps_match_one_forward(tiny_models, server, l
     remote.close()
 
 
-def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_models, server, load_client_model, middle_stage) -> None:  # type: ignore[no-untyped-def]
+def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(  # type: ignore[no-untyped-def]
+    tiny_models, server, load_client_model, middle_stage
+) -> None:
     """A step's `while_waiting` (a draft model reading the prompt, a pass per piece) runs one piece after
     each request of a cut step is sent, while the server computes that part; the rest is the caller's."""
     tiny = tiny_models["llama"]
@@ -80,7 +87,13 @@ def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_mo
     registry = thread.server.metrics.registry
 
     def computed() -> float:
-        return sum(s.value for m in registry.collect() if m.name == "splitllm_steps" for s in m.samples if s.name.endswith("_total"))
+        return sum(
+            s.value
+            for m in registry.collect()
+            if m.name == "splitllm_steps"
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
 
     seen: list[float] = []  # parts the server had computed when each piece ran
     stepped = False  # after the step, the pieces left are the caller's: nothing is in flight to wait for
@@ -89,7 +102,8 @@ def test_work_while_waiting_runs_a_piece_while_each_request_is_in_flight(tiny_mo
     def pieces() -> Iterator[None]:
         for i in range(5):
             deadline = time.monotonic() + 30
-            while not stepped and computed() < base + i + 1 and time.monotonic() < deadline:  # the part sent before this piece
+            # the part sent before this piece
+            while not stepped and computed() < base + i + 1 and time.monotonic() < deadline:
                 time.sleep(0.005)
             seen.append(computed() - base)
             yield
@@ -115,8 +129,10 @@ def default_client() -> SplitClient:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sequential", "lookup"])
-def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server, mode) -> None:  # type: ignore[no-untyped-def]
-    """The prompt cut into 16-row steps gives the tokens of one in-process step, the server in the client's precision."""
+def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server,  # type: ignore[no-untyped-def]
+                                                          mode) -> None:
+    """The prompt cut into 16-row steps gives the tokens of one in-process step, the server in the client's
+    precision."""
     prompt = "Repeat this list back: " + ", ".join(f"item {i}" for i in range(20)) + "."
     default_client.server = None
     want = default_client.generate(prompt, 16, mode)
@@ -132,7 +148,8 @@ def test_default_model_long_prompt_over_a_small_max_nodes(default_client, server
 
 
 @pytest.mark.slow
-def test_server_max_context_is_checked_before_the_first_step(default_client, server) -> None:  # type: ignore[no-untyped-def]
+def test_server_max_context_is_checked_before_the_first_step(default_client,  # type: ignore[no-untyped-def]
+                                                             server) -> None:
     thread = server(None, 2, 2, max_context=48)
     default_client.server = thread.url
     try:

@@ -59,7 +59,8 @@ def test_the_wheel_holds_every_file_the_runtime_reads(wheel: Path) -> None:
     assert drafters == [f"splitllm/drafting/drafters/{d}/{f}" for d in shipped for f in (store.METADATA, store.WEIGHTS)]
     assert len(drafters) == 4  # the default model's drafter and qwen2.5-coder-1.5b's
     expected = _runtime_files()
-    assert {"splitllm/api/web/index.html", "splitllm/attestation/amd/genoa/ark.pem", "splitllm/kernels/csrc/simd/avx2.h",
+    assert {"splitllm/api/web/index.html", "splitllm/attestation/amd/genoa/ark.pem",
+            "splitllm/kernels/csrc/simd/avx2.h",
             "splitllm/decoding/sizing/auto_profile.json"} <= set(expected)
     assert [n for n in expected if n not in names] == []
 
@@ -97,7 +98,8 @@ def _installed(wheel: Path, venv: Path) -> Path:
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
     here = sysconfig.get_paths()
-    (Path(purelib) / "dependencies.pth").write_text("".join(f"{d}\n" for d in dict.fromkeys((here["purelib"], here["platlib"]))))
+    (Path(purelib) / "dependencies.pth").write_text("".join(f"{d}\n" for d in dict.fromkeys((here["purelib"],
+                                                                                             here["platlib"]))))
     return python
 
 
@@ -117,7 +119,8 @@ def test_an_installed_wheel_drafts_with_its_shipped_drafter(wheel: Path, tmp_pat
         "from splitllm.decoding.sizing.auto_profile import AutoProfile; AutoProfile.load()\n"
         "from importlib import resources; resources.files('splitllm.api').joinpath('web/index.html').read_text()\n"
     )
-    loaded = subprocess.run([str(python), "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    loaded = subprocess.run([str(python), "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert Path(loaded.stdout.strip()).is_relative_to(tmp_path / "venv")
     run = subprocess.run(

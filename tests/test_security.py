@@ -36,7 +36,14 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from splitllm.protocol import messages
-from splitllm.protocol.messages import ClosedMessage, ErrorMessage, OpenedMessage, OpenMessage, ResultMessage, StepMessage
+from splitllm.protocol.messages import (
+    ClosedMessage,
+    ErrorMessage,
+    OpenedMessage,
+    OpenMessage,
+    ResultMessage,
+    StepMessage,
+)
 from splitllm.client.connection import (
     TOKEN_ENV,
     AuthenticationError,
@@ -64,7 +71,7 @@ TOKENS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob", "carol")}
 def _issue(cn: str, issuer=None, ca: bool = False, san=None, usage=None):  # type: ignore[no-untyped-def]
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -113,18 +120,21 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def secure(tiny, certs, token_file):  # type: ignore[no-untyped-def]
     """A wss:// server that wants a bearer token."""
-    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, operators=("carol",)), TokenTable.load(token_file))
+    server = MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST, operators=("carol",)),
+                          TokenTable.load(token_file))
     with ServerThread(server, tls=TlsFiles(str(certs / "server.pem"), str(certs / "server.key"))) as thread:
         yield thread
 
 
 def _options(certs: Path, principal: str | None = None, **kw: object) -> ConnectionOptions:
-    return ConnectionOptions(token=TOKENS.get(principal or ""), ca_file=str(certs / "ca.pem"), **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
+    return ConnectionOptions(token=TOKENS.get(principal or ""), ca_file=str(certs / "ca.pem"),
+                             **{"deadline_s": 2.0, **kw})  # type: ignore[arg-type]
 
 
 def _middle(thread: ServerThread, options: ConnectionOptions | None = None, context: int = CONTEXT) -> RemoteMiddle:
     files = thread.server.files
-    return RemoteMiddle(thread.url, files.fingerprint, (FIRST, files.config.num_layers - LAST), "float16", context, options)
+    return RemoteMiddle(thread.url, files.fingerprint, (FIRST, files.config.num_layers - LAST), "float16", context,
+                        options)
 
 
 def _sample(thread: ServerThread, name: str, **labels: str) -> float:
@@ -134,7 +144,9 @@ def _sample(thread: ServerThread, name: str, **labels: str) -> float:
 # --- transport security ---------------------------------------------------------------------------------
 
 
-def test_tls_with_token_decodes_like_plain_websocket(tiny, secure, certs, server, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_tls_with_token_decodes_like_plain_websocket(  # type: ignore[no-untyped-def]
+    tiny, secure, certs, server, load_client_model, random_ids
+) -> None:
     client_model, prompt = load_client_model(tiny, FIRST, LAST), random_ids(8, 1)
     plain = greedy(client_model, _middle(server(tiny, FIRST, LAST)), prompt, 16)
     assert secure.url.startswith("wss://")
@@ -158,19 +170,23 @@ def test_untrusted_server_certificate_fails_at_once(secure, certs) -> None:  # t
     insecure.close()
 
 
-def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_mutual_tls_admits_only_certificates_of_its_ca(tiny, certs, load_client_model,  # type: ignore[no-untyped-def]
+                                                       random_ids) -> None:
     tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
     with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST)), tls=tls) as thread:
         mine = _options(certs, client_cert=str(certs / "client.pem"), client_key=str(certs / "client.key"))
         assert len(greedy(load_client_model(tiny, FIRST, LAST), _middle(thread, mine), random_ids(4, 2), 4)) == 4
         stranger = str(certs / "stranger.pem"), str(certs / "stranger.key")
-        for options in (_options(certs, deadline_s=0.3), _options(certs, None, deadline_s=0.3, client_cert=stranger[0], client_key=stranger[1])):
+        for options in (_options(certs, deadline_s=0.3),
+                        _options(certs, None, deadline_s=0.3, client_cert=stranger[0], client_key=stranger[1])):
             with pytest.raises(ServerUnreachable, match="client certificate"):
                 _middle(thread, options)
         assert _sample(thread, "splitllm_sessions_opened_total") == 1
 
 
-def test_client_certificate_names_the_principal(tiny, certs, token_file, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_client_certificate_names_the_principal(  # type: ignore[no-untyped-def]
+    tiny, certs, token_file, load_client_model, random_ids
+) -> None:
     """Under mutual TLS the certificate's common name (alice) is the principal; with tokens too, only
     alice's token goes with alice's certificate."""
     tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
@@ -179,7 +195,8 @@ def test_client_certificate_names_the_principal(tiny, certs, token_file, load_cl
     with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST)), tls=tls) as thread:
         greedy(client_model, _middle(thread, _options(certs, **cert)), random_ids(4, 5), 2)
         assert thread.server.metrics.total("splitllm_sessions_opened_total", principal="alice") == 1
-    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST), TokenTable.load(token_file)), tls=tls) as thread:
+    with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST), TokenTable.load(token_file)),
+                      tls=tls) as thread:
         with pytest.raises(AuthenticationError):
             _middle(thread, _options(certs, "bob", **cert))
         greedy(client_model, _middle(thread, _options(certs, "alice", **cert)), random_ids(4, 5), 2)
@@ -213,7 +230,8 @@ def test_token_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> No
 
 def test_token_table_format(tmp_path) -> None:  # type: ignore[no-untyped-def]
     table = TokenTable({"alice": "a-token", "bob": "b-token"})
-    assert [table.principal(h) for h in ("Bearer a-token", "bearer b-token", "Bearer c", "a-token", None, "Bearer ")] == [
+    assert [table.principal(h) for h in ("Bearer a-token", "bearer b-token", "Bearer c", "a-token", None,
+                                         "Bearer ")] == [
         "alice", "bob", None, None, None, None,
     ]
     for bad in ("alice", "alice:", ":token", "alice:x\nalice:y"):
@@ -227,7 +245,9 @@ def _get(url: str, ctx: ssl.SSLContext, principal: str | None = None) -> str:
     return urllib.request.urlopen(urllib.request.Request(url, headers=headers), context=ctx, timeout=10).read().decode()
 
 
-def test_metrics_need_a_token_and_show_each_principal_only_its_own(secure, certs, load_client_model, tiny, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_need_a_token_and_show_each_principal_only_its_own(  # type: ignore[no-untyped-def]
+    secure, certs, load_client_model, tiny, random_ids
+) -> None:
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     url = f"https://127.0.0.1:{secure.port}/metrics"
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -253,7 +273,8 @@ def test_health_shows_load_only_to_authenticated_callers(secure, certs) -> None:
 
 
 @pytest.mark.slow
-def test_cli_generate_with_token_file_and_environment(default_files, token_file, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_generate_with_token_file_and_environment(default_files, token_file,  # type: ignore[no-untyped-def]
+                                                      tmp_path) -> None:
     server = MiddleServer(None, ServerSettings(first=2, last=2), TokenTable.load(token_file))
     wrong = tmp_path / "wrong"
     wrong.write_text("not-a-token\n")
@@ -264,7 +285,8 @@ def test_cli_generate_with_token_file_and_environment(default_files, token_file,
         assert ok.returncode == 0, ok.stderr
         assert json.loads(ok.stdout)["new_tokens"] == 4
         bad = subprocess.run(
-            [*base, "--server", thread.url, "--token-file", str(wrong)], env=env, capture_output=True, text=True, timeout=300
+            [*base, "--server", thread.url, "--token-file", str(wrong)], env=env, capture_output=True, text=True,
+            timeout=300
         )
         assert bad.returncode == 1 and "authentication failed" in bad.stderr
         assert _sample(thread, "splitllm_sessions_opened_total") == 1
@@ -312,7 +334,8 @@ def test_expired_session_is_refused_as_expired_to_its_owner_only(tiny) -> None: 
 # --- bounded resources ----------------------------------------------------------------------------------
 
 
-def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny, token_file) -> None:  # type: ignore[no-untyped-def]
+def test_session_caps_refuse_new_sessions_retryably_and_never_evict(tiny,  # type: ignore[no-untyped-def]
+                                                                    token_file) -> None:
     files = ModelFiles(tiny)
     layers = (FIRST, files.config.num_layers - LAST)
     settings = ServerSettings(first=FIRST, last=LAST, max_sessions=3, max_sessions_per_principal=2)
@@ -345,7 +368,8 @@ def test_kv_memory_is_reserved_at_open_and_bounded(tiny) -> None:  # type: ignor
             assert isinstance(raw.open(files, layers, CONTEXT), OpenedMessage)
         assert thread.server.info(ANONYMOUS)["kv_bytes"] == 2 * per_session
         full = raw.open(files, layers, CONTEXT)
-        assert isinstance(full, ErrorMessage) and (full.code, full.retryable) == ("server_full", True) and "KV" in full.message
+        assert isinstance(full, ErrorMessage) and (full.code, full.retryable) == ("server_full",
+                                                                                  True) and "KV" in full.message
         assert isinstance(raw.open(files, layers, CONTEXT // 4), OpenedMessage)  # a smaller one still fits
         too_big = raw.open(files, layers, 4 * CONTEXT)
         assert isinstance(too_big, ErrorMessage) and (too_big.code, too_big.retryable) == ("context_too_large", False)
@@ -390,7 +414,8 @@ def test_oversized_frame_is_refused_from_its_header(tiny, server) -> None:  # ty
         assert raw.send_raw(b"\x00").code == "bad_frame"  # type: ignore[union-attr]
 
 
-def test_a_peer_that_stops_reading_blocks_nobody(tiny, load_client_model, random_ids) -> None:  # type: ignore[no-untyped-def]
+def test_a_peer_that_stops_reading_blocks_nobody(tiny, load_client_model,  # type: ignore[no-untyped-def]
+                                                 random_ids) -> None:
     files = ModelFiles(tiny)
     layers = (FIRST, files.config.num_layers - LAST)
     client_model, prompt = load_client_model(tiny, FIRST, LAST), random_ids(8, 3)
@@ -402,7 +427,8 @@ def test_a_peer_that_stops_reading_blocks_nobody(tiny, load_client_model, random
         staller.send(messages.encode(OpenMessage(files.fingerprint, layers, "float32", 256)))
         session = messages.decode(staller.recv(timeout=10), (OpenedMessage,)).session
         n = 256  # 64 KiB replies: a few hundred fill every socket buffer on the way back
-        big = messages.encode(StepMessage(session, torch.randn(n, files.config.hidden_size), "float32", tuple(range(n))))
+        big = messages.encode(StepMessage(session, torch.randn(n, files.config.hidden_size), "float32",
+                                          tuple(range(n))))
 
         def flood() -> None:
             try:
@@ -434,7 +460,8 @@ def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # 
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
         # The close frame goes out before the handler releases the session and counts the drop.
         deadline = time.monotonic() + 10
-        while thread.server.info(ANONYMOUS)["sessions"] or not _sample(thread, "splitllm_connections_dropped_total", reason="idle"):
+        while thread.server.info(ANONYMOUS)["sessions"] or not _sample(thread, "splitllm_connections_dropped_total",
+                                                                       reason="idle"):
             assert time.monotonic() < deadline, "the silent connection's session was never freed"
             time.sleep(0.05)
         assert _sample(thread, "splitllm_connections_dropped_total", reason="idle") == 1
@@ -443,7 +470,8 @@ def test_a_silent_connection_is_closed_and_its_sessions_freed(tiny) -> None:  # 
 # --- observability --------------------------------------------------------------------------------------
 
 
-def test_logs_are_structured_and_carry_no_tensors(tiny, load_client_model, random_ids, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_logs_are_structured_and_carry_no_tensors(tiny, load_client_model, random_ids,  # type: ignore[no-untyped-def]
+                                                  caplog) -> None:
     client_model = load_client_model(tiny, FIRST, LAST)
     with caplog.at_level(logging.DEBUG, logger="splitllm.server"):
         with ServerThread(MiddleServer(tiny, ServerSettings(first=FIRST, last=LAST))) as thread:

@@ -129,7 +129,9 @@ def test_a_client_of_another_protocol_version_is_refused_naming_both(default_url
         for message, theirs in ((older, 3), (newer, PROTOCOL_VERSION + 1)):
             refused = raw.send_raw(message)
             assert isinstance(refused, ErrorMessage) and refused.code == "version_mismatch"
-            assert f"server speaks protocol {PROTOCOL_VERSION} and the client speaks protocol {theirs}" in refused.message
+            assert (
+                f"server speaks protocol {PROTOCOL_VERSION} and the client speaks protocol {theirs}" in refused.message
+            )
         assert isinstance(raw.send(OpenMessage(default_files.fingerprint, layers, "float32", CONTEXT)), OpenedMessage)
 
 
@@ -178,7 +180,8 @@ def _hostile(header: dict, hidden: torch.Tensor, other_session: str, max_positio
         ("position overflows", step(positions=[2**63] * n), "bad_request"),
         ("positions too few", step(positions=header["positions"][:-1]), "bad_positions"),
         ("float positions", step(positions=[0.5] * n), "bad_positions"),
-        ("beyond max context", step(torch.zeros(CONTEXT + 1, d), base=no_vis, positions=list(range(CONTEXT + 1))), "bad_request"),
+        ("beyond max context", step(torch.zeros(CONTEXT + 1, d), base=no_vis, positions=list(range(CONTEXT + 1))),
+         "bad_request"),
         ("parent of itself", step(base=no_vis, parents=list(range(n))), "bad_request"),
         ("parent out of range", step(base=no_vis, parents=[n] * n), "bad_request"),
         ("parents too many", step(base=no_vis, parents=[-1] * (n + 1)), "bad_request"),
@@ -213,17 +216,20 @@ class _HostileMiddle:
         self.ids = iter(range(100, 10**6))
 
     def step(
-        self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None  # the decoder runs what this leaves
+        # the decoder runs what this leaves
+        self, step: Step, timing: StepTiming, while_waiting: Iterator[object] | None = None
     ) -> torch.Tensor:
         parents, bits = step.vis.to_wire()
-        request = StepMessage(self.session, step.inputs, "float32", tuple(step.positions.tolist()), step.keep, parents, bits)
+        request = StepMessage(self.session, step.inputs, "float32", tuple(step.positions.tolist()), step.keep, parents,
+                              bits)
         header = request.header()
         if self.hostile_steps > 0:
             self.hostile_steps -= 1
             for what, message, code in _hostile(header, step.inputs, self.other, self.max_position):
                 message, rid = _with_id(message, next(self.ids))
                 refused = self.raw.send_raw(message)
-                assert isinstance(refused, ErrorMessage) and (refused.code, refused.id) == (code, rid), f"{what}: {refused}"
+                assert isinstance(refused, ErrorMessage) and (refused.code, refused.id) == (code,
+                                                                                            rid), f"{what}: {refused}"
                 assert refused.message, what
                 self.refused.append(what)
         reply = self.raw.send(replace(request, id=next(self.ids)))
@@ -241,7 +247,8 @@ def _with_id(message: bytes, rid: int) -> tuple[bytes, int | None]:
 
 
 @pytest.mark.slow
-def test_hostile_frames_leave_the_session_decoding_correctly(default_url, default_files, load_client_model, split_greedy):
+def test_hostile_frames_leave_the_session_decoding_correctly(default_url, default_files, load_client_model,
+                                                             split_greedy):
     client_model = load_client_model(None, FIRST, LAST)
     prompt = SplitClient(None, None, FIRST, LAST, precision=EXACT).encode_prompt(PROMPT)
     expected = split_greedy(client_model, default_url, prompt, 12)
@@ -338,7 +345,8 @@ def test_concurrent_sessions_do_not_interfere(default_url) -> None:
     assert [results[i] for i in range(len(prompts))] == solo
 
 
-def test_the_server_loads_and_steps_on_one_compute_thread(tiny_models, load_client_model, split_greedy, stage_threads) -> None:
+def test_the_server_loads_and_steps_on_one_compute_thread(tiny_models, load_client_model, split_greedy,
+                                                          stage_threads) -> None:
     """PyTorch keeps a thread pool per thread that starts parallel work; a server that loaded on one
     thread and stepped on another ran its steps at half speed (threads.ComputeThread)."""
     model = tiny_models["qwen2"]

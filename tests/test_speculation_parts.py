@@ -118,7 +118,8 @@ def test_tree_ranks_nodes_by_rates() -> None:
 
 def test_scored_candidates_stand_for_one_node_each() -> None:
     """The drafter's nodes carry their own scores; n-gram candidates add theirs along their paths."""
-    head = [Candidate((1,), "draft", 0.8, 0.8), Candidate((1, 2), "draft", 0.5, 0.4), Candidate((3,), "draft", 0.1, 0.1),
+    head = [Candidate((1,), "draft", 0.8, 0.8), Candidate((1, 2), "draft", 0.5, 0.4),
+            Candidate((3,), "draft", 0.1, 0.1),
             Candidate((1, 2, 6), "draft", 0.2, 0.08)]
     candidates = [*head, Candidate((1, 4), "lookup", 0.3)]
     rates = [(0.5, 0.5)] * 4 + [(0.3, 0.5)]  # unused by scored candidates

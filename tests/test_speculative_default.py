@@ -52,7 +52,9 @@ def test_speculation_accepts_drafts_and_reports_them(client) -> None:  # type: i
 
 
 @pytest.mark.slow
-def test_draft_mode_with_the_shipped_drafter_matches_sequential_over_a_server(server) -> None:  # type: ignore[no-untyped-def]
+def test_draft_mode_with_the_shipped_drafter_matches_sequential_over_a_server(  # type: ignore[no-untyped-def]
+    server
+) -> None:
     """The shipped drafter drafts over a real server on loopback, both sides in the fastest setting:
     sequential's tokens, and the drafter's nodes get accepted."""
     url = server(None, 2, 2).url

@@ -23,7 +23,8 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+TIME = {"type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 CITY = {
     "type": "object",
@@ -79,7 +80,8 @@ def test_tool_calls_come_back_as_tool_calls_streamed_or_not(api) -> None:  # typ
         assert [(c["name"], c["arguments"]) for c in calls] == [
             (c.function.name, c.function.arguments) for c in message.tool_calls
         ]
-    forced = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=32,
+    forced = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                            max_tokens=32,
                                             tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert [c.function.name for c in forced.choices[0].message.tool_calls] == ["get_time"]  # the grammar's doing
     plain = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8)
@@ -90,8 +92,8 @@ def test_a_tools_answer_continues_the_chat(api) -> None:  # type: ignore[no-unty
     name, client = api
     if name == "default":
         pytest.skip("the default model's template takes no tools")
-    first = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
-                                           max_tokens=32)
+    first = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=32)
     call = first.choices[0].message.tool_calls[0]
     messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": "It is 31 degrees Celsius and sunny in Paris."}]
@@ -110,7 +112,8 @@ def test_json_schema_output_is_valid_and_speculation_changes_nothing(api) -> Non
     texts = {}
     for decode in ("sequential", "auto"):
         reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe Paris."}],
-                                               temperature=0, max_tokens=96, response_format=fmt, extra_body={"decode": decode})
+                                               temperature=0, max_tokens=96, response_format=fmt,
+                                               extra_body={"decode": decode})
         assert reply.choices[0].finish_reason == "stop"
         texts[decode] = reply.choices[0].message.content
         value = json.loads(texts[decode])
@@ -128,7 +131,8 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(api) -> None:  # type: ignor
     name, client = api
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "two"}}}
     refused = [({"response_format": fmt}, "grammar"),
-               ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": CITY, "extra": 1}}}, "extra")]
+               ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": CITY, "extra": 1}}},
+                "extra")]
     if name == "default":
         refused += [({"tools": [WEATHER]}, "takes no tools")]
     else:

@@ -36,7 +36,7 @@ from splitllm.attestation.verify import AttestationError
 DATA = Path(__file__).parent / "data" / "tdx"
 QUOTE = (DATA / "quote.bin").read_bytes()
 COLLATERAL_JSON = (DATA / "collateral.json").read_text()
-WHEN = datetime.datetime(2025, 6, 20, tzinfo=datetime.timezone.utc)  # inside the collateral's validity
+WHEN = datetime.datetime(2025, 6, 20, tzinfo=datetime.UTC)  # inside the collateral's validity
 # Where the parts of a quote (version 4, certification data type 6) lie, in bytes.
 HEADER, BODY = 0, 48  # the 48-byte header, then the 584-byte TD report
 MRTD, RTMR1, REPORT_DATA = BODY + 136, BODY + 376, BODY + 520
@@ -118,7 +118,8 @@ def _hex_flip(value: str, offset: int) -> str:
     ("qe_identity_signature", lambda v: _hex_flip(v, 3), "collateral"),
     ("pck_crl", lambda v: _hex_flip(v, len(v) // 2 - 5), "collateral"),  # the PCK CRL's signature
     ("root_ca_crl", lambda v: _hex_flip(v, 60), "collateral"),
-    ("tcb_info_issuer_chain", lambda v: json.loads(COLLATERAL_JSON)["pck_crl_issuer_chain"], "chain"),  # not a TCB signer
+    # not a TCB signer
+    ("tcb_info_issuer_chain", lambda v: json.loads(COLLATERAL_JSON)["pck_crl_issuer_chain"], "chain"),
 ])
 def test_tampered_collateral_is_refused(field: str, change: object, check: str) -> None:
     collateral = json.loads(COLLATERAL_JSON)
@@ -129,11 +130,13 @@ def test_tampered_collateral_is_refused(field: str, change: object, check: str) 
 
 
 def test_collateral_is_used_only_inside_its_validity_and_with_intels_root() -> None:
-    for when, reason in ((datetime.datetime(2025, 6, 19, 10, tzinfo=datetime.timezone.utc), "issue date is in the future"),
-                         (datetime.datetime(2025, 7, 20, tzinfo=datetime.timezone.utc), "TCBInfo expired")):
+    for when, reason in ((datetime.datetime(2025, 6, 19, 10, tzinfo=datetime.UTC), "issue date is in the future"),
+                         (datetime.datetime(2025, 7, 20, tzinfo=datetime.UTC), "TCBInfo expired")):
         with pytest.raises(AttestationError, match=rf"\(collateral\).*{reason}"):
             verify_quote(QUOTE, COLLATERAL_JSON.encode(), intel_root(), when)
-    other = x509.load_pem_x509_certificate((Path(__file__).parents[1] / "src/splitllm/attestation/amd/milan/ark.pem").read_bytes())
+    other = x509.load_pem_x509_certificate(
+        (Path(__file__).parents[1] / "src/splitllm/attestation/amd/milan/ark.pem").read_bytes()
+    )
     with pytest.raises(AttestationError, match=r"\(chain\)"):
         verify_quote(QUOTE, COLLATERAL_JSON.encode(), other, WHEN)
 
@@ -149,7 +152,8 @@ def test_the_td_must_be_one_of_the_policys_images() -> None:
         (dataclasses.replace(image, rtmr3=b"\x01" * 48), "measurement"),
     ]:
         with pytest.raises(AttestationError) as err:
-            verify_tdx(QUOTE, COLLATERAL_JSON.encode(), dataclasses.replace(policy, images=(changed,)), report.report_data, WHEN)
+            verify_tdx(QUOTE, COLLATERAL_JSON.encode(), dataclasses.replace(policy, images=(changed,)),
+                       report.report_data, WHEN)
         assert err.value.check == check
     both = dataclasses.replace(policy, images=(dataclasses.replace(image, mrtd=bytes(48)), image))
     verify_tdx(QUOTE, COLLATERAL_JSON.encode(), both, report.report_data, WHEN)  # any one image is enough
@@ -186,19 +190,24 @@ def test_tdx_policy_sections_are_refused_with_the_reason(tmp_path: Path) -> None
     cases = [
         ({"platform": "tdx"}, "requirements in a 'tdx' section"),
         ({"tdx": {"measurements": [image]}}, "says \"platform\": \"tdx\""),
-        ({"platform": "tdx", "tdx": {"measurements": [image]}, "measurements": ["00" * 48]}, "measurements do not apply"),
+        ({"platform": "tdx", "tdx": {"measurements": [image]}, "measurements": ["00" * 48]},
+         "measurements do not apply"),
         ({"platform": "tdx", "tdx": {}}, "needs 'measurements'"),
         ({"platform": "tdx", "tdx": {"measurements": [{"mrtd": "00" * 48}]}}, "\"rtmr2\": 96 hex each"),
         ({"platform": "tdx", "tdx": {"measurements": [{**image, "rtmr4": "00"}]}}, "\"rtmr3\" optional"),
         ({"platform": "tdx", "tdx": {"measurements": [{**image, "mrtd": "00"}]}}, "1 bytes, expected 48"),
-        ({"platform": "tdx", "tdx": {"measurements": [image], "tcb_statuses": ["SWHardeningNeeded"]}}, "UpToDate and any"),
-        ({"platform": "tdx", "tdx": {"measurements": [image], "tcb_statuses": ["UpToDate", "Revoked"]}}, "UpToDate and any"),
+        ({"platform": "tdx", "tdx": {"measurements": [image], "tcb_statuses": ["SWHardeningNeeded"]}},
+         "UpToDate and any"),
+        ({"platform": "tdx", "tdx": {"measurements": [image], "tcb_statuses": ["UpToDate", "Revoked"]}},
+         "UpToDate and any"),
         ({"platform": "tdx", "tdx": {"measurements": [image], "min_tcb": {}}}, "unknown keys in 'tdx': min_tcb"),
         ({"platform": "tdx", "tdx": {"measurements": [image], "trust_anchor": "intel"}}, "'trust_anchor' is"),
         ({"platform": "tdx", "tdx": {"measurements": [image], "trust_anchor": {"root": "root.pem"}}}, "not Intel's"),
         ({"platform": "sgx"}, "one of sev-snp, tdx"),
     ]
-    (tmp_path / "root.pem").write_bytes((Path(__file__).parents[1] / "src/splitllm/attestation/amd/milan/ark.pem").read_bytes())
+    (tmp_path / "root.pem").write_bytes(
+        (Path(__file__).parents[1] / "src/splitllm/attestation/amd/milan/ark.pem").read_bytes()
+    )
     for fields, reason in cases:
         with pytest.raises(PolicyError, match=reason):
             AttestationPolicy.from_dict(fields, tmp_path)
@@ -214,14 +223,16 @@ class _Pccs(BaseHTTPRequestHandler):
     collateral = json.loads(COLLATERAL_JSON)
     asked: list[str] = []
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         self.asked.append(self.path)
         c, path = self.collateral, urllib.parse.urlparse(self.path).path
         answers = {
-            "/sgx/certification/v4/pckcrl": (bytes.fromhex(c["pck_crl"]), "SGX-PCK-CRL-Issuer-Chain", "pck_crl_issuer_chain"),
+            "/sgx/certification/v4/pckcrl": (bytes.fromhex(c["pck_crl"]), "SGX-PCK-CRL-Issuer-Chain",
+                                             "pck_crl_issuer_chain"),
             "/sgx/certification/v4/rootcacrl": (c["root_ca_crl"].encode(), None, None),  # a PCCS sends it in hex
-            "/tdx/certification/v4/tcb": (f'{{"tcbInfo":{c["tcb_info"]},"signature":"{c["tcb_info_signature"]}"}}'.encode(),
-                                          "TCB-Info-Issuer-Chain", "tcb_info_issuer_chain"),
+            "/tdx/certification/v4/tcb": (
+                f'{{"tcbInfo":{c["tcb_info"]},"signature":"{c["tcb_info_signature"]}"}}'.encode(),
+                "TCB-Info-Issuer-Chain", "tcb_info_issuer_chain"),
             "/tdx/certification/v4/qe/identity": (
                 f'{{"enclaveIdentity":{c["qe_identity"]},"signature":"{c["qe_identity_signature"]}"}}'.encode(),
                 "SGX-Enclave-Identity-Issuer-Chain", "qe_identity_issuer_chain"),
@@ -306,7 +317,8 @@ def test_simulated_tdx_evidence_passes_the_same_verifier_and_opens_a_sealed_chan
     assert evidence.platform == "tdx" and set(evidence.certs) == {COLLATERAL}
     channel, verified = client.finish(evidence)
     assert isinstance(verified, TdxVerified) and verified.simulated and verified.status == "UpToDate"
-    assert verified.report.report_data == report_data(client.nonce, evidence.server_key, FINGERPRINT, WEIGHTS, LAYERS, VERSION)
+    assert verified.report.report_data == report_data(client.nonce, evidence.server_key, FINGERPRINT, WEIGHTS, LAYERS,
+                                                      VERSION)
     assert server_channel.open(channel.seal(b"open")) == b"open"
     assert channel.open(server_channel.seal(b"opened")) == b"opened"
 
@@ -321,10 +333,12 @@ def test_replayed_relayed_or_foreign_tdx_evidence_is_refused(tdx_vendor: Path, v
         (client, dataclasses.replace(evidence, server_key=intruder), "binding"),
         (client, dataclasses.replace(evidence, certs={}), "evidence"),
         (client, dataclasses.replace(evidence, report=_flip(evidence.report, MRTD)), "signature"),
-        (ClientHandshake(dataclasses.replace(policy, tdx=dataclasses.replace(policy.tdx, root=intel_root(), pinned=True)),
+        (ClientHandshake(dataclasses.replace(policy,
+                                             tdx=dataclasses.replace(policy.tdx, root=intel_root(), pinned=True)),
                          FINGERPRINT, LAYERS, VERSION), evidence, "chain"),  # simulated evidence, Intel's root
         (client, dataclasses.replace(evidence, weights="cd" * 32), "binding"),  # other weights than the quote binds
-        (client, answer(client.request(1), SimulatedSnp(vendor), FINGERPRINT, WEIGHTS, LAYERS, VERSION)[0], "platform"),  # SEV-SNP's
+        # SEV-SNP's
+        (client, answer(client.request(1), SimulatedSnp(vendor), FINGERPRINT, WEIGHTS, LAYERS, VERSION)[0], "platform"),
     ]
     for handshake, offered, check in cases:
         with pytest.raises(AttestationError) as err:
@@ -338,7 +352,9 @@ def test_the_tcb_status_floor_and_the_tds_attributes(tmp_path: Path) -> None:
     with pytest.raises(AttestationError, match=r"\(tcb\).*OutOfDate; the policy accepts UpToDate"):
         client.finish(evidence)
     policy = AttestationPolicy.load(tmp_path / "outdated" / "policy.json")
-    lenient = dataclasses.replace(policy, tdx=dataclasses.replace(policy.tdx, tcb_statuses=frozenset({"UpToDate", "OutOfDate"})))
+    lenient = dataclasses.replace(policy,
+                                  tdx=dataclasses.replace(policy.tdx,
+                                                          tcb_statuses=frozenset({"UpToDate", "OutOfDate"})))
     client, evidence, _ = _handshake(tmp_path / "outdated", lenient)
     assert client.finish(evidence)[1].status == "OutOfDate"  # type: ignore[union-attr]
     tdx_sim_init(tmp_path / "hardening", tcb_status="SWHardeningNeeded")
@@ -398,7 +414,8 @@ def test_tdx_policy_sections_are_parsed_strictly(tmp_path: Path) -> None:
         AttestationPolicy.load(doubled)
     inner = tmp_path / "inner.json"
     inner.write_text('{"platform": "tdx", "tdx": {"measurements": [{"mrtd": "' + "00" * 48 + '", "mrtd": "' + "11" * 48
-                     + '", "rtmr0": "' + "00" * 48 + '", "rtmr1": "' + "00" * 48 + '", "rtmr2": "' + "00" * 48 + '"}]}}')
+                     + '", "rtmr0": "' + "00" * 48 + '", "rtmr1": "' + "00" * 48
+                     + '", "rtmr2": "' + "00" * 48 + '"}]}}')
     with pytest.raises(PolicyError, match="key 'mrtd' is given twice"):
         AttestationPolicy.load(inner)
     impostor_key = ec.generate_private_key(ec.SECP384R1())
@@ -415,7 +432,8 @@ def test_tdx_policy_sections_are_parsed_strictly(tmp_path: Path) -> None:
         ({"platform": "tdx", "tdx": {**tdx, "tcb_statuses": "UpToDate"}}, "UpToDate and any"),
         ({"platform": "tdx", "tdx": {**tdx, "tcb_statuses": [["UpToDate"]]}}, "UpToDate and any"),
         ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": None}}, "'mr_config_ids' must be a list of hex strings"),
-        ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": "00" * 48}}, "'mr_config_ids' must be a list of hex strings"),
+        ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": "00" * 48}},
+         "'mr_config_ids' must be a list of hex strings"),
         ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": ["zz" * 48]}}, "is not hex"),
         ({"platform": "tdx", "tdx": {**tdx, "mr_config_ids": ["00" * 32]}}, "32 bytes, expected 48"),
         ({"platform": "tdx", "tdx": {"measurements": [{**image, "rtmr1": 0}]}}, "'rtmr1' must be a hex string"),
@@ -431,7 +449,8 @@ def test_tdx_policy_sections_are_parsed_strictly(tmp_path: Path) -> None:
     for fields, reason in cases:
         with pytest.raises(PolicyError, match=re.escape(reason)):
             AttestationPolicy.from_dict(fields, tmp_path)
-    from_file = AttestationPolicy.from_dict({"platform": "tdx", "tdx": {**tdx, "trust_anchor": {"root": "intel.pem"}}}, tmp_path)
+    from_file = AttestationPolicy.from_dict({"platform": "tdx", "tdx": {**tdx, "trust_anchor": {"root": "intel.pem"}}},
+                                            tmp_path)
     assert from_file.tdx is not None and from_file.tdx.pinned and not from_file.simulated
 
 

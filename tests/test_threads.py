@@ -71,11 +71,15 @@ def _thread_cores(pid: int) -> dict[int, str]:
     found = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         status = (task / "status").read_text()
-        found[int(task.name)] = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+        found[int(task.name)] = next(
+            line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")
+        )
     return found
 
 
-def test_a_server_pins_its_compute_threads_and_leaves_its_event_loop_free(tiny_models) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_pins_its_compute_threads_and_leaves_its_event_loop_free(  # type: ignore[no-untyped-def]
+    tiny_models
+) -> None:
     args = ["--model", str(tiny_models["qwen2"]), "--first", "1", "--last", "1", "--threads", str(len(CORES))]
     with ServerProcess(*args, timeout=120) as server:
         pid = server.proc.pid  # type: ignore[union-attr]

@@ -8,7 +8,8 @@ TAGGED = ('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</to
           '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
 
 
-def _read(text: str, names: tuple[str, ...] = ("f", "g"), piece: int = 5) -> tuple[str, list[tuple[str, str]], ToolCallReader]:
+def _read(text: str, names: tuple[str, ...] = ("f", "g"), piece: int = 5) -> tuple[str, list[tuple[str, str]],
+                                                                                   ToolCallReader]:
     """Feed `text` as a stream would, `piece` characters at a time: the content given out and the calls."""
     reader, content, calls = ToolCallReader(names), "", []
     for end in [*range(piece, len(text), piece), len(text)]:

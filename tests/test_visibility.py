@@ -162,9 +162,10 @@ def test_tree_node_logits_equal_its_path_alone(name, tiny_models, pipeline, rand
         path = [nodes[j] for j in _path(parents, i)]
         seq = prompt + path
         alone, _ = pipeline(model).score(
-            Step(torch.tensor(seq), torch.arange(len(seq)), Visibility.chain(len(seq))), rows=torch.tensor([len(seq) - 1])
+            Step(torch.tensor(seq), torch.arange(len(seq)), Visibility.chain(len(seq))),
+            rows=torch.tensor([len(seq) - 1])
         )
-        torch.testing.assert_close(tree[i], alone[0], rtol=RTOL, atol=ATOL, msg=lambda m: f"node {i}: {m}")
+        torch.testing.assert_close(tree[i], alone[0], rtol=RTOL, atol=ATOL, msg=lambda m, i=i: f"node {i}: {m}")
 
 
 @pytest.mark.parametrize("name", ["llama", DEFAULT_MODEL_CASE])

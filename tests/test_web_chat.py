@@ -1,6 +1,7 @@
 """The local web chat in a real headless Chromium (the distribution's package, driven by Selenium):
 the page streams an answer over a live split (behind an emulated WAN link) that equals the API's
-answer, its chart follows the steps, and the decoding mode menu switches modes. The screenshot lands in results/web_chat.png."""
+answer, its chart follows the steps, and the decoding mode menu switches modes. The screenshot lands
+in results/web_chat.png."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 def test_page_streams_the_apis_answer_and_charts_its_steps(chat_url: str, browser: webdriver.Chrome) -> None:
     body = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 256, "decode": "auto"}
-    expected = httpx.post(f"{chat_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["content"]
+    expected = httpx.post(f"{chat_url}/v1/chat/completions", json=body,
+                          timeout=120).json()["choices"][0]["message"]["content"]
 
     browser.get(chat_url)
     wait = WebDriverWait(browser, 120)
@@ -80,8 +82,10 @@ def test_page_streams_the_apis_answer_and_charts_its_steps(chat_url: str, browse
     steps = int(browser.find_element(By.ID, "chart").get_attribute("data-steps"))
     assert steps >= 1
     painted = browser.execute_script(
-        "const c = document.getElementById('chart'); const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-        "let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i + 3] && !(d[i] > 240 && d[i + 1] > 240 && d[i + 2] > 240)) n++;"
+        "const c = document.getElementById('chart'); "
+        "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        "let n = 0; for (let i = 0; i < d.length; i += 4) "
+        "if (d[i + 3] && !(d[i] > 240 && d[i + 1] > 240 && d[i + 2] > 240)) n++;"
         "return n;")
     assert painted > 500  # bars, axes and labels, not a blank canvas
     assert float(browser.find_element(By.ID, "tps").text) > 0
@@ -98,7 +102,9 @@ def test_page_streams_the_apis_answer_and_charts_its_steps(chat_url: str, browse
     browser.find_element(By.ID, "prompt").send_keys(follow)
     browser.find_element(By.ID, "send").click()
     wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done='true']")) == 2)
-    texts = browser.execute_script("return [...document.querySelectorAll('.msg.assistant .text')].map(e => e.textContent)")
+    texts = browser.execute_script(
+        "return [...document.querySelectorAll('.msg.assistant .text')].map(e => e.textContent)"
+    )
     assert texts == [expected, second]
     assert "sequential" in browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[1].text
     assert float(browser.find_element(By.ID, "tpr").text) == 1.0  # one token per round trip, as sequential must

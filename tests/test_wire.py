@@ -161,7 +161,8 @@ def test_every_message_round_trips(message: messages.Message) -> None:
 
 
 def test_an_opened_reply_without_row_invariance_means_it_and_a_non_boolean_is_refused() -> None:
-    """Servers from before the field computed in float32 or splitllm's kernels: their rows never depended on the step."""
+    """Servers from before the field computed in float32 or splitllm's kernels: their rows never depended on
+    the step."""
     header = {"op": "opened", "session": "s", "max_context": 8, "max_nodes": 4}
     assert messages.decode(wire.encode(header), messages.REPLIES) == OpenedMessage("s", 8, 4)
     with pytest.raises(ProtocolError, match="row_invariant"):
@@ -194,11 +195,16 @@ def _step(**fields: object) -> bytes:
     [
         (wire.encode({"op": "result"}, _HIDDEN), "unknown_op"),  # a reply is no request
         (wire.encode({"op": "attest"}), "unknown_op"),  # the handshake is read before, by the server
-        (wire.encode({"op": "open", "version": 4}), "version_mismatch"),  # from before evidence bound the loaded weights
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "layers": [2, 28], "dtype": "float32"}), "model_mismatch"),
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2], "dtype": "float32"}), "split_mismatch"),
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28], "dtype": "int8"}), "bad_dtype"),
-        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28], "dtype": "float32",
+        # from before evidence bound the loaded weights
+        (wire.encode({"op": "open", "version": 4}), "version_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "layers": [2, 28], "dtype": "float32"}),
+         "model_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2],
+                      "dtype": "float32"}), "split_mismatch"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28],
+                      "dtype": "int8"}), "bad_dtype"),
+        (wire.encode({"op": "open", "version": messages.PROTOCOL_VERSION, "fingerprint": "x", "layers": [2, 28],
+                      "dtype": "float32",
                       "max_context": None}), "bad_request"),
         (wire.encode({"op": "step", "positions": [0, 1]}, _HIDDEN), "unknown_session"),
         (wire.encode({"op": "step", "session": "s", "positions": [0, 1]}), "bad_shape"),

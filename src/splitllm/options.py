@@ -138,9 +138,10 @@ SERVER = (  # the fields of server.settings.ServerSettings, sizes in the unit th
     Option("batch_window_ms", float, 2.0, "steps of different sessions this close together share one forward; "
            "0 disables", (SERVE,), "ms", "server"),
     Option("attestation", str, "none", "evidence offered to clients: none; sev-snp (this SEV-SNP guest's report, "
-           "which clients verify); tdx (this TD's quote with its collateral, which clients verify); simulated (a simulated "
-           "vendor's report or quote: protects nothing, for tests only). Anything but none serves sealed sessions only, "
-           "never with --engine ray, and a machine without the device refuses to start (docs/confidential.md)",
+           "which clients verify); tdx (this TD's quote with its collateral, which clients verify); "
+           "simulated (a simulated vendor's report or quote: protects nothing, for tests only). "
+           "Anything but none serves sealed sessions only, never with --engine ray, and a machine without "
+           "the device refuses to start (docs/confidential.md)",
            (SERVE,), group="server"),
     Option("attestation_sim", Optional[str], None, "folder of `splitllm attest sim-init` (--attestation simulated)",
            (SERVE,), "folder", "server"),
@@ -172,8 +173,8 @@ CLIENT = (  # the fields of commands.client_commands.ClientSettings
     Option("server", Optional[str], None, "ws(s)://host:port of a splitllm server; omit to run in-process", CLIENTS,
            group="client"),
     Option("wire_dtype", _choices(WIRE_DTYPE_NAMES), "float16", "hidden states on the wire, each session its own "
-           "(float32 makes every mode's output sequential's, bit for bit)", (*CLIENTS, BENCH_SPEED, BENCH_SPECULATION), group="client",
-           defaults={BENCH_SPECULATION: "float32"}),
+           "(float32 makes every mode's output sequential's, bit for bit)", (*CLIENTS, BENCH_SPEED, BENCH_SPECULATION),
+           group="client", defaults={BENCH_SPECULATION: "float32"}),
     Option("threads", Optional[int], None, "compute threads (default: the cores this process may use)",
            (SERVE, *CLIENTS, DRAFTER_TRAIN, DRAFTER_COMPARE), "threads", "client"),
     Option("lm_head_dtype", Optional[str], None, "compute dtype of embedding and LM head (default: the layers')",
@@ -217,10 +218,12 @@ ANSWERS = (
            "greedy output is the same in all", (*CLIENTS, DEMO)),
     Option("max_new_tokens", int, 128, "the most tokens of an answer",
            (GENERATE, CHAT, DEMO, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP, BENCH_SPECULATION,
-            BENCH_CONFIDENTIAL, BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD, BENCH_KERNELS, DRAFTER_TRAIN, DRAFTER_COMPARE),
+            BENCH_CONFIDENTIAL, BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD, BENCH_KERNELS, DRAFTER_TRAIN,
+            DRAFTER_COMPARE),
            "tokens",
            defaults={CHAT: 256, DEMO: 96, BENCH_SPEED: 64, BENCH_STREAMING: 2000, BENCH_SWEEP: 64,
-                     BENCH_SPECULATION: 200, BENCH_CONFIDENTIAL: 64, BENCH_DEFAULTS: 64, BENCH_LOAD: 32, BENCH_KERNELS: 64,
+                     BENCH_SPECULATION: 200, BENCH_CONFIDENTIAL: 64, BENCH_DEFAULTS: 64, BENCH_LOAD: 32,
+                     BENCH_KERNELS: 64,
                      DRAFTER_TRAIN: 160, DRAFTER_COMPARE: 160}),
     Option("stop", Optional[list[str]], None, "end the answer before this text (repeatable)", (GENERATE,)),
     Option("raw", bool, False, "skip the chat template", (GENERATE,)),
@@ -235,7 +238,8 @@ ANSWERS = (
            "(Authorization: Bearer KEY), and each key's conversations are kept apart", (CLIENT_API,), "file"),
 )
 LAB = (
-    Option("setting", Optional[str], None, "dtype-quant of both sides: bfloat16-mixed, bfloat16-int8, bfloat16-int4, bfloat16-none "
+    Option("setting", Optional[str], None,
+           "dtype-quant of both sides: bfloat16-mixed, bfloat16-int8, bfloat16-int4, bfloat16-none "
            f"or float32-none (exact) (default: the fastest here; {COSTS})",
            (DEMO, BENCH_SWEEP, BENCH_SPECULATION, BENCH_EXACTNESS)),
     Option("rtt_ms", float, 80.0, "emulated round-trip time",
@@ -399,7 +403,8 @@ OPTIONS: tuple[Option, ...] = (
     *SPLIT, *PRECISION, *SERVER, *SERVING, *CLIENT, *SAMPLING, *ANSWERS, *LAB, *BENCH, *PRIVACY, *DRAFTER
 )
 COMMANDS = (
-    SERVE, *CLIENTS, DEMO, NETEM, ATTEST_SIM_INIT, ATTEST_WEIGHTS, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP,
+    SERVE, *CLIENTS, DEMO, NETEM, ATTEST_SIM_INIT, ATTEST_WEIGHTS, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING,
+    BENCH_SWEEP,
     BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_EXACTNESS, BENCH_DEFAULTS,
     BENCH_LOAD, BENCH_KERNELS, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN, DRAFTER_COMPARE,
 )

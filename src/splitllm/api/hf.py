@@ -83,13 +83,15 @@ class SplitModelForCausalLM:
             raise ValueError("padded prompts are not supported: pass each prompt unpadded")
         if streamer is not None and len(rows) != 1:
             raise ValueError("a streamer takes a batch of one prompt")
-        outputs = [prompt + self._new_ids(prompt, config, config.row_sampling(i), streamer) for i, prompt in enumerate(rows)]
+        outputs = [prompt + self._new_ids(prompt, config, config.row_sampling(i), streamer) for i,
+                   prompt in enumerate(rows)]
         pad = config.pad_token_id if config.pad_token_id is not None else self.tokenizer.pad_token_id
         pad = pad if pad is not None else min(self.client.stop_ids, default=0)
         width = max(map(len, outputs))
         return torch.tensor([row + [pad] * (width - len(row)) for row in outputs], dtype=torch.long)
 
-    def _new_ids(self, prompt: list[int], config: GenerationConfig, sampling: SamplingParams, streamer: Any) -> list[int]:
+    def _new_ids(self, prompt: list[int], config: GenerationConfig, sampling: SamplingParams,
+                 streamer: Any) -> list[int]:
         """One row's new ids, streamed as they come."""
         if streamer is not None:
             streamer.put(torch.tensor(prompt))

@@ -228,7 +228,8 @@ def _extension(gen: Generation, decode: str, reused: int) -> dict[str, Any]:
     """splitllm's statistics of a generation; `reused_prompt_tokens`: prompt tokens an earlier request of
     the same conversation had already read (`prompt_tokens` counts only the rest)."""
     summary = gen.summary()
-    return {"decode": decode, "reused_prompt_tokens": reused, **{k: v for k, v in summary.items() if k not in ("text", "ids")}}
+    return {"decode": decode, "reused_prompt_tokens": reused,
+            **{k: v for k, v in summary.items() if k not in ("text", "ids")}}
 
 
 def _usage(gen: Generation, reused: int) -> dict[str, int]:
@@ -266,7 +267,9 @@ class OpenAIEndpoint:
             "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitllm"}],
         }
 
-    async def _start(self, prompt: Prompt, req: _Request, owner: str | None) -> tuple[str, Generator[tuple[Generation, Any, int], None, None]]:
+    async def _start(
+        self, prompt: Prompt, req: _Request, owner: str | None
+    ) -> tuple[str, Generator[tuple[Generation, Any, int], None, None]]:
         """Validate a request up front (so errors come back as 400s before any streaming starts); the
         generation continues the kept conversation the prompt extends, if any."""
         try:
@@ -276,7 +279,8 @@ class OpenAIEndpoint:
         except ValueError as exc:
             raise _APIError(400, str(exc)) from None
         sampling = replace(sampling, grammar=grammar)
-        steps = self.conversations.stream(prompt.ids, req.new_tokens(), decode, sampling, req.stops(), prompt.text, owner)
+        steps = self.conversations.stream(prompt.ids, req.new_tokens(), decode, sampling, req.stops(), prompt.text,
+                                          owner)
         return decode, steps
 
     def _grammar(self, req: _Request) -> Grammar | None:
@@ -290,13 +294,15 @@ class OpenAIEndpoint:
             return None
         if self._grammar_tokenizer is None:
             client = self.client
-            self._grammar_tokenizer = grammar_tokenizer(client.tokenizer, client.files.hf_config.vocab_size, client.stop_ids)
+            self._grammar_tokenizer = grammar_tokenizer(client.tokenizer, client.files.hf_config.vocab_size,
+                                                        client.stop_ids)
         if isinstance(fmt, _JsonSchemaFormat):
             return Grammar.json_schema(self._grammar_tokenizer, fmt.json_schema.definition)
         if isinstance(fmt, _JsonObjectFormat):
             return Grammar.json_schema(self._grammar_tokenizer)
         assert isinstance(req, ChatRequest) and req.tools
-        return call_grammar(self._grammar_tokenizer, [t.model_dump() for t in req.tools], forced or None, req.parallel_tool_calls)
+        return call_grammar(self._grammar_tokenizer, [t.model_dump() for t in req.tools], forced or None,
+                            req.parallel_tool_calls)
 
     def chat_prompt(self, req: ChatRequest) -> Prompt:
         tok = self.client.tokenizer
@@ -317,7 +323,8 @@ class OpenAIEndpoint:
         # transformers types `tools` as a list of dicts or callables (a list of dicts is one), and its
         # result as every form it can return: untokenized, it is the text.
         offered = cast("list[dict[Any, Any] | Callable[..., Any]]", tools)
-        text = cast(str, tok.apply_chat_template(messages, tools=offered or None, tokenize=False, add_generation_prompt=True))
+        text = cast(str, tok.apply_chat_template(messages, tools=offered or None, tokenize=False,
+                                                 add_generation_prompt=True))
         return Prompt(tok(text, add_special_tokens=False)["input_ids"], text)
 
     def text_prompt(self, req: CompletionRequest) -> Prompt:
@@ -349,7 +356,8 @@ class OpenAIEndpoint:
             the last chunk carries `extra` and, once the generation ended, its finish reason."""
             delta, found = calls.feed(gen.text, gen.finish_reason is not None)
             finish = calls.finish(gen)
-            choice = {"index": 0, "delta": {"content": delta}} if chat else {"index": 0, "text": delta, "logprobs": None}
+            choice = {"index": 0, "delta": {"content": delta}} if chat else {"index": 0, "text": delta,
+                                                                             "logprobs": None}
             deltas = [choice] + [{"index": 0, "delta": {"tool_calls": [c.openai(len(calls.found) - len(found) + i)]}}
                                  for i, c in enumerate(found)]
             for i, d in enumerate(deltas):
@@ -361,7 +369,8 @@ class OpenAIEndpoint:
                 gen, reused = None, 0
                 try:
                     if chat:
-                        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+                        yield _sse({**head,
+                                    "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
                     while (item := await self.compute.run_async(next, steps, None)) is not None:
                         gen, out, reused = item
                         if gen.finish_reason is None:  # every step, so a viewer sees each round trip
@@ -421,7 +430,7 @@ class _Calls:
 
 def _last(steps: Iterator[tuple[Generation, Any, int]]) -> tuple[Generation, int]:
     gen, reused = None, 0
-    for gen, _, reused in steps:
+    for gen, _, reused in steps:  # noqa: B007 (drained: the last step is read after the loop)
         pass
     if gen is None:
         raise ValueError("the generation produced no step")
@@ -429,7 +438,8 @@ def _last(steps: Iterator[tuple[Generation, Any, int]]) -> tuple[Generation, int
 
 
 def create_app(
-    client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE, compute: ComputeThread | None = None,
+    client: SplitClient, model_name: str | None = None, decode: str = DEFAULT_DECODE,
+    compute: ComputeThread | None = None,
     reuse: ReuseLimits = ReuseLimits(), api_keys: frozenset[str] = frozenset(),
 ) -> FastAPI:
     """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (streaming over SSE), and the

@@ -49,7 +49,9 @@ class ConfigfsTsm:
         self.platform = platform
         provider = _PROVIDERS[platform]
         if not TSM_REPORTS.is_dir():
-            raise AttestationUnavailable(f"{TSM_REPORTS} does not exist: this is not a confidential VM, or configfs is not mounted")
+            raise AttestationUnavailable(
+                f"{TSM_REPORTS} does not exist: this is not a confidential VM, or configfs is not mounted"
+            )
         probe = Path(tempfile.mkdtemp(dir=TSM_REPORTS))  # the kernel fills a new entry with its attributes
         try:
             found = (probe / "provider").read_text().strip()

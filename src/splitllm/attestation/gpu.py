@@ -80,7 +80,8 @@ class GpuReport:
         if len(raw) < REQUEST_SIZE + 8 + NONCE_SIZE + 2 + SIGNATURE_SIZE:
             raise ValueError(f"{len(raw)} bytes is shorter than any GET_MEASUREMENTS request and response")
         version, code, param1, param2 = raw[0:4]
-        if (version, code, param1, param2, raw[36]) != (_SPDM_1_1, _GET_MEASUREMENTS, _SIGNATURE_REQUESTED, _ALL_MEASUREMENTS, 0):
+        if (version, code, param1, param2, raw[36]) != (_SPDM_1_1, _GET_MEASUREMENTS, _SIGNATURE_REQUESTED,
+                                                        _ALL_MEASUREMENTS, 0):
             raise ValueError("the request is not an SPDM 1.1 GET_MEASUREMENTS of all blocks, signed, from slot 0")
         response = raw[REQUEST_SIZE:]
         if tuple(response[0:4]) != (_SPDM_1_1, _MEASUREMENTS, 0, 0):
@@ -95,7 +96,9 @@ class GpuReport:
         opaque_size = int.from_bytes(response[nonce_end : nonce_end + 2], "little")
         opaque_end = nonce_end + 2 + opaque_size
         if opaque_size > _MAX_OPAQUE or opaque_end + SIGNATURE_SIZE != len(response):
-            raise ValueError(f"the response is {len(response)} bytes; its fields add up to {opaque_end + SIGNATURE_SIZE}")
+            raise ValueError(
+                f"the response is {len(response)} bytes; its fields add up to {opaque_end + SIGNATURE_SIZE}"
+            )
         return cls(
             raw=bytes(raw),
             nonce=bytes(raw[4:36]),
@@ -182,13 +185,15 @@ def _check_certificate(cert: x509.Certificate, depth: int, now: datetime.datetim
     """One certificate's algorithms, validity and role: depth 0 signs reports, every other one signs certificates."""
     name = f"certificate {depth} ({cert.subject.rfc4514_string()})"
     if cert.signature_algorithm_oid != SignatureAlgorithmOID.ECDSA_WITH_SHA384:
-        raise AttestationError("gpu-chain", f"{name} is signed with algorithm {cert.signature_algorithm_oid.dotted_string}, "
+        raise AttestationError("gpu-chain",
+                               f"{name} is signed with algorithm {cert.signature_algorithm_oid.dotted_string}, "
                                             f"not ECDSA with SHA-384")
     key = cert.public_key()
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp384r1":
         raise AttestationError("gpu-chain", f"{name} does not hold an ECDSA P-384 key")
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-        raise AttestationError("gpu-chain", f"{name} is not valid at {now:%Y-%m-%d} ({cert.not_valid_before_utc:%Y-%m-%d} "
+        raise AttestationError("gpu-chain",
+                               f"{name} is not valid at {now:%Y-%m-%d} ({cert.not_valid_before_utc:%Y-%m-%d} "
                                             f"to {cert.not_valid_after_utc:%Y-%m-%d})")
     try:
         unknown = {e.oid.dotted_string for e in cert.extensions if e.critical and e.oid not in _UNDERSTOOD_CRITICAL}
@@ -208,12 +213,14 @@ def _check_certificate(cert: x509.Certificate, depth: int, now: datetime.datetim
     if constraints is None or not constraints.ca:
         raise AttestationError("gpu-chain", f"{name} issues a certificate but is not a CA (basicConstraints)")
     if constraints.path_length is not None and constraints.path_length < depth - 1:
-        raise AttestationError("gpu-chain", f"{name} allows {constraints.path_length} CAs below it; the chain has {depth - 1}")
+        raise AttestationError("gpu-chain",
+                               f"{name} allows {constraints.path_length} CAs below it; the chain has {depth - 1}")
     if usage is None or not usage.key_cert_sign:
         raise AttestationError("gpu-chain", f"{name} issues a certificate but its key usage does not allow it")
 
 
-def verify_gpu_chain(certificates: bytes, roots: tuple[x509.Certificate, ...], now: datetime.datetime) -> x509.Certificate:
+def verify_gpu_chain(certificates: bytes, roots: tuple[x509.Certificate, ...],
+                     now: datetime.datetime) -> x509.Certificate:
     """The attestation key's certificate, once the PEM chain (leaf first) ends at a pinned root and each
     certificate is current, of the pinned algorithms and issued by the next; `gpu-chain` error otherwise."""
     try:
@@ -223,15 +230,17 @@ def verify_gpu_chain(certificates: bytes, roots: tuple[x509.Certificate, ...], n
     if not 2 <= len(chain) <= MAX_CHAIN:
         raise AttestationError("gpu-chain", f"the chain has {len(chain)} certificates; 2 to {MAX_CHAIN} are accepted")
     if chain[-1] not in roots:
-        raise AttestationError("gpu-chain", f"the chain ends at {chain[-1].subject.rfc4514_string()}, not at a pinned root")
+        raise AttestationError("gpu-chain",
+                               f"the chain ends at {chain[-1].subject.rfc4514_string()}, not at a pinned root")
     for depth, cert in enumerate(chain):
         _check_certificate(cert, depth, now)
     for depth, (cert, issuer) in enumerate(zip(chain, chain[1:])):
         try:
             cert.verify_directly_issued_by(issuer)
         except (ValueError, TypeError, InvalidSignature):
-            raise AttestationError("gpu-chain", f"certificate {depth} ({cert.subject.rfc4514_string()}) was not issued by "
-                                                f"certificate {depth + 1} ({issuer.subject.rfc4514_string()})") from None
+            raise AttestationError("gpu-chain",
+                                   f"certificate {depth} ({cert.subject.rfc4514_string()}) was not issued by "
+                                   f"certificate {depth + 1} ({issuer.subject.rfc4514_string()})") from None
     return chain[0]
 
 
@@ -245,7 +254,8 @@ def verify_gpu_report_signature(report: GpuReport, certificate: x509.Certificate
     try:
         key.verify(encode_dss_signature(r, s), report.signed, ec.ECDSA(hashes.SHA384()))
     except InvalidSignature:
-        raise AttestationError("gpu-signature", "the GPU report's signature does not verify under its attestation key") from None
+        raise AttestationError("gpu-signature",
+                               "the GPU report's signature does not verify under its attestation key") from None
 
 
 def verify_gpu_evidence(
@@ -255,7 +265,7 @@ def verify_gpu_evidence(
     if len(nonce) != NONCE_SIZE:
         raise ValueError(f"a GPU nonce is {NONCE_SIZE} bytes")
     policy = policy or GpuPolicy()
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     try:
         report = GpuReport.parse(evidence.report)
     except ValueError as exc:
@@ -263,7 +273,8 @@ def verify_gpu_evidence(
     certificate = verify_gpu_chain(evidence.certificates, policy.roots, now)
     verify_gpu_report_signature(report, certificate)
     if report.nonce != nonce:
-        raise AttestationError("gpu-nonce", "the GPU report answers another nonce: replayed, or made for another handshake")
+        raise AttestationError("gpu-nonce",
+                               "the GPU report answers another nonce: replayed, or made for another handshake")
     for index, golden in sorted(policy.measurements.items()):
         value = report.measurements.get(index)
         if value not in golden:

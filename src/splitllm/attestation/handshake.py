@@ -50,7 +50,9 @@ def report_data(
 ) -> bytes:
     """The 64 bytes a report must carry to answer this handshake."""
     split = struct.pack(">III", layers[0], layers[1], version)
-    return hashlib.sha512(_LABEL + nonce + server_key + bytes.fromhex(fingerprint) + bytes.fromhex(weights) + split).digest()
+    return hashlib.sha512(
+        _LABEL + nonce + server_key + bytes.fromhex(fingerprint) + bytes.fromhex(weights) + split
+    ).digest()
 
 
 def composite_report_data(session: bytes, gpu_digest: bytes) -> bytes:
@@ -65,7 +67,8 @@ def _raw(key: X25519PublicKey) -> bytes:
 
 def _channel(private: X25519PrivateKey, peer: bytes, transcript: bytes, client: bool) -> SealedChannel:
     shared = private.exchange(X25519PublicKey.from_public_bytes(peer))
-    up, down = (HKDF(hashes.SHA256(), 32, transcript, label).derive(shared) for label in (b"client to server", b"server to client"))
+    up, down = (HKDF(hashes.SHA256(), 32, transcript, label).derive(shared) for label in (b"client to server",
+                                                                                          b"server to client"))
     return SealedChannel(up, down) if client else SealedChannel(down, up)
 
 
@@ -109,7 +112,8 @@ class Evidence:
         valid = {
             "platform": isinstance(h.get("platform"), str),
             "report": isinstance(h.get("report"), bytes),
-            "certs": isinstance(certs, dict) and all(isinstance(k, str) and isinstance(v, bytes) for k, v in certs.items()),
+            "certs": isinstance(certs, dict) and all(isinstance(k, str) and isinstance(v, bytes) for k,
+                                                     v in certs.items()),
             "key": isinstance(h.get("key"), bytes) and len(h["key"]) == KEY_SIZE,
             "fingerprint": _is_digest(fingerprint),
             "weights": _is_digest(weights),
@@ -144,9 +148,11 @@ class ClientHandshake:
     _key: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
 
     def request(self, request_id: Any) -> dict[str, Any]:
-        return {"op": "attest", "id": request_id, "version": self.version, "nonce": self.nonce, "key": _raw(self._key.public_key())}
+        return {"op": "attest", "id": request_id, "version": self.version, "nonce": self.nonce,
+                "key": _raw(self._key.public_key())}
 
-    def finish(self, evidence: Evidence, gpu_digest: bytes | None = None) -> tuple[SealedChannel, Verified | TdxVerified]:
+    def finish(self, evidence: Evidence, gpu_digest: bytes | None = None) -> tuple[SealedChannel,
+                                                                                   Verified | TdxVerified]:
         """Verify `evidence` (AttestationError naming the first failed check) and derive the channel.
 
         With `gpu_digest` (`gpu.finish_with_gpus`), the report (SEV-SNP) or quote (TDX) must commit to the
@@ -166,12 +172,15 @@ class ClientHandshake:
             verified = self._verify_snp(evidence, expected)
         # The binding holds: the attested server claims this model and split and loaded these weights. Expected?
         if evidence.version != self.version:
-            raise AttestationError("version", f"the server speaks protocol {evidence.version}, this client {self.version}")
+            raise AttestationError("version",
+                                   f"the server speaks protocol {evidence.version}, this client {self.version}")
         if evidence.fingerprint != self.fingerprint:
-            raise AttestationError("model", f"the attested server runs another model (fingerprint {evidence.fingerprint[:16]}, "
+            raise AttestationError("model",
+                                   f"the attested server runs another model (fingerprint {evidence.fingerprint[:16]}, "
                                             f"this client's {self.fingerprint[:16]})")
         if evidence.layers != self.layers:
-            raise AttestationError("split", f"the attested server runs layers [{evidence.layers[0]}, {evidence.layers[1]}), "
+            raise AttestationError("split",
+                                   f"the attested server runs layers [{evidence.layers[0]}, {evidence.layers[1]}), "
                                             f"this client needs [{self.layers[0]}, {self.layers[1]})")
         if self.policy.weights is not None and bytes.fromhex(evidence.weights) not in self.policy.weights:
             raise AttestationError("weights", f"the attested server built its layers from weights (loaded-weights "
@@ -199,7 +208,8 @@ def answer(
     `attester` has `platform` and `report(report_data) -> (report bytes, certificates by role)`.
     """
     nonce, client_key = request.get("nonce"), request.get("key")
-    if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE or not isinstance(client_key, bytes) or len(client_key) != KEY_SIZE:
+    if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE or not isinstance(client_key,
+                                                                                  bytes) or len(client_key) != KEY_SIZE:
         raise ValueError(f"attest needs a {NONCE_SIZE}-byte nonce and a {KEY_SIZE}-byte X25519 key")
     key = X25519PrivateKey.generate()
     server_key = _raw(key.public_key())

@@ -127,7 +127,9 @@ def _weights(data: dict[str, Any]) -> frozenset[bytes] | None:
 def _min_tcb(value: Any) -> dict[str, Tcb]:
     """Each product's minimum: its floor, with the levels the policy gives in place of the floor's."""
     if not isinstance(value, dict) or set(value) - set(PRODUCTS):
-        raise PolicyError(f"'min_tcb' maps products ({', '.join(PRODUCTS)}) to levels, e.g. {{\"genoa\": {{\"snp\": 27}}}}")
+        raise PolicyError(
+            f"'min_tcb' maps products ({', '.join(PRODUCTS)}) to levels, e.g. {{\"genoa\": {{\"snp\": 27}}}}"
+        )
     out = dict(TCB_FLOORS)
     for product, levels in value.items():
         names = TCB_FIELDS[product]

@@ -59,7 +59,7 @@ def _certificate(
     subject: str, issuer: str, key: object, signer: object, extensions: dict[str, bytes] | None = None, ca: bool = False
 ) -> x509.Certificate:
     """One certificate as AMD issues them; `ca` makes it a certificate authority (ARK, ASK)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject)).issuer_name(_name(issuer))
@@ -69,8 +69,9 @@ def _certificate(
     )
     if ca:
         builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).add_extension(
-            x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                          key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
+            x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                          encipher_only=False, decipher_only=False),
             critical=True,
         )
     for oid, value in (extensions or {}).items():
@@ -136,11 +137,14 @@ class SimulatedSnp:
             self.guest = SimulatedGuest(**json.loads((folder / "attester.json").read_text()))
             key = serialization.load_pem_private_key((folder / "vcek.key").read_bytes(), None)
             self.certs = {
-                name: x509.load_pem_x509_certificate((folder / f"{name}.pem").read_bytes()).public_bytes(serialization.Encoding.DER)
+                name: x509.load_pem_x509_certificate((folder / f"{name}.pem").read_bytes()).public_bytes(
+                    serialization.Encoding.DER)
                 for name in ("vcek", "ask", "ark")
             }
         except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"--attestation-sim {folder}: not a folder from `splitllm attest sim-init` ({exc})") from None
+            raise ValueError(
+                f"--attestation-sim {folder}: not a folder from `splitllm attest sim-init` ({exc})"
+            ) from None
         if not isinstance(key, ec.EllipticCurvePrivateKey):
             raise ValueError(f"--attestation-sim {folder}: vcek.key is not an ECDSA key")
         self._key = key

@@ -130,7 +130,8 @@ class TdxPolicy:
                 or not set(statuses) <= set(STATUSES) or "UpToDate" not in statuses):
             raise PolicyError(f"'tcb_statuses' lists the TCB statuses accepted: UpToDate and any of "
                               f"{', '.join(STATUSES[1:])}")
-        configs = _hex_set(data["mr_config_ids"], "mr_config_ids", _MEASUREMENT_SIZE) if "mr_config_ids" in data else None
+        configs = _hex_set(data["mr_config_ids"], "mr_config_ids",
+                           _MEASUREMENT_SIZE) if "mr_config_ids" in data else None
         return cls(root=root, pinned=pinned, images=tuple(TdImage.from_dict(i) for i in images),
                    tcb_statuses=frozenset(statuses), mr_config_ids=configs)
 
@@ -209,7 +210,9 @@ def _refusal(message: str) -> AttestationError:
     return AttestationError(check, f"Intel's verification refused the quote or its collateral ({message})")
 
 
-def verify_quote(quote: bytes, collateral: bytes, root: x509.Certificate, now: datetime.datetime) -> tuple[str, tuple[str, ...]]:
+def verify_quote(quote: bytes, collateral: bytes, root: x509.Certificate, now: datetime.datetime) -> tuple[str,
+                                                                                                           tuple[str,
+                                                                                                                 ...]]:
     """Intel's verification of the quote with its collateral at `now`, chaining to `root`: the platform's
     TCB status and the advisories that apply. An `AttestationError` naming the step that failed."""
     try:
@@ -222,7 +225,9 @@ def verify_quote(quote: bytes, collateral: bytes, root: x509.Certificate, now: d
     except ValueError:
         pck_root = None
     if pck_root != root:
-        raise AttestationError("chain", f"the quote's PCK chain does not end at the trusted root ({root.subject.rfc4514_string()})")
+        raise AttestationError("chain",
+                               "the quote's PCK chain does not end at the trusted root "
+                               f"({root.subject.rfc4514_string()})")
     root_der = root.public_bytes(serialization.Encoding.DER)
     try:
         verified = dcap_qvl.verify_with_root_ca(quote, collateral_v3, root_der, int(now.timestamp()))
@@ -238,7 +243,7 @@ def verify_tdx(
     """Every check of a TDX quote, in order: Intel's verification (chain, QE, signature, collateral, TD
     attributes), the TCB status floor, the handshake binding, then the policy's measurements. The
     caller checks what the binding covers (model, split) against its own."""
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     if collateral is None:
         raise AttestationError("evidence", "the TDX evidence carries no collateral")
     report, fmspc = parse_quote(quote)
@@ -274,7 +279,9 @@ class QuoteSource(Protocol):
 def _expiry(collateral: str) -> datetime.datetime:
     """When the first part of the collateral (TCB info, QE identity or a CRL) expires."""
     data = json.loads(collateral)
-    dates: list[datetime.datetime | None] = [datetime.datetime.fromisoformat(json.loads(data[k])["nextUpdate"]) for k in ("tcb_info", "qe_identity")]
+    dates: list[datetime.datetime | None] = [
+        datetime.datetime.fromisoformat(json.loads(data[k])["nextUpdate"]) for k in ("tcb_info", "qe_identity")
+    ]
     dates += [x509.load_der_x509_crl(bytes.fromhex(data[k])).next_update_utc for k in ("pck_crl", "root_ca_crl")]
     return min(d for d in dates if d is not None)
 
@@ -290,12 +297,12 @@ class TdxAttester:
         self.collateral_url = collateral_url
         self._lock = threading.Lock()
         self._collateral: str | None = None
-        self._expires = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+        self._expires = datetime.datetime.min.replace(tzinfo=datetime.UTC)
 
     def report(self, report_data: bytes) -> tuple[bytes, dict[str, bytes]]:
         quote, _ = self.source.report(report_data)
         with self._lock:
-            if self._collateral is None or datetime.datetime.now(datetime.timezone.utc) >= self._expires:
+            if self._collateral is None or datetime.datetime.now(datetime.UTC) >= self._expires:
                 collateral = _fetch_collateral(self.collateral_url, quote)
                 self._collateral, self._expires = collateral, _expiry(collateral)
             return quote, {COLLATERAL: self._collateral.encode()}

@@ -93,7 +93,7 @@ def _name(cn: str) -> x509.Name:
 
 def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey,
                  ca: bool, extension: bytes | None = None) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject)).issuer_name(_name(issuer)).public_key(key.public_key())
@@ -105,7 +105,8 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, sig
                                      encipher_only=False, decipher_only=False), critical=True)
     )
     if extension is not None:
-        builder = builder.add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier(_SGX), extension), critical=False)
+        builder = builder.add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier(_SGX), extension),
+                                        critical=False)
     return builder.sign(signer, hashes.SHA256())
 
 
@@ -135,9 +136,10 @@ def tdx_sim_init(folder: str | os.PathLike, tcb_status: str = "UpToDate", debug:
     root = _certificate("Simulated SGX Root CA", keys["root"], "Simulated SGX Root CA", keys["root"], ca=True)
     certs = {
         "root": root,
-        "pck_ca": _certificate("Simulated SGX PCK Platform CA", keys["pck_ca"], "Simulated SGX Root CA", keys["root"], ca=True),
-        "pck": _certificate("Simulated SGX PCK Certificate", keys["pck"], "Simulated SGX PCK Platform CA", keys["pck_ca"],
-                            ca=False, extension=_sgx_extension(os.urandom(16))),
+        "pck_ca": _certificate("Simulated SGX PCK Platform CA", keys["pck_ca"], "Simulated SGX Root CA", keys["root"],
+                               ca=True),
+        "pck": _certificate("Simulated SGX PCK Certificate", keys["pck"], "Simulated SGX PCK Platform CA",
+                            keys["pck_ca"], ca=False, extension=_sgx_extension(os.urandom(16))),
         "tcb": _certificate("Simulated SGX TCB Signing", keys["tcb"], "Simulated SGX Root CA", keys["root"], ca=False),
     }
     for name in _KEYS:
@@ -191,7 +193,8 @@ class SimulatedTdx:
         try:
             self.td = SimulatedTd(**json.loads((folder / "attester.json").read_text()))
             self.certs = {name: x509.load_pem_x509_certificate((folder / f"{name}.pem").read_bytes()) for name in _KEYS}
-            keys = {name: serialization.load_pem_private_key((folder / f"{name}.key").read_bytes(), None) for name in _KEYS}
+            keys = {name: serialization.load_pem_private_key((folder / f"{name}.key").read_bytes(),
+                                                             None) for name in _KEYS}
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"--attestation-sim {folder}: not a folder from tdx_sim_init ({exc})") from None
         if not all(isinstance(k, ec.EllipticCurvePrivateKey) for k in keys.values()):
@@ -205,7 +208,8 @@ class SimulatedTdx:
     def quote(self, report_data: bytes) -> bytes:
         """A quote of version 4 whose TD report carries `report_data`."""
         td = self.td
-        header = struct.pack("<HHIHH16s20s", QUOTE_VERSION, _ECDSA_P256, TEE_TYPE_TDX, 0, 0, _INTEL_QE_VENDOR, bytes(20))
+        header = struct.pack("<HHIHH16s20s", QUOTE_VERSION, _ECDSA_P256, TEE_TYPE_TDX, 0, 0, _INTEL_QE_VENDOR,
+                             bytes(20))
         attributes = bytes([_TD_ATTRIBUTES[0] | (_TD_DEBUG if td.debug else 0)]) + _TD_ATTRIBUTES[1:]
         body = (_TEE_TCB_SVN + bytes(48) + bytes(48) + bytes(8) + attributes + bytes.fromhex("e702060000000000")
                 + bytes.fromhex(td.mrtd) + bytes.fromhex(td.mr_config_id) + bytes(48) + bytes(48)
@@ -213,7 +217,8 @@ class SimulatedTdx:
         numbers = self._attestation_key.public_key().public_numbers()
         attestation_key = numbers.x.to_bytes(32, "big") + numbers.y.to_bytes(32, "big")
         auth_data = os.urandom(32)
-        qe_report = (_CPU_SVN + struct.pack("<I", 0) + bytes(28) + _QE_ATTRIBUTES + hashlib.sha256(b"simulated QE").digest()
+        qe_report = (_CPU_SVN + struct.pack("<I",
+                                            0) + bytes(28) + _QE_ATTRIBUTES + hashlib.sha256(b"simulated QE").digest()
                      + bytes(32) + _QE_MRSIGNER + bytes(96) + struct.pack("<HH", _QE_PROD_ID, _QE_SVN) + bytes(60)
                      + hashlib.sha256(attestation_key + auth_data).digest() + bytes(32))
         chain = self._pem("pck", "pck_ca", "root")
@@ -225,14 +230,15 @@ class SimulatedTdx:
 
     def collateral(self) -> bytes:
         """CRLs, TCB info and QE identity as Intel's PCS would issue them now, in dcap-qvl's JSON layout."""
-        now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+        now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
         issued, expires = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=30)
         tcb_level = {"tcb": {"sgxtcbcomponents": [{"svn": s} for s in _CPU_SVN], "pcesvn": _PCE_SVN,
                              "tdxtcbcomponents": [{"svn": s} for s in _TEE_TCB_SVN]},
                      "tcbDate": _when(issued), "tcbStatus": self.td.tcb_status}
         module = {"mrsigner": "00" * 48, "attributes": "00" * 8, "attributesMask": "FF" * 8}
         tcb_info = json.dumps({
-            "id": "TDX", "version": 3, "issueDate": _when(issued), "nextUpdate": _when(expires), "fmspc": _FMSPC.hex().upper(),
+            "id": "TDX", "version": 3, "issueDate": _when(issued), "nextUpdate": _when(expires),
+            "fmspc": _FMSPC.hex().upper(),
             "pceId": "0000", "tcbType": 0, "tcbEvaluationDataNumber": 17, "tdxModule": module,
             "tdxModuleIdentities": [{"id": f"TDX_{_TEE_TCB_SVN[1]:02X}", **module, "tcbLevels": [
                 {"tcb": {"isvsvn": _TEE_TCB_SVN[0]}, "tcbDate": _when(issued), "tcbStatus": "UpToDate"}]}],
@@ -241,8 +247,10 @@ class SimulatedTdx:
         qe_identity = json.dumps({
             "id": "TD_QE", "version": 2, "issueDate": _when(issued), "nextUpdate": _when(expires),
             "tcbEvaluationDataNumber": 17, "miscselect": "00000000", "miscselectMask": "FFFFFFFF",
-            "attributes": "11" + "00" * 15, "attributesMask": "FBFFFFFFFFFFFFFF" + "00" * 8, "mrsigner": _QE_MRSIGNER.hex().upper(),
-            "isvprodid": _QE_PROD_ID, "tcbLevels": [{"tcb": {"isvsvn": _QE_SVN}, "tcbDate": _when(issued), "tcbStatus": "UpToDate"}],
+            "attributes": "11" + "00" * 15, "attributesMask": "FBFFFFFFFFFFFFFF" + "00" * 8,
+            "mrsigner": _QE_MRSIGNER.hex().upper(),
+            "isvprodid": _QE_PROD_ID,
+            "tcbLevels": [{"tcb": {"isvsvn": _QE_SVN}, "tcbDate": _when(issued), "tcbStatus": "UpToDate"}],
         }, separators=(",", ":"))
         tcb_chain = self._pem("tcb", "root").decode()
         return json.dumps({

@@ -52,9 +52,11 @@ def _check_certificate(cert: x509.Certificate, issuer: x509.Certificate, role: s
     except InvalidSignature:
         raise AttestationError("chain", f"the {role} certificate's signature does not verify") from None
     except (UnsupportedAlgorithm, ValueError, TypeError) as exc:
-        raise AttestationError("chain", f"the {role} certificate cannot be checked ({type(exc).__name__}: {exc})") from None
+        raise AttestationError("chain",
+                               f"the {role} certificate cannot be checked ({type(exc).__name__}: {exc})") from None
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-        raise AttestationError("chain", f"the {role} certificate is not valid now ({cert.not_valid_before_utc:%Y-%m-%d} "
+        raise AttestationError("chain",
+                               f"the {role} certificate is not valid now ({cert.not_valid_before_utc:%Y-%m-%d} "
                                         f"to {cert.not_valid_after_utc:%Y-%m-%d})")
 
 
@@ -63,7 +65,8 @@ def _check_link(cert: x509.Certificate, issuer: x509.Certificate, role: str) -> 
         raise AttestationError("chain", f"the {role} certificate names {cert.issuer.rfc4514_string()} as its issuer, "
                                         f"not {issuer.subject.rfc4514_string()}")
     algorithm = cert.signature_algorithm_oid
-    if algorithm != x509.SignatureAlgorithmOID.RSASSA_PSS or not isinstance(cert.signature_hash_algorithm, hashes.SHA384):
+    if algorithm != x509.SignatureAlgorithmOID.RSASSA_PSS or not isinstance(cert.signature_hash_algorithm,
+                                                                            hashes.SHA384):
         raise AttestationError("chain", f"the {role} certificate is signed with {algorithm.dotted_string}, not AMD's "
                                         f"RSA-PSS with SHA-384")
     signer = issuer.public_key()
@@ -96,15 +99,17 @@ def verify_chain(vcek: x509.Certificate, anchors: tuple[Anchor, ...], now: datet
     Only the anchor's own ASK is an intermediate: a certificate the server sends is never one, so a
     VLEK (signed by AMD's ASVK) or a leaf under any other key of the ARK cannot stand in for a VCEK.
     """
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     for anchor in anchors:
         if vcek.issuer != anchor.ask.subject:
             continue
-        for cert, issuer, role in ((anchor.ark, anchor.ark, "ARK"), (anchor.ask, anchor.ark, "ASK"), (vcek, anchor.ask, "VCEK")):
+        for cert, issuer, role in ((anchor.ark, anchor.ark, "ARK"), (anchor.ask, anchor.ark, "ASK"),
+                                   (vcek, anchor.ask, "VCEK")):
             _check_certificate(cert, issuer, role, now)
         return anchor
     names = ", ".join(("amd-" if a.pinned else "simulated ") + a.product for a in anchors)
-    raise AttestationError("chain", f"the VCEK is issued by {vcek.issuer.rfc4514_string()}, not by the ASK of a trusted "
+    raise AttestationError("chain",
+                           f"the VCEK is issued by {vcek.issuer.rfc4514_string()}, not by the ASK of a trusted "
                                     f"root ({names}); VLEKs, issued by AMD's ASVK, are not accepted")
 
 
@@ -118,7 +123,8 @@ def verify_report_form(report: SnpReport) -> None:
         raise AttestationError("report", f"the signer info {report.signer_info:#x} sets reserved bits")
     if report.signing_key != SIGNING_KEY_VCEK:
         name = "a VLEK" if report.signing_key == SIGNING_KEY_VLEK else f"signing key {report.signing_key}"
-        raise AttestationError("report", f"the report is signed by {name}; this verifier accepts VCEK-signed reports only")
+        raise AttestationError("report",
+                               f"the report is signed by {name}; this verifier accepts VCEK-signed reports only")
     if report.policy & ~POLICY_DEFINED or not report.policy & POLICY_RESERVED_ONE:
         raise AttestationError("report", f"the guest policy {report.policy:#x} is malformed (reserved bits)")
 

@@ -83,8 +83,8 @@ class SplitClient:
     `max_context` (default: the model's own limit) bounds a conversation's positions; the server may
     grant fewer, and the caches are sized to what it grants. `attestation_policy` (a JSON file or an
     `AttestationPolicy`): the server must prove it runs in a confidential VM that meets it before any
-    hidden state leaves this process, and every frame is sealed (docs/confidential.md). Without one, the server's operator can read the hidden states,
-    which are as good as the text (docs/privacy.md).
+    hidden state leaves this process, and every frame is sealed (docs/confidential.md). Without one, the
+    server's operator can read the hidden states, which are as good as the text (docs/privacy.md).
     Generate inside `threads.compute_threads_pinned()`, as the client commands do, so that the thread
     pool keeps a core per thread across the round trips' waits.
     """
@@ -107,7 +107,8 @@ class SplitClient:
         self.connection = _with_policy(connection, attestation_policy, server)  # before any model work
         self.files = ModelFiles(model)
         self.precision = fastest() if precision is None else Precision.of(precision)
-        self.client_model = ClientModel(self.files, first, last, self.precision, lm_head_precision, drafter, draft_model)
+        self.client_model = ClientModel(self.files, first, last, self.precision, lm_head_precision, drafter,
+                                        draft_model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.files.path)
         self.server, self.wire_dtype = server, wire_dtype
         self.max_context = self._context(max_context)
@@ -190,7 +191,7 @@ class SplitClient:
     ) -> Generation:
         gen = None
         try:
-            for gen, _ in self.stream(prompt, max_new_tokens, decode, chat, sampling, stop):
+            for gen, _ in self.stream(prompt, max_new_tokens, decode, chat, sampling, stop):  # noqa: B007 (the last)
                 pass
         except ServerUnreachable as exc:
             exc.generation = gen  # the tokens produced before the link was lost stay usable
@@ -283,7 +284,8 @@ class Conversation:
             check_mode(decode)
         if max_new_tokens < 1 or not new_ids:
             raise ValueError("a generation needs input tokens and max_new_tokens >= 1")
-        self._check_fits(len(new_ids), max_new_tokens, client.max_context, f"the maximum context of {client.max_context}")
+        self._check_fits(len(new_ids), max_new_tokens, client.max_context,
+                         f"the maximum context of {client.max_context}")
         rule = StopRule(client.tokenizer, client.stop_ids, stop, max_new_tokens)
         if self._pipeline is None:
             self._pipeline = SplitPipeline(client.client_model, client._middle(), client.max_context)
@@ -295,7 +297,8 @@ class Conversation:
         feed = self.ids[-1:] + gen.prompt_ids
         self.ids.extend(gen.prompt_ids)
         sampler = Sampler(sampling or SamplingParams(), self.ids)
-        decoder = self._decoder(decode)(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler, keep=self.keep)
+        decoder = self._decoder(decode)(pipeline, feed, max_new_tokens, client.stop_ids, sampler=sampler,
+                                        keep=self.keep)
         pipeline.take_score_ms()
         t0 = last = time.perf_counter()
         try:
@@ -376,6 +379,7 @@ class Conversation:
         """
         self.client.check_chat()
         tok = self.client.tokenizer
-        full = cast(str, tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))  # untokenized: text
+        # untokenized: text
+        full = cast(str, tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         seen = cast(str, tok.decode(self.ids, skip_special_tokens=False))
         return tok(full[len(os.path.commonprefix([full, seen])) :], add_special_tokens=False)["input_ids"]

@@ -64,14 +64,16 @@ class ClientModel(ModelEnds):
         # Naming a drafter folder (to measure that drafter) turns the default draft model off.
         self.draft_model_name = default_draft_model(files) if draft_model is None and drafter is None else draft_model
         if drafter is not None:
-            self.drafter  # a drafter that does not fit is refused now, not at the first generation
+            _ = self.drafter  # a drafter that does not fit is refused now, not at the first generation
         if draft_model is not None:
-            self.draft_model
+            _ = self.draft_model
 
     @property
     def row_invariant(self) -> bool:
         """Whether the client's stages and LM head give a row the same bits in any step."""
-        return self.first.row_invariant and (self.last is None or self.last.row_invariant) and self.lm_head_row_invariant
+        return (
+            self.first.row_invariant and (self.last is None or self.last.row_invariant) and self.lm_head_row_invariant
+        )
 
     @property
     def tap_layers(self) -> tuple[int, int]:
@@ -119,7 +121,8 @@ class ClientModel(ModelEnds):
         or None. Loaded on first use (a default one too: sequential decoding never loads it); assign to swap it."""
         if self.draft_model_name in (None, NO_DRAFT_MODEL):
             return None
-        return DraftModel.for_target(self.files, ModelFiles(self.draft_model_name), self.precision, self.lm_head_precision)
+        return DraftModel.for_target(self.files, ModelFiles(self.draft_model_name), self.precision,
+                                     self.lm_head_precision)
 
     def new_caches(self, max_context: int) -> ClientCaches:
         return ClientCaches(self.first.new_cache(max_context), self.last.new_cache(max_context) if self.last else None)

@@ -132,7 +132,8 @@ class ConnectionOptions:
     step_timeout_s: float = 300.0
     deadline_s: float = 60.0
     max_frame_bytes: int = 256 << 20
-    attestation: AttestationPolicy | None = None  # verify a confidential server before sending anything; seal every frame
+    # verify a confidential server before sending anything; seal every frame
+    attestation: AttestationPolicy | None = None
 
     def __post_init__(self) -> None:
         """Load the TLS files once now: a wrong path or a bad PEM is a setting to fix, not a link to retry."""

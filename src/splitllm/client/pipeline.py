@@ -207,7 +207,8 @@ class SplitPipeline:
                     min(len(step.keep), len(dropped.step.keep)))
         again = list(step.keep[same:])
         n = len(again)
-        parents = [*range(-1, n - 1), *(n - 1 if p < 0 else n + p for p in step.vis.parents)] if step.vis.parents else None
+        parents = [*range(-1, n - 1),
+                   *(n - 1 if p < 0 else n + p for p in step.vis.parents)] if step.vis.parents else None
         if parents is not None:
             vis = Visibility.from_parents(parents)
         else:
@@ -271,7 +272,9 @@ class SplitPipeline:
         """The last step's outputs of `layers` (among `client_model.tap_layers`) side by side: (n, len(layers) d)."""
         missing = [t for t in layers if t not in self._outputs]
         if missing:
-            raise ValueError(f"this client holds the outputs of layers {list(self.client_model.tap_layers)}, not {missing}")
+            raise ValueError(
+                f"this client holds the outputs of layers {list(self.client_model.tap_layers)}, not {missing}"
+            )
         return torch.cat([self._outputs[t].to(self.client_model.dtype) for t in layers], dim=-1)
 
     @property

@@ -132,7 +132,8 @@ class RemoteMiddle:
         self._ws.send(self._sealed(message))
         return self._opened(cast(bytes, self._ws.recv(timeout=timeout or self.options.step_timeout_s)))  # binary frames
 
-    def _call(self, request: OpenMessage | StepMessage | CloseMessage, kind: type[_R], timeout: float | None = None) -> _R:
+    def _call(self, request: OpenMessage | StepMessage | CloseMessage, kind: type[_R],
+              timeout: float | None = None) -> _R:
         """The reply to `request`, of `kind`; ServerError if the server refused it."""
         return _expect(messages.decode(self._exchange(messages.encode(request), timeout), messages.REPLIES), kind)
 
@@ -141,7 +142,8 @@ class RemoteMiddle:
         parents, bits = step.vis.to_wire()
         positions = tuple(step.positions.tolist())
         return StepMessage(
-            self.session, step.inputs, self.wire_dtype, positions, tuple(step.keep), parents, bits, next(self._ids), step.crop
+            self.session, step.inputs, self.wire_dtype, positions, tuple(step.keep), parents, bits, next(self._ids),
+            step.crop,
         )
 
     def _attest(self) -> None:
@@ -153,7 +155,8 @@ class RemoteMiddle:
             return
         handshake = ClientHandshake(policy, self._open_request.fingerprint, self._open_request.layers, PROTOCOL_VERSION)
         # The handshake's messages are attestation.handshake's header maps, framed as they are.
-        frame = wire.decode(self._exchange(wire.encode(handshake.request(next(self._ids))), self.options.open_timeout_s))
+        frame = wire.decode(self._exchange(wire.encode(handshake.request(next(self._ids))),
+                                           self.options.open_timeout_s))
         if frame.header["op"] == ErrorMessage.OP:
             error = _refusal(messages.parse(frame, (ErrorMessage,)))
             if error.code in ("attestation_unavailable", "unknown_op"):
@@ -191,7 +194,8 @@ class RemoteMiddle:
                     raise self._unreachable(exc) from exc
                 if round_done and attempt < len(self.urls):  # said once, so a silent wait is never a hang
                     log.warning("no splitllm server answered (tried %s; last error: %s); trying again for up to %.0f s "
-                                "(--reconnect-deadline-s)", ", ".join(self.urls), describe(exc), deadline - time.monotonic())
+                                "(--reconnect-deadline-s)", ", ".join(self.urls), describe(exc),
+                                deadline - time.monotonic())
             if round_done:  # every server failed once: pause before the next round
                 time.sleep(pause * _JITTER.uniform(0.5, 1.0))
                 pause = min(pause * 2, _BACKOFF_S[1])
@@ -328,7 +332,8 @@ class RemoteMiddle:
 
     def _keeps(self, parts: list[tuple[int, int]], keep: list[int]) -> list[tuple[int, int, list[int]]]:
         """Each part with its keep: the step's for the first, all of the previous part for the rest."""
-        return [(a, b, keep if i == 0 else list(range(parts[i - 1][1] - parts[i - 1][0]))) for i, (a, b) in enumerate(parts)]
+        return [(a, b, keep if i == 0 else list(range(parts[i - 1][1] - parts[i - 1][0]))) for i,
+                (a, b) in enumerate(parts)]
 
     def _send_part(
         self, sent: Step, start: int, end: int, keep: list[int], timing: StepTiming, waiting: Iterator[object]
@@ -360,7 +365,8 @@ class RemoteMiddle:
         finally:
             self._in_flight_whole = False
         for _ in range(self._drain):
-            dropped = messages.decode(self._opened(cast(bytes, self._ws.recv(timeout=self.options.step_timeout_s))), messages.REPLIES)
+            reply = cast(bytes, self._ws.recv(timeout=self.options.step_timeout_s))
+            dropped = messages.decode(self._opened(reply), messages.REPLIES)
             self._drain -= 1
             if not isinstance(dropped, ResultMessage):
                 raise ConnectionResetError(f"a step sent ahead was refused ({dropped.OP}); replaying")

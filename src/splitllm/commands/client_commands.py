@@ -47,7 +47,8 @@ def open_client(split: Split, client: ClientSettings, precision: AskedPrecision)
 
     set_threads(client.threads)
     options = ConnectionOptions(
-        token=read_token(client.token_file), ca_file=client.ca, insecure=client.insecure, client_cert=client.client_cert,
+        token=read_token(client.token_file), ca_file=client.ca, insecure=client.insecure,
+        client_cert=client.client_cert,
         client_key=client.client_key, fallbacks=tuple(client.fallback or ()), deadline_s=client.reconnect_deadline_s,
     )
     layers = precision.resolve("client precision")
@@ -143,7 +144,8 @@ def client_api(
     with reported(ValueError, OSError):
         split_client, compute = served_client(split, client, precision)
     where = split_client.server or "in-process middle"
-    typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})", err=True)
+    typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})",
+               err=True)
     reuse = ReuseLimits(max_conversations, int(max_conversation_gib * (1 << 30)))
     keys: frozenset[str] = frozenset()
     if api_keys is not None:

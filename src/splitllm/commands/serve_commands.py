@@ -92,7 +92,8 @@ def serve(
     if tokens is None:
         typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
     elif access.tls is None and not is_loopback(host):
-        typer.echo(f"warning: tokens will cross the network in clear text to {host}; use --tls-cert or a tunnel", err=True)
+        typer.echo(f"warning: tokens will cross the network in clear text to {host}; use --tls-cert or a tunnel",
+                   err=True)
     uvicorn.Server(uvicorn_config(middle, host, port, access.tls)).run()
 
 
@@ -128,7 +129,8 @@ def _serve_on_ray(
         with reported(ValueError, OSError):
             ray_deployment.start(spec, deployment.replicas, host, port, deployment.ray_address, access.tls)
             scheme = "wss" if access.tls else "ws"
-            typer.echo(f"serving on {deployment.replicas} Ray Serve replica(s) at {scheme}://{host}:{port}/ws", err=True)
+            typer.echo(f"serving on {deployment.replicas} Ray Serve replica(s) at {scheme}://{host}:{port}/ws",
+                       err=True)
             if access.tokens_file is None:
                 typer.echo("warning: no --auth-token-file: anyone who can reach this port can use it", err=True)
             _say_confidentiality(settings)
@@ -141,4 +143,5 @@ def _serve_on_ray(
 
 
 def register(app: typer.Typer) -> None:
-    command(app, SERVE, split=Split, precision=AskedPrecision, server=fields_of, access=access, deployment=Deployment)(serve)
+    command(app, SERVE, split=Split, precision=AskedPrecision, server=fields_of, access=access,
+            deployment=Deployment)(serve)

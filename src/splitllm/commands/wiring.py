@@ -93,7 +93,8 @@ def resolve_precision(dtype: str | None, quant: str | None, device: str, exact: 
         else:
             precision = Precision.parse(dtype or "float32", quant or "none", device)
     how = "exact" if precision.exact else "the fastest here" if dtype is None and quant is None else "as asked"
-    typer.echo(f"{side}: {precision.name} ({how}; --exact for float32, docs/precision.md for each setting's cost)", err=True)
+    typer.echo(f"{side}: {precision.name} ({how}; --exact for float32, docs/precision.md for each setting's cost)",
+               err=True)
     return precision
 
 
@@ -131,7 +132,8 @@ def sampling(sample: bool, temperature: float, top_k: int, top_p: float, repetit
     from splitllm.decoding.sampling import SamplingParams
 
     return SamplingParams(
-        do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed
+        do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+        seed=seed
     )
 
 

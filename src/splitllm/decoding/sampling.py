@@ -65,7 +65,8 @@ class Sampler:
     def __init__(self, params: SamplingParams = GREEDY, history: Sequence[int] = ()) -> None:
         self.params = params
         self.history = list(history)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)  # leaves the random module's state alone
+        # leaves the random module's state alone
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed)
         self.grammar: GrammarState | None = params.grammar.start() if params.grammar is not None else None
         self.processors = LogitsProcessorList()

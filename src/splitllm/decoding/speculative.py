@@ -131,7 +131,8 @@ class _Flight:
         return nodes
 
 
-def speculation_of(flight: _Flight, verdict: Verdict, prepared: bool, adopted: bool, sent_ahead: bool) -> StepSpeculation:
+def speculation_of(flight: _Flight, verdict: Verdict, prepared: bool, adopted: bool,
+                   sent_ahead: bool) -> StepSpeculation:
     """What a step speculated and what of it the model confirmed; `prepared`: the next step's tree was
     prepared while it was in flight, `adopted`: its tree was the one prepared while the last step was,
     `sent_ahead`: the next step went to the server meanwhile. A step sent ahead and taken up leads its
@@ -220,7 +221,10 @@ def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Prop
     if decoder.drafter_policy is not None and drafting.drafter_ngrams is not None:
         if client_model.draft_model is not None:
             kept = decoder.draft_model_proposer
-            if kept is None or kept.model is not client_model.draft_model or kept.cache.max_context < pipeline.max_context:
+            if (
+                kept is None or kept.model is not client_model.draft_model
+                or kept.cache.max_context < pipeline.max_context
+            ):
                 kept = DraftModelProposer(client_model.draft_model, pipeline.max_context, config.tree.top_k,
                                           config.tree.beam, config.calibration)
                 decoder.draft_model_proposer = kept
@@ -426,7 +430,8 @@ class _Generation:
         room = self.pipeline.room(start)
         graft = path[-1] if path else flight.entry
         there = set(flight.tree.child_tokens(graft))
-        candidates = [replace(c, score=(c.score or 0.0) * reached) for c in drafter.send_prepared() if c.tokens[0] not in there]
+        candidates = [replace(c, score=(c.score or 0.0) * reached) for c in drafter.send_prepared()
+                      if c.tokens[0] not in there]
         tree = CandidateTree.build(candidates, min(budget.max_nodes, room), budget.depth, None, budget.cost)
         if not len(tree):
             drafter.drop_sent()
@@ -451,7 +456,8 @@ class _Generation:
         grows = free[0] if free else None
         if budget.cost is not None:
             gates = {i: self.gates.draft(self.drafters[i].name) for i in free}
-            offers = {i: saved for i, gate in gates.items() if (saved := gate.offer(budget.cost, self.gates.step)) is not None}
+            offers = {i: saved for i,
+                      gate in gates.items() if (saved := gate.offer(budget.cost, self.gates.step)) is not None}
             grows = max(offers, key=offers.__getitem__) if offers else None
         for i, drafter in enumerate(self.drafters):
             candidates += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))

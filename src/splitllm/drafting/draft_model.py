@@ -60,7 +60,8 @@ class DraftModel(ModelEnds):
     """
 
     def __init__(
-        self, files: ModelFiles, precision: Precision | torch.dtype, lm_head_precision: Precision | torch.dtype | None = None
+        self, files: ModelFiles, precision: Precision | torch.dtype,
+        lm_head_precision: Precision | torch.dtype | None = None
     ) -> None:
         self.precision = Precision.of(precision)
         super().__init__(files, self.precision if lm_head_precision is None else lm_head_precision)

@@ -57,7 +57,8 @@ class DraftModelProposer(ScoredTreeProposer):
         if not history or len(history) >= self.max_position:
             return
         if self.committed >= len(history) or list(history[: self.committed]) != self.tokens:
-            same = next((i for i, (a, b) in enumerate(zip(self.tokens, history)) if a != b), min(len(self.tokens), len(history)))
+            same = next((i for i, (a, b) in enumerate(zip(self.tokens, history)) if a != b),
+                        min(len(self.tokens), len(history)))
             self.committed = min(same, len(history) - 1)  # the last token again at least: its output drafts
             del self.tokens[self.committed :]
         self.cache.crop(self.committed)
@@ -73,11 +74,12 @@ class DraftModelProposer(ScoredTreeProposer):
 
     def _sync(self, history: Sequence[int]) -> tuple[torch.Tensor, int] | None:
         out = None
-        for out in self.catch_up(history):
+        for out in self.catch_up(history):  # noqa: B007 (drained: the last step is read after the loop)
             pass
         return None if out is None else (out[-1:], len(history) - 1)
 
-    def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                sees: torch.Tensor) -> torch.Tensor:
         return self.model.grow(self.cache, tokens, positions, sees)
 
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,7 +64,8 @@ class Drafter(nn.Module):
     vocab: torch.Tensor  # the buffer __init__ registers
 
     def __init__(
-        self, cfg: ModelConfig, vocab: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.float32, taps: Sequence[int] = ()
+        self, cfg: ModelConfig, vocab: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.float32,
+        taps: Sequence[int] = ()
     ) -> None:
         super().__init__()
         if cfg.num_layers != 1:
@@ -97,12 +98,15 @@ class Drafter(nn.Module):
     def new_cache(self, max_context: int) -> KVCache:
         return self.stage.new_cache(max_context)
 
-    def combine(self, features: torch.Tensor, embeddings: torch.Tensor, taps: torch.Tensor | None = None) -> torch.Tensor:
+    def combine(self, features: torch.Tensor, embeddings: torch.Tensor,
+                taps: torch.Tensor | None = None) -> torch.Tensor:
         """(n, d) features and (n, d) next-token embeddings -> (n, d) inputs of the layer; `taps`
         (n, len(self.taps) d): the tapped layers' outputs at committed positions, fused with the features."""
         if taps is not None:
             if self.fuse is None or taps.shape != (features.shape[0], len(self.taps) * self.cfg.hidden_size):
-                raise ValueError(f"this drafter reads the outputs of layers {list(self.taps)}, not taps of shape {tuple(taps.shape)}")
+                raise ValueError(
+                    f"this drafter reads the outputs of layers {list(self.taps)}, not taps of shape {tuple(taps.shape)}"
+                )
             d = self.cfg.hidden_size
             normed = F.rms_norm(taps.to(self.dtype).unflatten(-1, (len(self.taps), d)), (d,), eps=self.cfg.rms_norm_eps)
             features = features.to(self.dtype) + self.fuse(normed.flatten(-2))
@@ -124,7 +128,8 @@ class Drafter(nn.Module):
 
     @torch.inference_mode()
     def grow(
-        self, cache: KVCache, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor,
+        self, cache: KVCache, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
+        sees: torch.Tensor,
         taps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append n entries after everything in `cache` and return their predicted next features

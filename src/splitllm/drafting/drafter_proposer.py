@@ -57,7 +57,8 @@ class DrafterProposer(ScoredTreeProposer):
         super().__init__(drafter.new_cache(max_context + 32 * beam), top_k, beam, calibration_config)
         self.drafter, self.client_model, self.taps = drafter, client_model, drafter.taps
         self.vocab_head = client_model.drafter_vocab_head()
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (first position, true features, taps) not in the cache yet
+        # (first position, true features, taps) not in the cache yet
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         self.next_position: int | None = None  # position of the next committed entry
 
     @property
@@ -94,10 +95,13 @@ class DrafterProposer(ScoredTreeProposer):
         self.next_position = first + n
         return out[-1:], len(history) - 2
 
-    def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                sees: torch.Tensor) -> torch.Tensor:
         return self.drafter.grow(self.cache, parents, self.client_model.embed(tokens), positions, sees)
 
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = self.client_model.normed(outputs.to(self.client_model.dtype)).to(self.drafter.dtype)  # the vocab head's dtype
-        q, idx = torch.softmax(self.vocab_head(normed).float(), dim=-1).topk(min(k, cast(int, self.vocab_head.out_features)), dim=-1)
+        # the vocab head's dtype
+        normed = self.client_model.normed(outputs.to(self.client_model.dtype)).to(self.drafter.dtype)
+        rows = cast(int, self.vocab_head.out_features)
+        q, idx = torch.softmax(self.vocab_head(normed).float(), dim=-1).topk(min(k, rows), dim=-1)
         return q, self.drafter.vocab[idx]

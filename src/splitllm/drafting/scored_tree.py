@@ -124,7 +124,8 @@ class ScoredTreeProposer(ABC):
         the position at which depth-1 nodes enter the cache, less one; None when it cannot draft yet."""
 
     @abstractmethod
-    def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    def _expand(self, parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                sees: torch.Tensor) -> torch.Tensor:
         """Outputs of n nodes (their parents' outputs and their tokens) appended to the cache, each
         seeing the entries `sees` (n, cache length + n) marks."""
 
@@ -240,7 +241,8 @@ class ScoredTreeProposer(ABC):
             if nd.parent in renumber:
                 renumber[i] = len(self.tree)
                 score = nd.score / tree[root].score
-                self.tree.append(_Node(nd.token, renumber[nd.parent], nd.depth - 1, nd.q, nd.bin, score, nd.slot, out=nd.out))
+                self.tree.append(_Node(nd.token, renumber[nd.parent], nd.depth - 1, nd.q, nd.bin, score, nd.slot,
+                                       out=nd.out))
                 if nd.parent != root:
                     self.tree[renumber[nd.parent]].children.append(renumber[i])
         self.tree_start = len(history)

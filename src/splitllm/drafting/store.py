@@ -1,7 +1,8 @@
 """Drafters on disk: a folder of weights plus metadata, bound to one target model by its fingerprint.
 
 A drafter folder holds `drafter.safetensors` (fc, the decoder layer and the draft vocabulary; matrices in half
-precision, or int8 with one scale per row where a drafter must stay small) and `drafter.json` (what it was trained for, on what, how well it drafts, how to rebuild it).
+precision, or int8 with one scale per row where a drafter must stay small) and `drafter.json` (what it was
+trained for, on what, how well it drafts, how to rebuild it).
 Drafters shipped with the package live under `splitllm/drafting/drafters/<name>/` and are found by the
 fingerprint of the loaded model, the way the default model is found without a training step.
 A drafter only ever proposes: a wrong one costs speed, never correctness, but one trained for other
@@ -131,7 +132,11 @@ def find_shipped(fingerprint: str, root: Path | None = None) -> Path | None:
     installation: a FileNotFoundError naming what is missing, never a silent run without the drafter."""
     root = root or shipped_drafters_root()
     reinstall = "this installation of splitllm lacks part of what it ships (reinstall it)"
-    folders = [p for p in sorted(root.iterdir()) if (p / METADATA).is_file() or (p / WEIGHTS).is_file()] if root.is_dir() else []
+    folders = (
+        [p for p in sorted(root.iterdir()) if (p / METADATA).is_file() or (p / WEIGHTS).is_file()]
+        if root.is_dir()
+        else []
+    )
     if not folders:
         raise FileNotFoundError(f"{root} holds no drafter: {reinstall}")
     for folder in folders:

@@ -42,9 +42,10 @@ COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-Werror=missing-declara
 @dataclass(frozen=True)
 class Variant:
     """The kernels compiled for one instruction set: `features` are the CPU flags it needs (as Linux's
-    /proc/cpuinfo names them), `path` what benchmark records call its linear kernel, and `shared_rows` how many rows one pass over bfloat16 and over quantized weights takes for about the cost
-    of one (rows share each weight load while the memory's bandwidth bounds the pass; AVX2's and NEON's
-    multiply-adds do a quarter of VDPBF16PS's work per instruction, so their extra rows cost more)."""
+    /proc/cpuinfo names them), `path` what benchmark records call its linear kernel, and `shared_rows` how
+    many rows one pass over bfloat16 and over quantized weights takes for about the cost of one (rows share
+    each weight load while the memory's bandwidth bounds the pass; AVX2's and NEON's multiply-adds do a
+    quarter of VDPBF16PS's work per instruction, so their extra rows cost more)."""
 
     name: str
     machines: tuple[str, ...]
@@ -68,8 +69,8 @@ class Variant:
 _X86 = ("x86_64", "AMD64")
 VARIANTS = (  # widest first: a process takes the first its CPU runs
     Variant("avx512", _X86, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni"}),
-            ("-DSPLITLLM_SIMD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni",
-             "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", (4, 2)),
+            ("-DSPLITLLM_SIMD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
+             "-mavx512vnni", "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", (4, 2)),
     Variant("avx2", _X86, frozenset({"avx2", "fma", "f16c"}), ("-DSPLITLLM_SIMD_AVX2", "-mavx2", "-mfma", "-mf16c"),
             "avx2-fma", (2, 1)),
     # NEON unpacks nibbles and multiplies as AVX2 does (not measured on ARM here): taken as AVX2's.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,7 +14,7 @@ from splitllm.options import DEMO, NETEM
 
 
 def demo(
-    prompt: Annotated[Optional[str], typer.Argument(help="what to ask")] = None, *, rtt_ms: float,
+    prompt: Annotated[str | None, typer.Argument(help="what to ask")] = None, *, rtt_ms: float,
     max_new_tokens: int, decode: str, setting: str | None,
 ) -> None:
     """Start a server, an emulated WAN link and a client on loopback; stream an answer, then compare
@@ -32,7 +32,8 @@ def netem(listen: str, target: str, rtt_ms: float, jitter_ms: float, bandwidth_m
     host, _, port = listen.rpartition(":")
     if not port.isdigit():
         raise typer.BadParameter(f"--listen takes HOST:PORT, not {listen!r}")
-    run_netem(host or "127.0.0.1", int(port), target, LinkProfile(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbit=bandwidth_mbit))
+    run_netem(host or "127.0.0.1", int(port), target,
+              LinkProfile(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbit=bandwidth_mbit))
 
 
 def register(app: typer.Typer) -> None:

@@ -40,8 +40,8 @@ CMAKE_FLAGS = (
 )
 ISA_FLAGS = {  # the instructions ggml is built for: this CPU's, or x86-64-v3's alone
     "native": ("-DGGML_NATIVE=ON",),
-    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-             "-DGGML_AVX512=OFF"),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"),
 }
 
 

@@ -40,7 +40,7 @@ def cpu_name() -> str:
 def provenance(command: str) -> dict:
     """What a figure is tied to: when, which code, on what machine, by which command."""
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": _git("status", "--porcelain", "--untracked-files=no", "src") not in ("", "unknown"),
         "cpu": cpu_name(),

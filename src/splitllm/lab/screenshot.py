@@ -16,7 +16,8 @@ from splitllm.testing.launch import ServerProcess, on_cores, serve_http, sides
 from splitllm.testing.netem import LinkProfile, ProxyThread
 from splitllm.threads import ComputeThread, set_compute_threads
 
-QUESTIONS = ("Write a Python function that checks whether a string is a palindrome.", "Now make it ignore spaces and case.")
+QUESTIONS = ("Write a Python function that checks whether a string is a palindrome.",
+             "Now make it ignore spaces and case.")
 
 
 def take(out: str, rtt_ms: float = 80.0) -> None:
@@ -43,7 +44,8 @@ def take(out: str, rtt_ms: float = 80.0) -> None:
                         browser.find_element(By.ID, "prompt").send_keys(question)
                         browser.find_element(By.ID, "send").click()
                         WebDriverWait(browser, 300).until(
-                            lambda b: len(b.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done='true']")) == i + 1
+                            lambda b,
+                            i=i: len(b.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done='true']")) == i + 1
                         )
                     browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[0].click()
                     time.sleep(0.5)  # the panel redraws its chart

@@ -114,7 +114,8 @@ class DecoderLayer(nn.Module):
         self.attention = precision.attention(hd)
         self._register_load_state_dict_pre_hook(_dense_names)
 
-    def forward(self, x: torch.Tensor, segments: Sequence[Segment], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Sequence[Segment],
+                kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x: (1, rows, d), the new positions of one or more sequences stacked along rows.
 
         Projections and the MLP run once over all rows (they stream the weights once); attention runs per
@@ -143,8 +144,10 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             assert self.k_norm is not None  # the config's qk_norm makes both or neither
             eps = cfg.rms_norm_eps
-            qk = torch.cat([rms_norm(qk[:, :, :heads], self.q_norm, eps), rms_norm(qk[:, :, heads:], self.k_norm, eps)], 2)
+            qk = torch.cat([rms_norm(qk[:, :, :heads], self.q_norm, eps), rms_norm(qk[:, :, heads:], self.k_norm, eps)],
+                           2)
         qk = apply_rotary(qk.to(k_cache.dtype).transpose(1, 2), seg.cos, seg.sin)
         k_cache[:, :, seg.offset :] = qk[:, heads:]
-        v_cache[:, :, seg.offset :] = qkv[..., self.q_size + self.kv_size :].view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v_cache[:, :, seg.offset :] = qkv[..., self.q_size + self.kv_size :].view(1, n, cfg.num_kv_heads,
+                                                                                  cfg.head_dim).transpose(1, 2)
         return self.attention(qk[:, :heads], k_cache, v_cache, seg.mask, cfg.attn_scale).to(qkv.dtype)

@@ -40,7 +40,8 @@ class ModelEnds:
         self.embed_scale = scale if cfg.embed_scale != 1.0 else None
         self._tied_dense = head_name == embed_name and self.lm_head_precision.quant == "none"
         self.lm_head = (
-            self.lm_head_precision.linear({"weight": self.embed_weight}) if self._tied_dense else weights.linear([head_name])
+            self.lm_head_precision.linear({"weight": self.embed_weight}) if self._tied_dense
+            else weights.linear([head_name])
         )
         on_huge_pages([self.lm_head])  # the biggest read outside the layers
         # float32 (and float64) matrix products round differently for one row and for many (see `logits`).
@@ -53,7 +54,8 @@ class ModelEnds:
         hidden-size-row product. A tied head's rows are the embedding's (a packed head would have to
         unpack all of its rows first)."""
         if self._tied_dense or isinstance(self.lm_head, (Linear, PackedLinear, BlockedLinear)):
-            weight = self.embed_weight if self._tied_dense else cast(torch.Tensor, self.lm_head.weight)  # one of the linears above
+            # one of the linears above
+            weight = self.embed_weight if self._tied_dense else cast(torch.Tensor, self.lm_head.weight)
             return weight[ids.to(weight.device)]
         hp = self.lm_head_precision
         eye = torch.eye(self.cfg.hidden_size, dtype=hp.dtype, device=hp.torch_device)
@@ -77,7 +79,8 @@ class ModelEnds:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (on the CPU, at least float32) over the given rows only: callers pass just the nodes the verifier needs.
+        """Logits (on the CPU, at least float32) over the given rows only: callers pass just the nodes the
+        verifier needs.
 
         With a float32 head, a few rows go one at a time through the matrix-vector kernel, so a
         row's logits are the same bits however many rows a decoder scores, and the same as
@@ -108,7 +111,8 @@ class ModelEnds:
 
     @property
     def lm_head_row_invariant(self) -> bool:
-        """Whether a row's logits are the same bits in any batch: splitllm's kernel, or a float head taken row by row."""
+        """Whether a row's logits are the same bits in any batch: splitllm's kernel, or a float head taken
+        row by row."""
         return isinstance(self.lm_head, BlockedLinear) or self._row_by_row
 
     @cached_property

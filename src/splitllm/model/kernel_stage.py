@@ -29,7 +29,8 @@ _ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}  # -> the kernel's `ge
 class KernelStage:
     """The kernel's view of a stage's layers, built once from the loaded weights (no copies but the norms)."""
 
-    def __init__(self, kernels: ModuleType, cfg: ModelConfig, layers: Sequence[DecoderLayer], kinds: Sequence[int]) -> None:
+    def __init__(self, kernels: ModuleType, cfg: ModelConfig, layers: Sequence[DecoderLayer],
+                 kinds: Sequence[int]) -> None:
         self.kernels = kernels
         scale = cfg.head_dim ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
         self.shape = kernels.Shape(
@@ -60,7 +61,8 @@ class KernelStage:
             and all(isinstance(layer.attention, KernelAttention) for layer in layers)
         )
 
-    def __call__(self, x: torch.Tensor, caches: Sequence[KVCache], segments: Sequence[Sequence[Segment]]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, caches: Sequence[KVCache],
+                 segments: Sequence[Sequence[Segment]]) -> torch.Tensor:
         """x: (rows, d) bfloat16, the sequences' rows in order; segments[kind][i]: sequence i's share of
         the step for layers of that kind. Writes the new entries into each cache, returns (rows, d)."""
         sequences = [

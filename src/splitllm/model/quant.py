@@ -2,9 +2,9 @@
 
 Weight-only quantization as gpt-fast does it: the weights are streamed from memory as 8 or 4 bits and
 multiplied by 16-bit activations in packed kernels (splitllm's own where a variant runs: AVX-512 BF16,
-AVX2 with FMA, or ARM NEON; else PyTorch's), so a one-token step reads 2-3x fewer bytes than with bfloat16 weights and 4-6x
-fewer than with float32. Each module's `stored` form (plain tensors, device independent) is what the
-conversion cache keeps; `from_stored` builds the running module on a device.
+AVX2 with FMA, or ARM NEON; else PyTorch's), so a one-token step reads 2-3x fewer bytes than with
+bfloat16 weights and 4-6x fewer than with float32. Each module's `stored` form (plain tensors, device
+independent) is what the conversion cache keeps; `from_stored` builds the running module on a device.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class BlockedLinear(nn.Module):
     scales: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None) -> None:
         """weight (out, in): float (run in bfloat16); int8 with float32 `scales` (out,); or uint8 values
         0..15 with `scales` the (out, in / INT4_GROUP, 2) scales and minimums of w = q * scale + min."""
         super().__init__()
@@ -246,7 +247,8 @@ class Int4Linear(nn.Module):
     scales_zeros: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
@@ -315,7 +317,9 @@ def _grid_step(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.
     for parts in (3, 2, 1):  # the widest spacing that fits wins, so it is tried last
         candidate = smallest / parts
         levels = (g - low[..., None]) / candidate[..., None]
-        fits = ((levels - levels.round()).abs() <= 0.01).all(-1) & (levels.amax(-1) <= 15.01) & torch.isfinite(candidate)
+        fits = (
+            ((levels - levels.round()).abs() <= 0.01).all(-1) & (levels.amax(-1) <= 15.01) & torch.isfinite(candidate)
+        )
         step = torch.where(fits, candidate, step)
     return step
 

@@ -152,7 +152,8 @@ class Stage(nn.Module):
                 getattr(layer, attr).data = read_norm(weights, name)
             for attr, (weight, bias) in linears.items():
                 setattr(layer, attr, weights.linear(weight, bias))
-        on_huge_pages(m for layer in cast("Sequence[DecoderLayer]", stage.layers) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        layers = cast("Sequence[DecoderLayer]", stage.layers)
+        on_huge_pages(m for layer in layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         stage.loaded_fingerprint = loaded_fingerprint(files.config, (start, end), stage.precision.name, weights.digests)
         return stage
 
@@ -210,7 +211,8 @@ class Stage(nn.Module):
                 cos, sin = (t.to(self.device) for t in rotary(s.positions, self.precision.attention_dtype))
                 segs.append(Segment(slice(row, row + s.n), cos, sin, masks[w], cache.length))
             row += s.n
-        x = self.run_layers(torch.cat([s.inputs.to(self.device, self.dtype) for _, s in batch]), [c for c, _ in batch], segments)
+        x = self.run_layers(torch.cat([s.inputs.to(self.device, self.dtype) for _, s in batch]), [c for c, _ in batch],
+                            segments)
         return list(x.split([s.n for _, s in batch]))
 
     @torch.inference_mode()
@@ -226,7 +228,9 @@ class Stage(nn.Module):
         cache.keep(range(cache.pending))
         n = positions.numel()
         if sees.shape != (n, cache.length + n):
-            raise ValueError(f"visibility of {n} entries over {cache.length} cached ones must be ({n}, {cache.length + n})")
+            raise ValueError(
+                f"visibility of {n} entries over {cache.length} cached ones must be ({n}, {cache.length + n})"
+            )
         if n and int(positions.max()) >= self.cfg.max_position:
             raise ValueError(f"draft positions must lie below {self.cfg.max_position}")
         cache.stage_new(positions)
@@ -240,7 +244,8 @@ class Stage(nn.Module):
             segments.append([Segment(slice(0, n), cos, sin, mask, cache.length)])
         return self.run_layers(hidden, [cache], segments)
 
-    def run_layers(self, hidden: torch.Tensor, caches: Sequence[KVCache], segments: Sequence[Sequence[Segment]]) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, caches: Sequence[KVCache],
+                   segments: Sequence[Sequence[Segment]]) -> torch.Tensor:
         """The layers over (rows, d) states whose caches already hold this step's positions as pending
         entries; segments[kind][i]: sequence i's rows, rotary and mask for layers of that kind. For
         callers that build their own masks (a drafter's tree sees entries no `Visibility` describes)."""

@@ -56,7 +56,8 @@ class MiddleServer:
     """
 
     def __init__(self, model: str | None, settings: ServerSettings, tokens: TokenTable | None = None) -> None:
-        self.attester = load_attester(settings.attestation, settings.attestation_sim, settings.attestation_collateral)  # before any model work
+        # before any model work
+        self.attester = load_attester(settings.attestation, settings.attestation_sim, settings.attestation_collateral)
         self.compute = ComputeThread()  # every request's math runs here, so the weights load (or convert) here too
         self.files = self.compute.run(ModelFiles, model)
         cfg = self.files.config
@@ -247,12 +248,14 @@ class MiddleServer:
             messages.check_version(frame.header.get("version"))
             try:
                 evidence, channel = await asyncio.to_thread(
-                    answer, frame.header, self.attester, self.fingerprint, self.loaded_fingerprint, (self.start, self.end),
+                    answer, frame.header, self.attester, self.fingerprint, self.loaded_fingerprint,
+                    (self.start, self.end),
                     PROTOCOL_VERSION,
                 )
             except ValueError as exc:
                 raise ProtocolError("bad_request", str(exc)) from None
-            except (OSError, RuntimeError) as exc:  # the firmware did not answer: this request fails, the server goes on
+            # the firmware did not answer: this request fails, the server goes on
+            except (OSError, RuntimeError) as exc:
                 log.exception("no attestation report", extra={"fields": {"connection": conn}})
                 raise ProtocolError("evidence_unavailable", f"the server could not obtain a report: {exc}") from None
         except ProtocolError as exc:

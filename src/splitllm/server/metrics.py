@@ -31,13 +31,16 @@ class ServerMetrics:
             "splitllm_step_seconds", "Compute time of a step", buckets=_STEP_BUCKETS, registry=r
         )
         self.batch_size = Histogram(
-            "splitllm_batch_sessions", "Sessions whose steps shared one forward pass", buckets=_BATCH_BUCKETS, registry=r
+            "splitllm_batch_sessions", "Sessions whose steps shared one forward pass", buckets=_BATCH_BUCKETS,
+            registry=r
         )
-        self.bytes_in = Counter("splitllm_received_bytes", "Bytes of WebSocket messages received", ["principal"], registry=r)
+        self.bytes_in = Counter("splitllm_received_bytes", "Bytes of WebSocket messages received", ["principal"],
+                                registry=r)
         self.bytes_out = Counter("splitllm_sent_bytes", "Bytes of WebSocket messages sent", ["principal"], registry=r)
         self.errors = Counter("splitllm_errors", "Refused requests by error code", ["code", "principal"], registry=r)
         self.refused = Counter("splitllm_handshakes_refused", "Refused handshakes by reason", ["reason"], registry=r)
-        self.dropped = Counter("splitllm_connections_dropped", "Connections the server ended, by reason", ["reason"], registry=r)
+        self.dropped = Counter("splitllm_connections_dropped", "Connections the server ended, by reason", ["reason"],
+                               registry=r)
 
     def total(self, name: str, **labels: str) -> float:
         """A sample summed over every principal (and any label not given)."""

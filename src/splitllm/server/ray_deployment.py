@@ -176,7 +176,8 @@ def start(
     if not ray.is_initialized():
         cpus = None
         if address is None:
-            cpus = max(os.cpu_count() or 1, math.ceil(replicas * (spec.threads if cpus_per_replica is None else cpus_per_replica)))
+            cpus = max(os.cpu_count() or 1,
+                       math.ceil(replicas * (spec.threads if cpus_per_replica is None else cpus_per_replica)))
         ray.init(address=address, num_cpus=cpus, include_dashboard=False)
     http: dict[str, Any] = {"host": host, "port": port}
     if tls is not None:

@@ -125,7 +125,8 @@ class SessionStore:
             session = self._sessions.get(session_id)
             if session is None or session.connection != connection or session.principal != principal:
                 if self._expired.get(session_id) == (connection, principal):
-                    raise ProtocolError("session_expired", f"session expired after {self.ttl_s:g} s idle; open a new one")
+                    raise ProtocolError("session_expired",
+                                        f"session expired after {self.ttl_s:g} s idle; open a new one")
                 raise ProtocolError("unknown_session", "no such session on this connection")
             session.last_used = time.monotonic()
             return session

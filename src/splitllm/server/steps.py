@@ -114,7 +114,8 @@ class StepRunner:
             for restore in restores:
                 restore()
             if len(prepared) > 1:
-                log.warning("shared forward failed; its steps run again alone", extra={"fields": {"batch": len(prepared)}})
+                log.warning("shared forward failed; its steps run again alone",
+                            extra={"fields": {"batch": len(prepared)}})
                 return [reply for p in prepared for reply in self.run([p])]
             prepared[0].rollback()
             self.metrics.errors.labels("internal", prepared[0].session.principal).inc()

@@ -36,7 +36,9 @@ class TlsFiles:
                 ctx.load_verify_locations(self.client_ca)
         except OSError as exc:  # ssl.SSLError included
             ca = f", --client-ca {self.client_ca}" if self.client_ca else ""
-            raise ValueError(f"the TLS files do not load (--tls-cert {self.cert}, --tls-key {self.key}{ca}): {exc}") from None
+            raise ValueError(
+                f"the TLS files do not load (--tls-cert {self.cert}, --tls-key {self.key}{ca}): {exc}"
+            ) from None
 
 
 def is_loopback(host: str) -> bool:

@@ -35,7 +35,9 @@ STORED_FORM = 3
 
 def _is_linear(name: str, quantized: bool) -> bool:
     """A tied LM head is the embedding: its own (quantized) copy is kept only when it differs from the table."""
-    return name.endswith("proj.weight") or name == "lm_head.weight" or (quantized and name == "model.embed_tokens.weight")
+    return (
+        name.endswith("proj.weight") or name == "lm_head.weight" or (quantized and name == "model.embed_tokens.weight")
+    )
 
 
 def _is_dense(name: str) -> bool:

@@ -130,7 +130,8 @@ def read_safetensors(path: Path, keep: Callable[[str], bool]) -> tuple[dict[str,
             reader.skip(begin - position)
             data = bytearray(end - begin)
             reader.into(memoryview(data))
-            tensors[name] = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+            tensors[name] = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape,
+                                                                                                        dtype=dtype)
             position = end
         reader.rest()
     return tensors, reader.sha256.hexdigest()

@@ -153,8 +153,10 @@ class _Cursor:
         from gguf import GGUFValueType as V
 
         self.blob, self.pos = blob, 0
-        self.widths: dict[int, int] = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
-                       V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}  # the fixed-size value types
+        self.widths: dict[int, int] = {  # the fixed-size value types
+            V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
+            V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8,
+        }
 
     def read(self, layout: str) -> tuple:
         values = struct.unpack_from(f"<{layout}", self.blob, self.pos)

@@ -100,7 +100,8 @@ def quality(out: str, prompts_per_category: int, max_new_tokens: int, settings: 
     quality.md into --out."""
     from splitllm.lab.bench.quality import markdown, run_quality
 
-    typer.echo(markdown(run_quality(tuple(settings.split(",")), prompts_per_category, max_new_tokens, ppl_positions, out)))
+    typer.echo(markdown(run_quality(tuple(settings.split(",")), prompts_per_category, max_new_tokens, ppl_positions,
+                                    out)))
 
 
 @command(app, BENCH_STREAMING)
@@ -144,7 +145,9 @@ def speculation(
     modes = tuple(m.strip() for m in decode.split(",") if m.strip())
     unknown = [m for m in modes if m not in DECODERS and m not in EXTRA_DECODERS]
     if unknown:
-        raise typer.BadParameter(f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}")
+        raise typer.BadParameter(
+            f"unknown modes {', '.join(unknown)}; choose from {', '.join([*DECODERS, *EXTRA_DECODERS])}"
+        )
     _core_layout(cores)
     bench = SpeculationBench(
         prompts_per_category, max_new_tokens, rtt_ms, modes, out, sampling=sampling, wire_dtype=client.wire_dtype,
@@ -174,7 +177,8 @@ def confidential(
         raise typer.BadParameter(f"--decode takes modes among {', '.join(DECODERS)}")
     result = {"provenance": _provenance()}
     result |= run_confidential(
-        _models(model), numbers(rtt_ms, float), prompts_per_category, max_new_tokens, modes, _core_layout(cores), _progress
+        _models(model), numbers(rtt_ms, float), prompts_per_category, max_new_tokens, modes, _core_layout(cores),
+        _progress
     )
     _write(result, "confidential", markdown(result), out, "confidential.md" if publish else None)
 

@@ -69,7 +69,8 @@ def _handshake_ms(client: SplitClient, url: str, options: ConnectionOptions) -> 
     times = []
     for _ in range(HANDSHAKES):
         t0 = time.perf_counter()
-        middle = RemoteMiddle(url, client.files.fingerprint, client.client_model.middle_range, client.wire_dtype, 512, options)
+        middle = RemoteMiddle(url, client.files.fingerprint, client.client_model.middle_range, client.wire_dtype, 512,
+                              options)
         times.append((time.perf_counter() - t0) * 1000)
         middle.close()
     return statistics.median(times)
@@ -87,7 +88,8 @@ def measure_model(
     prompts = [p.text for p in workload(prompts_per_category)]
     rows = []
     with tempfile.TemporaryDirectory() as vendor:
-        options = {"plain": ConnectionOptions(), "sealed": ConnectionOptions(attestation=AttestationPolicy.load(sim_init(vendor)))}
+        options = {"plain": ConnectionOptions(),
+                   "sealed": ConnectionOptions(attestation=AttestationPolicy.load(sim_init(vendor)))}
         client = SplitClient(model, wire_dtype="float16", precision=precision)
         serve = ("--model", model, "--threads", str(cores.threads), *precision.serve_args())
         attested = ("--attestation", "simulated", "--attestation-sim", vendor)
@@ -108,7 +110,8 @@ def measure_model(
                         rows.append(row | {"rtt_ms": rtt, "decode": mode})
                         progress(f"{model} at {rtt:g} ms, {mode}: sealed {row['ratio']:.3f}x plain")
     for row in rows:
-        row["sealing_us_per_step"] = sealing_us(round(row["sealed"]["bytes_up_per_step"]), round(row["sealed"]["bytes_down_per_step"]))
+        row["sealing_us_per_step"] = sealing_us(round(row["sealed"]["bytes_up_per_step"]),
+                                                round(row["sealed"]["bytes_down_per_step"]))
     return [{"model": model, "precision": precision.name, **row} for row in rows]
 
 
@@ -146,8 +149,8 @@ def markdown(result: dict) -> str:
         f"cores ({s['core_layout']}); attested with the simulated vendor. {result['provenance']['date'][:10]}, "
         f"`{result['provenance']['git_commit'][:10]}`, {result['provenance']['cpu']}.",
         "",
-        "| model | RTT ms | decoding | plain tok/s | sealed tok/s | sealed / plain | tokens per step, plain / sealed | identical "
-        "| connect + open ms | connect + attest + open ms | sealing µs per step |",
+        "| model | RTT ms | decoding | plain tok/s | sealed tok/s | sealed / plain | tokens per step, plain / sealed "
+        "| identical | connect + open ms | connect + attest + open ms | sealing µs per step |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:

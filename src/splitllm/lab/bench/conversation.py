@@ -29,11 +29,13 @@ def _document(client: SplitClient, tokens: int) -> str:
     return doc
 
 
-def _first_token_ms(api, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:  # type: ignore[no-untyped-def]
+def _first_token_ms(api, messages: list[dict], max_tokens: int) -> tuple[float, str,  # type: ignore[no-untyped-def]
+                                                                         dict]:
     """Time to the first streamed text, the whole answer, and the last chunk's splitllm statistics."""
     t0 = time.perf_counter()
     first, text, extra = None, "", {}
-    for chunk in api.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0, stream=True):
+    for chunk in api.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0,
+                                             stream=True):
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or (time.perf_counter() - t0) * 1000
             text += chunk.choices[0].delta.content
@@ -41,7 +43,8 @@ def _first_token_ms(api, messages: list[dict], max_tokens: int) -> tuple[float, 
     return first or (time.perf_counter() - t0) * 1000, text, extra
 
 
-def measure_model(model: str, rtt_ms: float, tokens: int, chats: int, core_layout: str, progress: Callable[[str], None]) -> dict:
+def measure_model(model: str, rtt_ms: float, tokens: int, chats: int, core_layout: str,
+                  progress: Callable[[str], None]) -> dict:
     import openai
 
     rows = []
@@ -77,25 +80,28 @@ def measure_model(model: str, rtt_ms: float, tokens: int, chats: int, core_layou
 
 def run_conversation(models: Sequence[str], rtt_ms: float, tokens: int, chats: int, core_layout: str,
                      progress: Callable[[str], None]) -> dict:
-    settings = {"models": list(models), "rtt_ms": rtt_ms, "first_turn_tokens": tokens, "chats": chats, "core_layout": core_layout}
-    return {"settings": settings, "rows": [measure_model(m, rtt_ms, tokens, chats, core_layout, progress) for m in models]}
+    settings = {"models": list(models), "rtt_ms": rtt_ms, "first_turn_tokens": tokens, "chats": chats,
+                "core_layout": core_layout}
+    return {"settings": settings,
+            "rows": [measure_model(m, rtt_ms, tokens, chats, core_layout, progress) for m in models]}
 
 
 def markdown(result: dict) -> str:
     s, p = result["settings"], result["provenance"]
     lines = [
-        f"A chat's follow-up turn through `client-api` (the official `openai` client, streaming) at {s['rtt_ms']:g} ms, "
-        f"after a first turn of about {s['first_turn_tokens']} tokens; {s['chats']} chats; each side on its own cores "
-        f"({s['core_layout']}). {p['date'][:10]}, `{p['git_commit'][:10]}`, {p['cpu']}.",
+        "A chat's follow-up turn through `client-api` (the official `openai` client, streaming) "
+        f"at {s['rtt_ms']:g} ms, after a first turn of about {s['first_turn_tokens']} tokens; {s['chats']} chats; "
+        f"each side on its own cores ({s['core_layout']}). {p['date'][:10]}, `{p['git_commit'][:10]}`, {p['cpu']}.",
         "",
-        "| model | first turn, prompt tokens | follow-up first token, continued ms | fresh ms | continued / fresh | same answer |",
+        "| model | first turn, prompt tokens | follow-up first token, continued ms | fresh ms | continued / fresh "
+        "| same answer |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         chats = r["chats"]
-        mean = lambda key: sum(c[key] for c in chats) / len(chats)  # noqa: E731
+        mean = lambda key, chats=chats: sum(c[key] for c in chats) / len(chats)  # noqa: E731
         lines.append(
-            f"| {r['model']} | {mean('first_turn_prompt_tokens'):.0f} | {mean('continued_ms'):.0f} | {mean('fresh_ms'):.0f} "
-            f"| {r['ratio']:.2f}x | {sum(c['identical'] for c in chats)}/{len(chats)} |"
+            f"| {r['model']} | {mean('first_turn_prompt_tokens'):.0f} | {mean('continued_ms'):.0f} "
+            f"| {mean('fresh_ms'):.0f} | {r['ratio']:.2f}x | {sum(c['identical'] for c in chats)}/{len(chats)} |"
         )
     return "\n".join(lines) + "\n"

@@ -55,8 +55,8 @@ class ExactnessReport:
 
     def markdown(self) -> str:
         lines = [
-            f"Exactness on the {self.model} model ({self.precision}), {self.prompts} prompts x {self.max_new_tokens} new tokens, "
-            "every mode against sequential greedy decoding.",
+            f"Exactness on the {self.model} model ({self.precision}), {self.prompts} prompts x "
+            f"{self.max_new_tokens} new tokens, every mode against sequential greedy decoding.",
             "",
             "| mode | identical / total |",
             "| --- | --- |",
@@ -99,7 +99,8 @@ def check_exactness(
     if modes is None:
         drafts = client.client_model.drafter is not None or client.client_model.draft_model is not None
         modes = [m for m in MODES if m != "drafter" or drafts]
-    report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes}, precision=client.precision.name)
+    report = ExactnessReport(max_new_tokens, list(modes), len(prompts), {m: 0 for m in modes},
+                             precision=client.precision.name)
     middle = Stage.load(client.files, *client.client_model.middle_range, client.precision)
     for p, prompt in enumerate(prompts):
         ids = client.encode_prompt(prompt)

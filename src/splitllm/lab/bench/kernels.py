@@ -72,7 +72,9 @@ def run_kernels(bench: KernelsBench, progress: Progress) -> dict[str, Any]:
     variants = bench.variants or tuple(runnable)
     for name in variants:
         if name not in runnable:
-            raise ValueError(f"kernel variant {name!r} does not run on this CPU (it runs {', '.join(runnable) or 'none'})")
+            raise ValueError(
+                f"kernel variant {name!r} does not run on this CPU (it runs {', '.join(runnable) or 'none'})"
+            )
     core = max(os.sched_getaffinity(0))
     models: dict[str, Any] = {}
     for model in bench.models:
@@ -115,15 +117,24 @@ def markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]["settings"]
     lines = []
     for model, figures in result["models"].items():
-        lines += [f"**{model}**, one core, one thread, tok/s (sequential, {result['settings']['max_new_tokens']} tokens):", "",
+        lines += [f"**{model}**, one core, one thread, tok/s "
+                  f"(sequential, {result['settings']['max_new_tokens']} tokens):", "",
                   "| kernels | " + " | ".join(settings) + " | llama.cpp (same instructions) | default / llama.cpp |",
                   "| --- |" + " --- |" * (len(settings) + 2)]
         for variant, row in figures["splitllm"].items():
             peer = figures["llama_cpp"].get(PEER_ISAS[variant], {})
             ratio = figures["against_llama_cpp"][variant]["default"]
             cells = [f"{row[s]['tokens_per_second']:.2f}" for s in settings]
-            peer_cell = f"{peer['tokens_per_second']:.2f} ({PEER_ISAS[variant]})" if "tokens_per_second" in peer else "not built"
-            lines.append(f"| {variant} | " + " | ".join(cells) + f" | {peer_cell} | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+            peer_cell = (
+                f"{peer['tokens_per_second']:.2f} ({PEER_ISAS[variant]})"
+                if "tokens_per_second" in peer
+                else "not built"
+            )
+            lines.append(
+                f"| {variant} | "
+                + " | ".join(cells)
+                + f" | {peer_cell} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -59,7 +59,8 @@ class _Netem:
     def __init__(self, target_port: int, rtt_ms: float) -> None:
         self.port = free_port()
         args = [
-            "netem", "--listen", f"127.0.0.1:{self.port}", "--target", f"127.0.0.1:{target_port}", "--rtt-ms", str(rtt_ms)
+            "netem", "--listen", f"127.0.0.1:{self.port}", "--target", f"127.0.0.1:{target_port}", "--rtt-ms",
+            str(rtt_ms)
         ]
         self.proc = subprocess.Popen([sys.executable, "-m", "splitllm.cli", *args], stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
@@ -217,7 +218,10 @@ def _load_server(
         netem = _Netem(server.port, s.rtt_ms)
         try:
             for clients in client_counts:
-                progress(f"{kind.label}: {clients} {s.clients_compute} clients x {s.max_new_tokens} tokens at {s.rtt_ms:g} ms")
+                progress(
+                    f"{kind.label}: {clients} {s.clients_compute} clients x {s.max_new_tokens} tokens "
+                    f"at {s.rtt_ms:g} ms"
+                )
                 with _Watch(server.port, pid) as watch:
                     row = _load_once(client, netem.port, prompt_ids, solo, clients, s, watch)
                 row |= {

@@ -64,7 +64,8 @@ class _Recorder:
 
 def _middle(client: SplitClient, url: str, context: int) -> RemoteMiddle:
     files = client.files
-    return RemoteMiddle(url, files.fingerprint, client.client_model.middle_range, client.wire_dtype, context, client.connection)
+    return RemoteMiddle(url, files.fingerprint, client.client_model.middle_range, client.wire_dtype, context,
+                        client.connection)
 
 
 def decode(

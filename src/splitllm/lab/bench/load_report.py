@@ -24,7 +24,8 @@ def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"`{result['command']}` ({result['settings']['clients_compute']} clients)", "",
-        "| server | clients | match solo | tok/s | vs 1 client | step p50 / p99 ms | p50 vs 1 client | server compute p50 ms |",
+        "| server | clients | match solo | tok/s | vs 1 client | step p50 / p99 ms | p50 vs 1 client "
+        "| server compute p50 ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
     factors = {(f["server"], f["clients"]): f for f in result["scaling"]}
@@ -33,7 +34,8 @@ def markdown(result: dict[str, Any]) -> str:
         step, compute = r["step_ms"], r["server_compute_ms"]
         lines.append(
             f"| {r['server']} | {r['clients']} | {r['correct_clients']}/{r['clients']} | {r['aggregate_tokens_per_s']} "
-            f"| {f['throughput_x']}x | {step.get('p50')} / {step.get('p99')} | {f['p50_step_x']}x | {compute.get('p50')} |"
+            f"| {f['throughput_x']}x | {step.get('p50')} / {step.get('p99')} | {f['p50_step_x']}x "
+            f"| {compute.get('p50')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -77,7 +79,9 @@ def prefill_markdown(r: dict[str, Any]) -> str:
         f"`{r['command']}`", "",
         "| decoders | with a prefill of | match solo | step p50 / p99 ms | p99 vs alone | prefill ms | prefill exact |",
         "|---|---|---|---|---|---|---|",
-        f"| {r['decoders']} | (none) | {a['correct_clients']}/{a['clients']} | {a['step_ms']['p50']} / {a['step_ms']['p99']} | 1.0x | | |",
+        f"| {r['decoders']} | (none) | {a['correct_clients']}/{a['clients']} "
+        f"| {a['step_ms']['p50']} / {a['step_ms']['p99']} | 1.0x | | |",
         f"| {r['decoders']} | {r['prefill_positions']} positions | {d['correct_clients']}/{d['clients']} "
-        f"| {d['step_ms']['p50']} / {d['step_ms']['p99']} | {r['p99_ratio']}x | {r['prefill_ms']} | {r['prefill_ok']} |",
+        f"| {d['step_ms']['p50']} / {d['step_ms']['p99']} | {r['p99_ratio']}x | {r['prefill_ms']} "
+        f"| {r['prefill_ok']} |",
     ]) + "\n"

@@ -50,7 +50,8 @@ def run_quality(
         ids = [client.generate(client.encode_prompt(p), max_new_tokens, "sequential").ids for p in prompts]
         middle = Stage.load(client.files, *client.client_model.middle_range, precision)
         windows = build_corpus(client.tokenizer, test_positions=ppl_positions, train_positions=0).test
-        lp = log_probs(client.client_model, lambda: InProcessMiddle(middle, windows.shape[1]), windows)
+        lp = log_probs(client.client_model, lambda middle=middle,
+                       windows=windows: InProcessMiddle(middle, windows.shape[1]), windows)
         reference_lp = lp if reference_lp is None else reference_lp
         cost = quality(windows, reference_lp, lp)
         ppl = cost["perplexity"]
@@ -69,7 +70,10 @@ def run_quality(
         else:
             reference = ids
         result["settings"][name] = row
-        progress(f"  {name}: perplexity {ppl:.3f}" + (f", {row['identical']}/{len(prompts)} identical" if "identical" in row else ""))
+        progress(
+            f"  {name}: perplexity {ppl:.3f}"
+            + (f", {row['identical']}/{len(prompts)} identical" if "identical" in row else "")
+        )
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "quality.json").write_text(json.dumps(result, indent=1))
@@ -83,7 +87,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Quality against float32, default model split 2+2, {result['prompts']} prompts x "
         f"{result['max_new_tokens']} greedy tokens; perplexity on held-out text.",
         "",
-        "| setting | identical to float32 | mean first divergence (token) | perplexity | vs float32 | KL from float32 (nats/token) |",
+        "| setting | identical to float32 | mean first divergence (token) | perplexity | vs float32 "
+        "| KL from float32 (nats/token) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in result["settings"].items():

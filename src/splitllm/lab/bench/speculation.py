@@ -185,7 +185,11 @@ def _cores(cores: dict) -> str:
 def _drafting(drafter: Drafter | None, draft_model: DraftModel | None, folder: str | None) -> str:
     """What drafts, for the report: the draft model's folder name and precision, and the drafter's folder
     ("shipped": the package's)."""
-    names = [f"draft model {draft_model.files.path.name} in {draft_model.precision.name}"] if draft_model is not None else []
+    names = (
+        [f"draft model {draft_model.files.path.name} in {draft_model.precision.name}"]
+        if draft_model is not None
+        else []
+    )
     return ", ".join(names + ([f"drafter {folder or 'shipped'}"] if drafter is not None else []))
 
 
@@ -213,7 +217,8 @@ def _modes_table(summary: dict) -> list[str]:
 
 def markdown(summary: dict, settings: dict) -> str:
     lines = [
-        f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, {settings.get('model', 'default')} model split "
+        f"Speculative decoding over an emulated WAN: {settings['rtt_ms']:g} ms RTT, "
+        f"{settings.get('model', 'default')} model split "
         f"{settings['first']}+{settings['last']} (client) / server middle, {settings['max_new_tokens']} new tokens, "
         f"{settings['prompts_per_category']} prompts per category, {_cores(settings['cores'])}, "
         f"{settings.get('wire_dtype', 'float16')} wire, sampling {settings.get('sampling') or 'greedy'}"
@@ -273,7 +278,8 @@ class SpeculationBench:
     draft_model: str | None = None
 
 
-def run_speculation(bench: SpeculationBench = SpeculationBench(), progress: Callable[[str], None] = lambda _: None) -> dict:
+def run_speculation(bench: SpeculationBench = SpeculationBench(),
+                    progress: Callable[[str], None] = lambda _: None) -> dict:
     """The benchmark end to end, both sides in the bench's precision; writes OUT/speculation.json and
     OUT/speculation.md."""
     modes = bench.modes if "sequential" in bench.modes else ("sequential", *bench.modes)
@@ -314,7 +320,8 @@ def _settings(bench: SpeculationBench, client: SplitClient, cores: Sides) -> dic
     return {
         "model": bench.model, "rtt_ms": bench.rtt_ms, "max_new_tokens": bench.max_new_tokens,
         "prompts_per_category": bench.prompts_per_category, "first": bench.first, "last": bench.last,
-        "modes": list(bench.modes), "sampling": asdict(bench.sampling or SamplingParams()), "wire_dtype": bench.wire_dtype,
+        "modes": list(bench.modes), "sampling": asdict(bench.sampling or SamplingParams()),
+        "wire_dtype": bench.wire_dtype,
         "drafter": _drafting(client.client_model.drafter, client.client_model.draft_model, bench.drafter),
         "precision": bench.precision.name, "linear_kernels": cpu_kernels.linear_path(),
         "cores": {"layout": cores.layout, "threads": cores.threads,
@@ -328,8 +335,8 @@ def _measure_over_link(
 ) -> list[dict]:
     """A server process on its cores behind the WAN proxy; the client, warmed up, measures every mode on its own."""
     assert bench.precision is not None
-    serve = ("--model", bench.model, "--first", str(bench.first), "--last", str(bench.last), "--threads", str(cores.threads),
-             *bench.precision.serve_args())
+    serve = ("--model", bench.model, "--first", str(bench.first), "--last", str(bench.last),
+             "--threads", str(cores.threads), *bench.precision.serve_args())
     with ServerProcess(*serve, cores=cores.server) as server, on_cores(cores.client):
         with ProxyThread("127.0.0.1", server.port, LinkProfile(rtt_ms=bench.rtt_ms)) as proxy:
             client.server = f"ws://127.0.0.1:{proxy.port}"
@@ -372,8 +379,9 @@ def report(data: dict) -> str:
         text += "".join(f"| {d['prompt']} | {d['mode']} | {d['index']} | {d['gap']:.3g} |\n" for d in diverged)
     auto = summary["overall"].get("auto", {}).get("tokens_per_second", 0.0)
     if "tokens_per_second" in peer:
-        text += (f"\nllama.cpp RPC (every layer remote, nothing private; the same cores and threads) over the same link: "
-                 f"{peer['tokens_per_second']:.2f} tok/s; auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
+        text += ("\nllama.cpp RPC (every layer remote, nothing private; the same cores and threads) "
+                 f"over the same link: {peer['tokens_per_second']:.2f} tok/s; "
+                 f"auto is {auto / peer['tokens_per_second']:.2f}x that.\n")
     else:
         text += f"\nllama.cpp RPC: {peer['skipped']}\n"
     return text + _whole_model_lines(data.get("llama_cpp_whole", {}), auto)

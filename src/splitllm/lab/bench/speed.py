@@ -51,7 +51,8 @@ _DECOMPOSITION = (
 )
 
 
-def _generate_all(client: SplitClient, prompts: Sequence[str], new_tokens: int, decode: str = "sequential") -> list[Generation]:
+def _generate_all(client: SplitClient, prompts: Sequence[str], new_tokens: int,
+                  decode: str = "sequential") -> list[Generation]:
     return [client.generate(p, new_tokens, decode) for p in prompts]
 
 
@@ -211,5 +212,6 @@ def _decoding_runs(bench: SpeedBench, progress: Progress) -> dict[str, Any]:
             if setting == "float32-none":
                 texts_e = [p.text for p in workload(bench.dtype_prompts)]
                 progress(f"(e) wire dtypes, {len(texts_e)} prompts x {bench.new_tokens} tokens")
-                out["wire_dtypes"] = wire_dtypes(server.url, bench.first, bench.last, texts_e, bench.new_tokens, progress)
+                out["wire_dtypes"] = wire_dtypes(server.url, bench.first, bench.last, texts_e, bench.new_tokens,
+                                                 progress)
     return out

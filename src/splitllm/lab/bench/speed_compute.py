@@ -47,7 +47,8 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> dict[s
     return {"median_ms": median, "min_ms": low, "p10_ms": q[0], "p90_ms": q[-1], "repeats": repeats}
 
 
-def idle_cost(fn: Callable[[], object], idle_s: float = IDLE_S, rounds: int = 6, per_round: int = 4) -> dict[str, float]:
+def idle_cost(fn: Callable[[], object], idle_s: float = IDLE_S, rounds: int = 6, per_round: int = 4) -> dict[str,
+                                                                                                             float]:
     """Median time of `fn` back to back and after `idle_s` of sleep, in alternating blocks (this host's
     speed drifts within minutes): a server's step always follows its wait for the client, a timing loop's
     does not, so this says whether the loop flatters the server (cores and thread pools gone idle)."""
@@ -65,7 +66,8 @@ def idle_cost(fn: Callable[[], object], idle_s: float = IDLE_S, rounds: int = 6,
 
 
 def copy_bandwidth(mib: int = 512, repeats: int = 7) -> dict[str, float]:
-    """Memory bandwidth at the current thread count: a large tensor copy (bytes read + written) and a pure read (sum)."""
+    """Memory bandwidth at the current thread count: a large tensor copy (bytes read + written) and a
+    pure read (sum)."""
     src = torch.ones(mib * MIB // 4)
     dst = torch.empty_like(src)
     copy = median_ms(lambda: dst.copy_(src), repeats, warmup=2)
@@ -114,7 +116,7 @@ def server_forward(
     for n in FORWARD_TOKENS:
         timed = Step(torch.randn(n, d, generator=gen), torch.arange(context, context + n), Visibility.chain(n))
 
-        def step() -> None:
+        def step(timed: Step = timed) -> None:
             stage(cache, timed)
 
         with OtherLoad([os.getpid()]) as others:

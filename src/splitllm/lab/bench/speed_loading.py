@@ -83,7 +83,9 @@ def child(kind: str, first: int | str, last: int | str, setting: str = "float32-
 def _in_subprocess(
     kind: str, first: int, last: int, setting: str = "float32-none", env: dict[str, str] | None = None
 ) -> dict[str, float]:
-    code = "import json, sys; from splitllm.lab.bench.speed_loading import child; print(json.dumps(child(*sys.argv[1:])))"
+    code = (
+        "import json, sys; from splitllm.lab.bench.speed_loading import child; print(json.dumps(child(*sys.argv[1:])))"
+    )
     command = [sys.executable, "-c", code, kind, str(first), str(last), setting]
     proc = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -92,7 +94,8 @@ def _in_subprocess(
 
 
 def load_times(first: int, last: int, settings: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Cold: GGUF conversion into an empty cache (exact mode); then each setting's first (converting) and cached load."""
+    """Cold: GGUF conversion into an empty cache (exact mode); then each setting's first (converting) and
+    cached load."""
     with tempfile.TemporaryDirectory(prefix="splitllm-cold-") as empty:
         out = {"cold": _in_subprocess("load", first, last, env={"SPLITLLM_CACHE": empty})}
         for setting in settings:

@@ -80,7 +80,8 @@ def run_model_speed(
     split = _Split(model, first, last, wire_dtype, tuple(p.text for p in workload(prompts)), new_tokens)
     server_cores, client_cores = cores = split_cores()
     result: dict[str, Any] = {"model": model, "split": [first, last], "threads": threads, "new_tokens": new_tokens,
-                              "rtt_ms": rtt_ms, "cores": {"server": sorted(server_cores), "client": sorted(client_cores)},
+                              "rtt_ms": rtt_ms,
+                              "cores": {"server": sorted(server_cores), "client": sorted(client_cores)},
                               "linear_kernels": cpu_kernels.linear_path()}
     progress(f"(f) in-process sequential decoding, {threads} threads, {len(split.texts)} prompts x {new_tokens} tokens")
     set_compute_threads(threads)
@@ -92,7 +93,8 @@ def run_model_speed(
         result["bandwidth"] = copy_bandwidth()
     result["server_step"] = {}
     for setting in settings:
-        step = result["server_step"][setting] = _server_step(split, Precision.from_name(setting), result["bandwidth"], rtt_ms, cores)
+        step = result["server_step"][setting] = _server_step(split, Precision.from_name(setting), result["bandwidth"],
+                                                             rtt_ms, cores)
         progress(f"  {setting}: in-process {step['in_process_ms']:.1f} ms, own process {step['own_process_ms']:.1f} ms "
                  f"({step['ratio']:.2f}x), floor {step['floor_ms']:.1f} ms; split at {rtt_ms:g} ms: "
                  f"{step[f'split_{rtt_ms:g}ms']['tok_s']:.2f} tok/s")
@@ -130,8 +132,8 @@ def _server_step(
     server_cores, client_cores = cores
     with on_cores(server_cores):
         forward = server_forward(split.model, split.first, split.last, bandwidth["read_gb_s"], precision)
-    serve = ("--model", split.model, "--first", str(split.first), "--last", str(split.last), "--threads", str(len(server_cores)),
-             *precision.serve_args())
+    serve = ("--model", split.model, "--first", str(split.first), "--last", str(split.last),
+             "--threads", str(len(server_cores)), *precision.serve_args())
     set_compute_threads(len(client_cores))
     with ServerProcess(*serve, cores=server_cores) as server, on_cores(client_cores):
         client = split.client(server.url, precision)
@@ -151,14 +153,16 @@ def _server_step(
 
 
 def markdown(r: dict[str, Any]) -> str:
-    lines = [f"Runtime of {r['model']} (split {r['split'][0]}+{r['split'][1]}), {r['new_tokens']} tokens per prompt.", "",
-             f"In-process sequential decoding, {r['threads']} threads:", "", "| decoder | tok/s | vs llama.cpp |",
+    lines = [f"Runtime of {r['model']} (split {r['split'][0]}+{r['split'][1]}), {r['new_tokens']} tokens per prompt.",
+             "", f"In-process sequential decoding, {r['threads']} threads:", "", "| decoder | tok/s | vs llama.cpp |",
              "| --- | --- | --- |"]
     peer = r["llama_cpp"].get("tokens_per_second")
     for setting, row in r["in_process"].items():
         lines.append(f"| splitllm {setting} | {row['tok_s']:.2f} | {row['tok_s'] / peer:.2f}x |" if peer else
                      f"| splitllm {setting} | {row['tok_s']:.2f} | - |")
-    lines.append(f"| llama.cpp (same GGUF) | {peer:.2f} | 1.00x |" if peer else f"| llama.cpp | {r['llama_cpp']['skipped']} | |")
+    lines.append(
+        f"| llama.cpp (same GGUF) | {peer:.2f} | 1.00x |" if peer else f"| llama.cpp | {r['llama_cpp']['skipped']} | |"
+    )
     lines += ["", f"Server one-position step ({len(r['cores']['server'])} core(s), pinned) and the split at "
               f"{r['rtt_ms']:g} ms:", "",
               "| setting | in-process ms | own process ms | ratio | in-process, back to back / after an idle wait | "

@@ -36,7 +36,8 @@ def met(result: dict[str, Any]) -> dict[str, bool | None]:
         "sequential_tok_s_at_0ms": seq.get("0", {}).get("tok_s"),
         "sequential_tok_s_at_80ms": seq.get("80", {}).get("tok_s"),
     }
-    ratios = [min(v["tokens"]["1"]["floor_ratio"] for k, v in fwd.items() if k.startswith(s + " ")) for s in result["settings"]]
+    ratios = [min(v["tokens"]["1"]["floor_ratio"] for k,
+                  v in fwd.items() if k.startswith(s + " ")) for s in result["settings"]]
     if "0" in seq and "0" in exact:
         figures["speedup_over_float32_at_0ms"] = seq["0"]["tok_s"] / exact["0"]["tok_s"]
     out: dict[str, bool | None] = {}
@@ -67,7 +68,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _bandwidth(result: dict[str, Any]) -> list[str]:
-    lines = ["", "## Memory read bandwidth", "", "| threads | read GB/s | copy GB/s (read + write) |", "| --- | --- | --- |"]
+    lines = ["", "## Memory read bandwidth", "", "| threads | read GB/s | copy GB/s (read + write) |",
+             "| --- | --- | --- |"]
     return lines + [f"| {n} | {bw['read_gb_s']:.2f} | {bw['copy_gb_s']:.2f} |" for n, bw in result["bandwidth"].items()]
 
 
@@ -103,10 +105,11 @@ def _client_step(result: dict[str, Any]) -> list[str]:
                      f"{c['median_ms']:.2f} | {c['others_cores']:.2f} |")
     gemma = result.get("client_step_gemma3")
     if gemma:
-        lines += ["", f"## Gemma 3 270M: client compute for one token (one thread; LM head of {GEMMA_VOCAB:,} rows)", "",
-                  "| setting | weights MiB | LM head MiB | median ms | others' cores |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {setting} | {c['weight_bytes'] / MIB:.0f} | {c['lm_head_bytes'] / MIB:.0f} | {c['median_ms']:.2f} | "
-                  f"{c['others_cores']:.2f} |" for setting, c in gemma.items()]
+        lines += ["", f"## Gemma 3 270M: client compute for one token (one thread; LM head of {GEMMA_VOCAB:,} rows)",
+                  "", "| setting | weights MiB | LM head MiB | median ms | others' cores |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {setting} | {c['weight_bytes'] / MIB:.0f} | {c['lm_head_bytes'] / MIB:.0f} "
+                  f"| {c['median_ms']:.2f} | {c['others_cores']:.2f} |" for setting, c in gemma.items()]
     return lines
 
 
@@ -121,9 +124,9 @@ def _loading(result: dict[str, Any]) -> list[str]:
 
 
 def _decoding(result: dict[str, Any]) -> list[str]:
-    lines = ["", f"## Decoding through `splitllm serve` ({result['decoding_wire_dtype']} wire, one thread per side)", "",
-             "| setting | decoding | RTT ms | tok/s | tokens/step | step ms | first stage | server | network | last stage | "
-             "others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["", f"## Decoding through `splitllm serve` ({result['decoding_wire_dtype']} wire, one thread per side)",
+             "", "| setting | decoding | RTT ms | tok/s | tokens/step | step ms | first stage | server | network "
+             "| last stage | others' cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting, runs in result["decoding"].items():
         for decode, by_rtt in runs.items():
             for run in by_rtt.values():

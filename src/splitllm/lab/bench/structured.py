@@ -51,7 +51,8 @@ WEATHER = {"type": "function", "function": {
 TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
-def _walk_ms(step: Callable[[Any, int], None], start: Callable[[], Any], ids: list[int], repeats: int = 5) -> list[float]:
+def _walk_ms(step: Callable[[Any, int], None], start: Callable[[], Any], ids: list[int],
+             repeats: int = 5) -> list[float]:
     times = []
     for _ in range(repeats):
         state = start()
@@ -81,12 +82,14 @@ def _xgrammar(client: SplitClient, ids: list[int]) -> list[float]:
     vocab = client.files.hf_config.vocab_size
     info = xgrammar.TokenizerInfo.from_huggingface(client.tokenizer, vocab_size=vocab)
     compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_json_schema(
-        json.dumps(PERSON), any_whitespace=False, separators=(JSON_STYLE["item_separator"], JSON_STYLE["key_separator"]))
+        json.dumps(PERSON), any_whitespace=False,
+        separators=(JSON_STYLE["item_separator"], JSON_STYLE["key_separator"]))
     bitmask = xgrammar.allocate_token_bitmask(1, vocab)
 
     def step(matcher: Any, token: int) -> None:
         matcher.fill_next_token_bitmask(bitmask)
-        allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool))
+        allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8),
+                                                 bitorder="little")[:vocab].astype(bool))
         assert allowed[token] and matcher.accept_token(token)
 
     return _walk_ms(step, lambda: xgrammar.GrammarMatcher(compiled), ids)
@@ -133,7 +136,9 @@ def _outlines_core(client: SplitClient, ids: list[int]) -> list[float]:
         guide.write_mask_into(mask.data_ptr(), mask.numel(), 4)
         allowed = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
         if not allowed[token]:
-            raise _Unsupported("outlines-core refused a token of the valid text: its vocabulary was not rebuilt faithfully")
+            raise _Unsupported(
+                "outlines-core refused a token of the valid text: its vocabulary was not rebuilt faithfully"
+            )
         guide.advance(token)
 
     return _walk_ms(step, lambda: Guide(index), ids)
@@ -165,12 +170,13 @@ def _schema_runs(api: Any, chat: bool, max_tokens: int) -> dict:
         for decode in runs:
             extra = {"decode": decode, "response_format": fmt}
             if chat:
-                reply = api.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], temperature=0,
-                                                    max_tokens=max_tokens, extra_body=extra)
+                reply = api.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}],
+                                                    temperature=0, max_tokens=max_tokens, extra_body=extra)
                 text = reply.choices[0].message.content
             else:
                 prompt = f"{ask}\nAn example: {json.dumps(SAMPLE)}\nJSON: "  # a base model needs the example
-                reply = api.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=max_tokens, extra_body=extra)
+                reply = api.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=max_tokens,
+                                               extra_body=extra)
                 text = reply.choices[0].text
             try:
                 valid = isinstance(json.loads(text), dict)
@@ -178,7 +184,8 @@ def _schema_runs(api: Any, chat: bool, max_tokens: int) -> dict:
                 valid = False
             ext = reply.model_extra["splitllm"]
             runs[decode].append({"text": text, "valid": valid, "finish_reason": reply.choices[0].finish_reason,
-                                 "tokens_per_second": ext["tokens_per_second"], "tokens_per_step": ext["tokens_per_step"],
+                                 "tokens_per_second": ext["tokens_per_second"],
+                                 "tokens_per_step": ext["tokens_per_step"],
                                  "new_tokens": ext["new_tokens"]})
     return runs
 
@@ -197,13 +204,17 @@ def _tool_calls(api: Any) -> dict:
             "streamed_calls": [streamed[i] for i in sorted(streamed)], "streamed_finish_reason": finish}
 
 
-def measure_model(model: str, rtt_ms: float, max_tokens: int, core_layout: str, progress: Callable[[str], None]) -> dict:
+def measure_model(model: str, rtt_ms: float, max_tokens: int, core_layout: str,
+                  progress: Callable[[str], None]) -> dict:
     import openai
 
     with client_over_link(model, rtt_ms, core_layout) as linked:
         client = linked.client
         row: dict[str, Any] = {"model": model, "precision": linked.precision.name, "masks": mask_costs(client)}
-        progress(f"{model}: mask cost " + ", ".join(f"{m['library']} {m.get('mean_ms', float('nan')):.3f} ms" for m in row["masks"]))
+        progress(
+            f"{model}: mask cost "
+            + ", ".join(f"{m['library']} {m.get('mean_ms', float('nan')):.3f} ms" for m in row["masks"])
+        )
         chat = bool(client.tokenizer.chat_template)
         with serve_http(create_app(client, "m", compute=linked.compute)) as url:
             api = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
@@ -226,7 +237,8 @@ def _rate(runs: Sequence[dict]) -> float:
 
 def run_structured(models: Sequence[str], rtt_ms: float, max_tokens: int, core_layout: str,
                    progress: Callable[[str], None]) -> dict:
-    settings = {"models": list(models), "rtt_ms": rtt_ms, "max_tokens": max_tokens, "asks": len(ASKS), "core_layout": core_layout}
+    settings = {"models": list(models), "rtt_ms": rtt_ms, "max_tokens": max_tokens, "asks": len(ASKS),
+                "core_layout": core_layout}
     return {"settings": settings, "rows": [measure_model(m, rtt_ms, max_tokens, core_layout, progress) for m in models]}
 
 
@@ -243,7 +255,8 @@ def markdown(result: dict) -> str:
         said = "n/a (template takes no tools)" if tools is None else (
             f"{len(tools['calls'])} / {len(tools['streamed_calls'])} ({tools['finish_reason']})")
         lines.append(f"| {r['model']} | {sum(x['valid'] for x in runs)}/{len(runs)} | {_rate(r['schema']['auto']):.2f} "
-                     f"| {_rate(r['schema']['sequential']):.2f} | {r['speedup']:.2f}x | {r['identical']}/{len(ASKS)} | {said} |")
+                     f"| {_rate(r['schema']['sequential']):.2f} | {r['speedup']:.2f}x | {r['identical']}/{len(ASKS)} "
+                     f"| {said} |")
     lines += ["", "Grammar mask cost per token (compute the mask over the vocabulary, then take the token):", "",
               "| model | library | mean ms | p50 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
@@ -251,5 +264,7 @@ def markdown(result: dict) -> str:
             if "unsupported" in m:
                 lines.append(f"| {r['model']} | {m['library']} | not measured: {m['unsupported']} | | |")
                 continue
-            lines.append(f"| {r['model']} | {m['library']} | {m['mean_ms']:.3f} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} |")
+            lines.append(
+                f"| {r['model']} | {m['library']} | {m['mean_ms']:.3f} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} |"
+            )
     return "\n".join(lines) + "\n"

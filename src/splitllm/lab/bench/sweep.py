@@ -35,7 +35,14 @@ from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.sizing.policies import AdaptivePolicy, StaticPolicy
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.decoding.sequential import decode_sequential
-from splitllm.decoding.sizing.latency import LatencyProfile, Link, StepRecord, StepShape, ideal_tokens_per_second, tokens_per_second
+from splitllm.decoding.sizing.latency import (
+    LatencyProfile,
+    Link,
+    StepRecord,
+    StepShape,
+    ideal_tokens_per_second,
+    tokens_per_second,
+)
 from splitllm.testing.launch import ServerProcess
 from splitllm.model.precision import Precision, fastest
 from splitllm.testing.netem import LinkProfile, ProxyThread
@@ -259,7 +266,8 @@ def run_sweep(
     total = len(prompts) * len(points) * len(configs) + (0 if profile else len(held_out) * len(CANDIDATE_BUDGETS))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with ExitStack() as stack:
-        server = stack.enter_context(ServerProcess("--first", "2", "--last", "2", "--threads", "1", *precision.serve_args(), log_path=log_path))
+        server = stack.enter_context(ServerProcess("--first", "2", "--last", "2", "--threads", "1",
+                                                   *precision.serve_args(), log_path=log_path))
         bar = _Bar(stack.enter_context(Progress(*columns)), total)
         assert server.proc is not None
         bench = _Bench(client, server.proc.pid, quiet)

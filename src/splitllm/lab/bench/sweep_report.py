@@ -139,7 +139,9 @@ def markdown(summary: dict, command: str) -> str:
         """A section with one table: a row per mode, a column per link, each cell one field of the run."""
         lines = ["", f"## {title}", "", caption, "", "| mode | " + " | ".join(points) + " |",
                  "| --- |" + " ---: |" * len(points)]
-        return lines + [f"| {c} | " + " | ".join(f"{cell[c, p][key]:.{digits}f}" for p in points) + " |" for c in configs]
+        return lines + [
+            f"| {c} | " + " | ".join(f"{cell[c, p][key]:.{digits}f}" for p in points) + " |" for c in configs
+        ]
 
     out += ["", f"Overall MAPE: **{100 * summary['mape']['overall']:.2f}%** over {len(rows)} runs."]
     out += per_point(
@@ -156,7 +158,8 @@ def markdown(summary: dict, command: str) -> str:
             "| --- | ---: | --- | ---: | ---: |"]
     for v in summary["auto_vs_best_fixed"]:
         out.append(
-            f"| {v['point']} | {v['auto']:.2f} | {v['best_fixed']} | {v['best_fixed_tokens_per_second']:.2f} | {v['ratio']:.3f} |"
+            f"| {v['point']} | {v['auto']:.2f} | {v['best_fixed']} | {v['best_fixed_tokens_per_second']:.2f} "
+            f"| {v['ratio']:.3f} |"
         )
     out += ["", "## Mean decode step (ms) and tokens per step", "", "| link | mode | tok/step | nodes | "
             + " | ".join(PARTS) + " | total |", "| --- | --- |" + " ---: |" * (len(PARTS) + 3)]

@@ -262,7 +262,8 @@ def build_corpus(
     def clean(w: Window) -> bool:
         return not (_ngrams(w[0]) & seen)
 
-    train = _take([_windows(x, d.kind, window, per_doc) for d, x in zip(docs, ids) if not d.test], window, train_positions)
+    train = _take([_windows(x, d.kind, window, per_doc) for d, x in zip(docs, ids) if not d.test], window,
+                  train_positions)
     test_all = [_windows(x, d.kind, window, per_doc) for d, x in zip(docs, ids) if d.test]
     test_clean = [[w for w in ws if clean(w)] for ws in test_all]
     test = _take(test_clean, window, test_positions)

@@ -207,7 +207,8 @@ def _passages(kind: str) -> tuple[tuple[str, str], ...]:
         if kind == "prose":
             out += [(name, p) for p in d.text.split("\n\n") if 200 <= len(p) <= 900]
         else:
-            blocks = [b for b in d.text.split("\n\n\n") if b.lstrip().startswith(("def ", "class ")) and 120 <= len(b) <= 1200]
+            blocks = [b for b in d.text.split("\n\n\n") if b.lstrip().startswith(("def ",
+                                                                                  "class ")) and 120 <= len(b) <= 1200]
             out += [(name, b.strip("\n")) for b in blocks]
     return tuple(out)
 
@@ -255,7 +256,8 @@ _FAMILIES: tuple[tuple[str, str, _Fill, str], ...] = (
     ("conversation", "Write a haiku about {s}, then explain the image it uses.", _s, "pools"),
     ("conversation", "Write a {t} product description for something related to {s}.",
      lambda r, p: {**_s(r, p), "t": r.choice(TONES)}, "pools"),
-    ("conversation", "Pretend you are {r}. Tell me about {s}.", lambda r, p: {**_s(r, p), "r": r.choice(ROLES)}, "pools"),
+    ("conversation", "Pretend you are {r}. Tell me about {s}.", lambda r, p: {**_s(r, p), "r": r.choice(ROLES)},
+     "pools"),
     ("conversation", "You are {r}. A visitor asks how to {a}. Answer in character.",
      lambda r, p: {**_a(r, p), "r": r.choice(ROLES)}, "pools"),
     ("conversation", "Write a short dialogue between {r} and {q} about {s}.",
@@ -276,7 +278,8 @@ _FAMILIES: tuple[tuple[str, str, _Fill, str], ...] = (
     ("conversation", "There are {a} students and each group holds {c}. How many groups are full, and how many "
      "students are left over?", _numbers, "fixed"),
     ("conversation", "A jacket costs {a} dollars and is {p}% off. What is the new price? Explain.", _numbers, "fixed"),
-    ("conversation", "Rewrite this to sound {t}: \"{x}\"", lambda r, _: {"t": r.choice(TONES), "x": r.choice(SENTENCES)}, "fixed"),
+    ("conversation", "Rewrite this to sound {t}: \"{x}\"", lambda r,
+     _: {"t": r.choice(TONES), "x": r.choice(SENTENCES)}, "fixed"),
     ("conversation", "Fix the grammar and spelling: \"{x}\"", lambda r, _: {"x": r.choice(SENTENCES)}, "fixed"),
     ("conversation", "Summarize this passage in two sentences:\n\n{x}", _prose, "passage"),
     ("conversation", "List the key terms defined in this text and what each means:\n\n{x}", _prose, "passage"),
@@ -296,18 +299,21 @@ _FAMILIES: tuple[tuple[str, str, _Fill, str], ...] = (
     ("code", "What is the Python module {m} for? Show a short usage example.",
      lambda r, _: {"m": r.choice(corpus.CODE_MODULES)}, "fixed"),
     ("code", "Explain what this Python code does:\n\n```python\n{x}\n```", _source, "passage"),
-    ("code", "Add type hints and a docstring to this code from the {m} module:\n\n```python\n{x}\n```", _source, "passage"),
+    ("code", "Add type hints and a docstring to this code from the {m} module:\n\n```python\n{x}\n```", _source,
+     "passage"),
     ("code", "Find possible bugs or edge cases in this code:\n\n```python\n{x}\n```", _source, "passage"),
     ("code", "Write a shell command that {t}, using standard Unix tools.",
      lambda r, _: {"t": r.choice(_SHELL)}, "fixed"),
     ("code", "Give me a SQL statement for this: {t}.", lambda r, _: {"t": r.choice(_SQL)}, "fixed"),
     ("code", "Convert this record to {f}: name Ada, born {a}0, languages Python and {l}.",
-     lambda r, p: {"f": r.choice(("JSON", "YAML", "XML", "a Python dict", "a TOML table")), "a": str(r.randint(180, 199)),
+     lambda r,
+     p: {"f": r.choice(("JSON", "YAML", "XML", "a Python dict", "a TOML table")), "a": str(r.randint(180, 199)),
                    "l": r.choice(LANGUAGES)}, "fixed"),
 )
 
 
-def build(n: int, pools: Pools = TRAINING, follow_up_share: float = 0.0, seed: int = 0, tries: int = 200) -> list[Instruction]:
+def build(n: int, pools: Pools = TRAINING, follow_up_share: float = 0.0, seed: int = 0,
+          tries: int = 200) -> list[Instruction]:
     """n distinct conversations, cycling through the families so every kind of request is represented; a
     `follow_up_share` of them gets a second user turn. A family that yields no new prompt in `tries` draws is
     left out from then on."""

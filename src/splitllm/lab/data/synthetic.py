@@ -55,7 +55,9 @@ def person(rng: random.Random, test: bool) -> Person:
     first, last = rng.choice(_half(FIRST, test)), rng.choice(_half(LAST, test))
     sep = rng.choice([".", "_", ""])
     email = f"{first.lower()}{sep}{last.lower().replace(chr(39), '')}{rng.randint(1, 99)}@{rng.choice(DOMAINS)}"
-    phone = f"+{rng.choice([44, 49, 33, 31, 1])} {rng.randint(100, 999)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"
+    phone = (
+        f"+{rng.choice([44, 49, 33, 31, 1])} {rng.randint(100, 999)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"
+    )
     address = f"{rng.randint(1, 240)} {rng.choice(_half(STREETS, test))}, {rng.choice(_half(CITIES, test))}"
     birthday = f"{rng.randint(1, 28):02d}/{rng.randint(1, 12):02d}/{rng.randint(1950, 2005)}"
     account = "".join(str(rng.randint(0, 9)) for _ in range(rng.choice([8, 10, 12])))

@@ -76,7 +76,8 @@ def prepare(cfg: AuditConfig, first_depths: tuple[int, ...]) -> Context:
     corpus = build_corpus(
         tokenizer, cfg.window, cfg.train_positions, cfg.test_positions, cfg.long_window, cfg.long_windows, seed=cfg.seed
     )
-    cuts = sorted(set(first_depths) | {cfg.defense_first} | {n - m for m in cfg.last_depths} | {n - cfg.defense_last, n})
+    cuts = sorted(set(first_depths) | {cfg.defense_first} | {n - m for m in cfg.last_depths} | {n - cfg.defense_last,
+                                                                                                n})
     origin = provenance(files, corpus, cfg.seed)  # before anything runs: the code as it was started
     model = PublicModel(files, cuts)
     t0 = time.perf_counter()

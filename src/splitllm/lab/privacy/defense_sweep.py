@@ -216,7 +216,8 @@ def middle_out(client_model: ClientModel, middle: Stage, windows: torch.Tensor) 
     length = windows.shape[1]
     out = torch.empty_like(sent)
     for i, h in enumerate(sent):
-        out[i] = middle(middle.new_cache(length), Step(h.float(), torch.arange(length), Visibility.chain(length))).to(WIRE_DTYPE)
+        out[i] = middle(middle.new_cache(length),
+                        Step(h.float(), torch.arange(length), Visibility.chain(length))).to(WIRE_DTYPE)
     return out
 
 

@@ -138,7 +138,9 @@ def whitebox_attack(
         with torch.inference_mode():
             learned = proposer.scorer.vocab_logits(proposer(states))
 
-        def proposals(t: int, recovered: list[int]) -> list[torch.Tensor]:
+        def proposals(
+            t: int, recovered: list[int], learned: torch.Tensor = learned, prior: LanguageModelPrior = prior
+        ) -> list[torch.Tensor]:
             scores = [learned[t]]
             if t > 0:
                 scores.append(prior.extend(recovered[-1], t - 1))

@@ -7,7 +7,7 @@ import logging
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -93,7 +93,9 @@ def private_first_stage(
 
 @app.command("docs")
 def docs(
-    report: Annotated[Optional[str], typer.Argument(help="the report.json to generate the tables from (default: the published one)")] = None,
+    report: Annotated[str | None,
+                      typer.Argument(help="the report.json to generate the tables from "
+                                          "(default: the published one)")] = None,
 ) -> None:
     """Regenerate the privacy tables in the checkout's docs/privacy.md from a report."""
     from splitllm.lab import CHECKOUT

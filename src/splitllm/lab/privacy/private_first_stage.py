@@ -169,7 +169,7 @@ def private_first_stage_sweep(ctx: Context, attackers: dict[int, Attacker]) -> l
         )
         client_model = ClientModel(ctx.files, k, 0)
         middle = Stage.load(ctx.files, k, n, torch.float32)
-        plain = lambda: InProcessMiddle(middle, windows.shape[1])  # noqa: E731
+        plain = lambda middle=middle: InProcessMiddle(middle, windows.shape[1])  # noqa: E731
         reference = heldout.log_probs(client_model, plain, windows)
         private_client_model = copy.copy(client_model)
         private_client_model.first = stage

@@ -65,7 +65,8 @@ def plot(r: dict, path: Path) -> None:
         ls="",
         label="output side (M), white-box",
     )
-    _frame(ax, "client compute per decoding step (ms, first stage K or last stage M)", "leakage (%)", "Leakage vs client compute",
+    _frame(ax, "client compute per decoding step (ms, first stage K or last stage M)", "leakage (%)",
+           "Leakage vs client compute",
            loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -168,7 +168,7 @@ def summary_table(r: dict) -> str:
             + [f"{x['whitebox_recovery']['n']} ({x.get('whitebox_past_256', {'n': 0})['n']})" for x in rows],
         ],
     ) + (
-        f"\n\nNext token read off the returned state with the public last M layers: "
+        "\n\nNext token read off the returned state with the public last M layers: "
         + ", ".join(f"M={x['M']} {_ci(x['whitebox_agreement'])}" for x in r["output_side"])
         + f". {_provenance_line(r)}"
     )
@@ -185,7 +185,8 @@ def _provenance_line(r: dict) -> str:
 def results(r: dict) -> str:
     """Every results table, as docs/privacy.md carries them."""
     parts = [
-        _corpus_text(r), *_input_side(r), *_output_side(r), *_defenses(r["defenses"], r["config"]), *_private_first_stage(r),
+        _corpus_text(r), *_input_side(r), *_output_side(r), *_defenses(r["defenses"], r["config"]),
+        *_private_first_stage(r),
     ]
     return "\n\n".join(p for p in parts if p)
 
@@ -200,7 +201,8 @@ def _corpus_text(r: dict) -> str:
         + ", ".join(f"{k} {v}" for k, v in c["test_windows_by_kind"].items())
         + ")"
         + (
-            f", plus {c['long_positions']} positions in whole {c['long_window']}-token contexts for the white-box search"
+            f", plus {c['long_positions']} positions in whole {c['long_window']}-token contexts "
+            "for the white-box search"
             if c["long_positions"]
             else ""
         )

@@ -26,7 +26,14 @@ from splitllm.lab.data import instructions
 from splitllm.lab.training import data, train
 from splitllm.lab.training.capture import FeatureCapture
 from splitllm.drafting.drafter import Drafter
-from splitllm.drafting.store import FINGERPRINT_KEY, WEIGHT_FORMATS, find_shipped, load_drafter, read_metadata, save_drafter
+from splitllm.drafting.store import (
+    FINGERPRINT_KEY,
+    WEIGHT_FORMATS,
+    find_shipped,
+    load_drafter,
+    read_metadata,
+    save_drafter,
+)
 from splitllm.model.ends import ModelEnds
 from splitllm.weights.sources import ModelFiles, cache_root
 
@@ -95,7 +102,8 @@ def _feature_path(work: Path, files: ModelFiles, settings: DataSettings, sequenc
 
 def feature_capture(files: ModelFiles, tok, settings: DataSettings) -> Callable[[], FeatureCapture]:
     """The capture the settings ask for, built on first use (a run whose data is all cached never loads it)."""
-    return functools.cache(lambda: FeatureCapture(files, getattr(torch, settings.dtype), stop_ids(tok, files.hf_config), settings.taps))
+    return functools.cache(lambda: FeatureCapture(files, getattr(torch, settings.dtype), stop_ids(tok, files.hf_config),
+                                                  settings.taps))
 
 
 def answer_conversations(
@@ -213,7 +221,8 @@ def build_drafter(
     work = Path(work) if work else cache_root() / "draft-data" / files.fingerprint[:16]
     (work / "features").mkdir(parents=True, exist_ok=True)  # answers and their features
     tok = data.load_tokenizer(files)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
     with Progress(*columns, disable=not show_progress) as progress:
         build = _Build(files, data_settings, train_settings, work, Bar(progress))
         drafter, products = _phases(build, tok, start)
@@ -247,11 +256,13 @@ def _phases(build: _Build, tok, start: Drafter | None) -> tuple[Drafter, _Produc
     target = train.Target(ends)
     ts = build.train_settings
     splits = {name: _split(train.prepare(f), ts.validation_share, ts.seed) for name, f in feats.items()}
-    splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name, (tr, val) in splits.items()}
+    splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name,
+              (tr, val) in splits.items()}
     drafter, history = _train(build, ends, target, [s for tr, _ in splits.values() for s in tr], start)
     t3 = time.perf_counter()
     validation = {
-        name: asdict(train.validate(drafter, target, val, ts.validation_depth)) for name, (_, val) in splits.items() if val
+        name: asdict(train.validate(drafter, target, val, ts.validation_depth)) for name,
+        (_, val) in splits.items() if val
     }
     t4 = time.perf_counter()
     seconds = {
@@ -291,7 +302,8 @@ def _train(
     drafter = train.new_drafter(ends, vocab, ts.intermediate, build.data_settings.taps, start)
     total = ts.epochs * sum(int(s.ids.numel()) for s in train_seqs)
     with build.bar.phase("training", total) as advance:
-        started = [] if start is None else [_digest(start.state_dict()["fc.weight"][:8].tolist())]  # which drafter it continues
+        # which drafter it continues
+        started = [] if start is None else [_digest(start.state_dict()["fc.weight"][:8].tolist())]
         key = _digest([build.files.fingerprint, asdict(build.data_settings), asdict(ts), *started])
         history = train.train(drafter, target, train_seqs, ts, advance, build.work / f"training-{key}.pt")
     return drafter, history

@@ -51,7 +51,11 @@ def text_sequences(tokenizer: PreTrainedTokenizerBase, n: int, length: int) -> l
         start = (i * 7919) % max(len(doc.text) - chars, 1)
         passage = doc.text[start : start + chars]
         name = doc.name.split(":", 1)[1]
-        question = f"Explain the Python topic '{name}'." if doc.kind == "prose" else f"Show code from the Python module {name}."
+        question = (
+            f"Explain the Python topic '{name}'."
+            if doc.kind == "prose"
+            else f"Show code from the Python module {name}."
+        )
         out.append(chat_ids(tokenizer, [turn("user", question), turn("assistant", passage)])[: length + 48])
     return out
 

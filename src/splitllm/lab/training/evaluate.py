@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
 from rich.progress import Progress
 
 from splitllm.drafting.store import find_shipped, load_drafter, read_metadata
@@ -45,7 +44,8 @@ def compare_drafters(
         for kind, conversations in instructions.held_out(per_kind).items():
             seqs, _ = answer_conversations(capture, files, tok, conversations, settings, work, bar)
             held = train.prepare(cached_features(capture, files, seqs, settings, work, bar, kind), target)
-            out["kinds"][kind] = {"conversations": instructions.describe(conversations), "tokens": sum(len(s) for s in seqs)}
+            out["kinds"][kind] = {"conversations": instructions.describe(conversations),
+                                  "tokens": sum(len(s) for s in seqs)}
             for name, drafter in loaded.items():
                 out["drafters"].setdefault(name, {})[kind] = asdict(train.validate(drafter, target, held, depth))
     for name, folder in zip(loaded, folders):

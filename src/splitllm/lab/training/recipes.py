@@ -34,7 +34,8 @@ class Recipe:
     def as_options(self, keys: Iterable[str]) -> list[str]:
         """The command-line options that ask for these settings of this recipe (a None asks for nothing)."""
         values = asdict(self)
-        return [arg for key in keys if values[key] is not None for arg in (f"--{key.replace('_', '-')}", str(values[key]))]
+        return [arg for key in keys if values[key] is not None for arg in (f"--{key.replace('_', '-')}",
+                                                                           str(values[key]))]
 
 
 # For a model without a recipe of its own: small enough for a first try on a model up to a few

@@ -37,7 +37,8 @@ from splitllm.model.stage import Stage
 @dataclass(frozen=True)
 class TrainSettings:
     vocab: int = 8192  # draft vocabulary: the most frequent target tokens of the data
-    intermediate: int | None = None  # the drafter's MLP width (None: the target's; narrower keeps its strongest channels, wider adds some)
+    # the drafter's MLP width (None: the target's; narrower keeps its strongest channels, wider adds some)
+    intermediate: int | None = None
     epochs: int = 6
     passes: int = 3  # unrolled steps per position while training (1 = EAGLE-1 teacher forcing only)
     batch_tokens: int = 512
@@ -48,7 +49,8 @@ class TrainSettings:
     pass_decay: float = 0.8  # loss weight of pass k is decay**k
     validation_share: float = 0.06
     validation_depth: int = 5
-    bfloat16: bool = True  # matrix products under bfloat16 autocast (several times faster than float32 on AVX512-BF16), float32 master weights
+    # matrix products under bfloat16 autocast (several times faster than float32 on AVX512-BF16), float32 master weights
+    bfloat16: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -199,12 +201,14 @@ def prepare(feats: Features, target: Target | None = None) -> list[Sequence_]:
         if ids.numel() > 2:
             d = f.shape[-1] // (len(feats.taps) + 1)
             top = f[:, -d:].float()
-            out.append(Sequence_(ids, top, f[:, :-d].half() if feats.taps else None, target.greedy(top) if target else None))
+            out.append(Sequence_(ids, top, f[:, :-d].half() if feats.taps else None,
+                                 target.greedy(top) if target else None))
     return out
 
 
 def new_drafter(
-    ends: ModelEnds, vocab: Sequence[int], intermediate: int | None = None, taps: Sequence[int] = (), init: Drafter | None = None
+    ends: ModelEnds, vocab: Sequence[int], intermediate: int | None = None, taps: Sequence[int] = (),
+    init: Drafter | None = None
 ) -> Drafter:
     """A drafter whose layer starts as the target's last layer and whose fc passes the feature through;
     with `init` (an unpacked drafter), a copy of that one instead (its vocabulary and width), continued.
@@ -267,7 +271,8 @@ class Validation:
     reached: list[int]  # chains that reached each depth
     mean_accepted: float  # expected accepted draft tokens per chain (greedy, one chain)
     positions: int
-    in_top: dict[int, float]  # per k of RANKS: share of positions whose depth-1 target token is among the drafter's top k
+    # per k of RANKS: share of positions whose depth-1 target token is among the drafter's top k
+    in_top: dict[int, float]
     outside_vocab: float  # share of positions whose depth-1 target token the draft vocabulary lacks
 
 
@@ -331,7 +336,9 @@ def _loss(
         feat_loss = F.smooth_l1_loss(pred[ok].float() / scale, feats[ok] / scale)
         logp = F.log_softmax(target.drafter_vocab_logits(pred[ok], rows), dim=-1)
         token_loss = -(probs[ok] * logp).sum(-1).mean()
-        loss = loss + settings.pass_decay**k * (settings.feature_weight * feat_loss + settings.token_weight * token_loss)
+        loss = loss + settings.pass_decay**k * (
+            settings.feature_weight * feat_loss + settings.token_weight * token_loss
+        )
     return loss
 
 
@@ -413,7 +420,8 @@ def train(
         for batch in plan[e]:
             feats, probs = _labels(batch, target, rows)
             with autocast:
-                loss = _loss(unrolled(drafter, target, batch, settings.passes), batch, feats, probs, target, rows, scale, settings)
+                loss = _loss(unrolled(drafter, target, batch, settings.passes), batch, feats, probs, target, rows,
+                             scale, settings)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -426,5 +434,6 @@ def train(
     drafter.eval()
     for p in drafter.parameters():
         p.requires_grad_(False)
-    return {"steps": steps, "first_loss": history[0] if history else None, "last_loss": history[-1] if history else None,
+    return {"steps": steps, "first_loss": history[0] if history else None,
+            "last_loss": history[-1] if history else None,
             "settings": asdict(settings)}

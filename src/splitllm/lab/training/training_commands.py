@@ -12,7 +12,9 @@ from splitllm.commands.wiring import Values, command, reported, set_threads
 from splitllm.lab.training.recipes import recipe_for
 from splitllm.options import DRAFTER_COMPARE, DRAFTER_TRAIN
 
-app = typer.Typer(no_args_is_help=True, help="The client's learned drafter: train one for a model, compare drafters on held-out conversations.")
+app = typer.Typer(no_args_is_help=True,
+                  help="The client's learned drafter: train one for a model, "
+                       "compare drafters on held-out conversations.")
 
 
 def layer_counts(text: str) -> tuple[int, ...]:
@@ -81,5 +83,6 @@ def compare(
             rates = " ".join(f"{a:.2f}" for a in v["acceptance"])
             ranks = ",".join(str(k) for k in v["in_top"])
             top = " ".join(f"{share:.2f}" for share in v["in_top"].values())
-            typer.echo(f"{name:40.40s} {kind:12s} acceptance per depth {rates}  mean accepted {v['mean_accepted']:.2f}  "
-                       f"depth 1 in top {ranks}: {top}  outside vocab {v['outside_vocab']:.2f}")
+            typer.echo(f"{name:40.40s} {kind:12s} acceptance per depth {rates}  "
+                       f"mean accepted {v['mean_accepted']:.2f}  depth 1 in top {ranks}: {top}  "
+                       f"outside vocab {v['outside_vocab']:.2f}")

@@ -99,7 +99,8 @@ def _step(
     """One batched step at position t of several sequences (each: tokens that see only its committed
     prefix and themselves) through consecutive stages; their entries are left pending."""
     for i, stage in enumerate(stages):
-        hidden = stage.forward_many([(c[i], Step(h, torch.full((len(h),), t), roots(len(h)))) for c, h in zip(caches, hidden)])
+        hidden = stage.forward_many([(c[i], Step(h, torch.full((len(h),), t), roots(len(h)))) for c,
+                                     h in zip(caches, hidden)])
     return hidden
 
 
@@ -147,7 +148,8 @@ def _search(
         states = _step(first, [beams[i].caches for i in searching], [embed[x] for x in ids], t)
         for i, x, s in zip(searching, ids, states):
             tried[i].append((*score(beams[i], x, s), x))
-        searching = [i for i in searching if not _decided(tried[i]) and sum(len(x) for *_, x in tried[i]) < len(orders[i])]
+        searching = [i for i in searching if not _decided(tried[i]) and sum(len(x) for *_,
+                                                                            x in tried[i]) < len(orders[i])]
     for h in beams:
         for cache in h.caches[: len(first)]:
             cache.keep([])  # drop the candidates: the prefix is committed alone again
