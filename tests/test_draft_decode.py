@@ -111,8 +111,8 @@ def test_draft_modes_match_sequential(  # type: ignore[no-untyped-def]
         ids, outs = _ids(SpeculativeDecoder(SpeculationConfig(mode, drafter_policy=StaticPolicy(budget))),
                          _pipeline(model), prompt, 40)
         assert ids == expected, seed
-        accepted_from_drafter += sum(n for o in outs for src,
-                                     n in o.stats.speculation.sources.items() if "draft" in src)
+        accepted_from_drafter += sum(n for o in outs for src, n in o.stats.speculation.sources.items()
+                                     if "draft" in src)
         assert all(o.stats.timing.draft_ms > 0 for o in outs[1:])
     assert accepted_from_drafter > 10  # the drafter's nodes were accepted (and so its cache kept in step)
 

@@ -58,8 +58,8 @@ def test_default_model_split_greedy_equals_transformers(first, last, prompts, se
 
 
 @pytest.mark.parametrize(("name", "first", "last"), [
-    pytest.param(n, h, t, marks=[pytest.mark.slow] if i else []) for n, splits in TINY_SPLITS.items() for i,
-    (h, t) in enumerate(splits)
+    pytest.param(n, h, t, marks=[pytest.mark.slow] if i else [])
+    for n, splits in TINY_SPLITS.items() for i, (h, t) in enumerate(splits)
 ])
 def test_tiny_model_split_greedy_equals_transformers(
     name, first, last, tiny_models, server, load_client_model, split_greedy, hf_greedy, random_ids

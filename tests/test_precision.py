@@ -255,8 +255,8 @@ def test_default_model_generates_in_bfloat16(quant) -> None:  # type: ignore[no-
 
 
 def _forward(ms: float, floor: float) -> dict:
-    rows = {n: {"median_ms": ms * k, "floor_ratio": ms * k / floor, "others_cores": 0.1} for n,
-            k in (("1", 1), ("8", 2), ("32", 4))}
+    rows = {n: {"median_ms": ms * k, "floor_ratio": ms * k / floor, "others_cores": 0.1}
+            for n, k in (("1", 1), ("8", 2), ("32", 4))}
     return {"layers": [2, 28], "context": 512, "weight_bytes": 88 << 20, "floor_ms": floor, "tokens": rows}
 
 
@@ -293,8 +293,8 @@ def test_speed_report_checks_every_target() -> None:
                                                                                                           [8.0, 0.89])
     targets = [values(row) for row in table(text, "target")]
     flags = {True: "met", False: "MISSED", None: "not measured"}
-    assert [(row["target"], row["value"], row["met"]) for row in targets] == [(k, [v], flags[verdicts[k]]) for k,
-                                                                              v in TARGETS.items()]
+    expected = [(k, [v], flags[verdicts[k]]) for k, v in TARGETS.items()]
+    assert [(row["target"], row["value"], row["met"]) for row in targets] == expected
 
 
 def test_idle_cost_waits_before_every_other_block_of_steps() -> None:

@@ -124,8 +124,8 @@ def test_the_smaller_qwen_drafts_for_the_larger_and_commits_the_sequential_token
         for mode in ("drafter", "auto"):
             gen = client.generate(ids, NEW_TOKENS, decode=mode)
             assert gen.ids == sequential, f"{mode}, prompt {i}: diverges at {first_difference(gen.ids, sequential)}"
-            from_draft_model += sum(n for s in gen.steps for src,
-                                    n in s.speculation.sources.items() if "draft-model" in src)
+            from_draft_model += sum(n for s in gen.steps for src, n in s.speculation.sources.items()
+                                    if "draft-model" in src)
     assert from_draft_model > NEW_TOKENS
     # A conversation keeps the draft model's cache from turn to turn: the second turn equals a fresh answer.
     with client.conversation() as conv:

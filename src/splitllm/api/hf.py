@@ -83,8 +83,8 @@ class SplitModelForCausalLM:
             raise ValueError("padded prompts are not supported: pass each prompt unpadded")
         if streamer is not None and len(rows) != 1:
             raise ValueError("a streamer takes a batch of one prompt")
-        outputs = [prompt + self._new_ids(prompt, config, config.row_sampling(i), streamer) for i,
-                   prompt in enumerate(rows)]
+        outputs = [prompt + self._new_ids(prompt, config, config.row_sampling(i), streamer)
+                   for i, prompt in enumerate(rows)]
         pad = config.pad_token_id if config.pad_token_id is not None else self.tokenizer.pad_token_id
         pad = pad if pad is not None else min(self.client.stop_ids, default=0)
         width = max(map(len, outputs))

@@ -112,8 +112,8 @@ class Evidence:
         valid = {
             "platform": isinstance(h.get("platform"), str),
             "report": isinstance(h.get("report"), bytes),
-            "certs": isinstance(certs, dict) and all(isinstance(k, str) and isinstance(v, bytes) for k,
-                                                     v in certs.items()),
+            "certs": isinstance(certs, dict)
+            and all(isinstance(k, str) and isinstance(v, bytes) for k, v in certs.items()),
             "key": isinstance(h.get("key"), bytes) and len(h["key"]) == KEY_SIZE,
             "fingerprint": _is_digest(fingerprint),
             "weights": _is_digest(weights),

@@ -67,8 +67,8 @@ class ConversationCache:
         if best is not None:
             return self._kept.pop(best).conversation, list(prompt[held:]), held
         if text is not None:
-            found = [(len(k.text), key) for key,
-                     k in mine.items() if len(k.text) < len(text) and text.startswith(k.text)]
+            found = [(len(k.text), key) for key, k in mine.items()
+                     if len(k.text) < len(text) and text.startswith(k.text)]
             if found:
                 kept = self._kept.pop(max(found)[1])
                 rest = self.client.tokenizer(text[len(kept.text) :], add_special_tokens=False)["input_ids"]

@@ -332,8 +332,8 @@ class RemoteMiddle:
 
     def _keeps(self, parts: list[tuple[int, int]], keep: list[int]) -> list[tuple[int, int, list[int]]]:
         """Each part with its keep: the step's for the first, all of the previous part for the rest."""
-        return [(a, b, keep if i == 0 else list(range(parts[i - 1][1] - parts[i - 1][0]))) for i,
-                (a, b) in enumerate(parts)]
+        return [(a, b, keep if i == 0 else list(range(parts[i - 1][1] - parts[i - 1][0])))
+                for i, (a, b) in enumerate(parts)]
 
     def _send_part(
         self, sent: Step, start: int, end: int, keep: list[int], timing: StepTiming, waiting: Iterator[object]

@@ -81,17 +81,15 @@ def set_threads(threads: int | None) -> int:
 def resolve_precision(dtype: str | None, quant: str | None, device: str, exact: bool, side: str) -> Precision:
     """--exact, an explicit --dtype/--quant (the other then from the exact mode), or the fastest here;
     said once on stderr, so a user knows what runs."""
-    from splitllm.model.precision import EXACT, Precision, fastest
+    from splitllm.model.precision import EXACT, Precision, asked
 
     if exact and (dtype not in (None, "float32") or quant not in (None, "none")):
         raise typer.BadParameter("--exact is float32 compute with the checkpoint's weights: drop --dtype/--quant")
     with reported(ValueError):
         if exact:
             precision = Precision(EXACT.dtype, EXACT.quant, device)
-        elif dtype is None and quant is None:
-            precision = fastest(device)
         else:
-            precision = Precision.parse(dtype or "float32", quant or "none", device)
+            precision = asked(None if dtype is None else Precision.parse(dtype).dtype, quant, device)
     how = "exact" if precision.exact else "the fastest here" if dtype is None and quant is None else "as asked"
     typer.echo(f"{side}: {precision.name} ({how}; --exact for float32, docs/precision.md for each setting's cost)",
                err=True)

@@ -57,6 +57,11 @@ from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
 
 log = logging.getLogger(__name__)
+# Where a part of the split runs PyTorch's kernels, whose rows round by their step's size (Stage.row_invariant).
+_NOT_ROW_INVARIANT = (
+    "a part of the split runs PyTorch's kernels (the float32 exact mode, float16, or no splitllm kernel variant "
+    "on this CPU), whose rows round differently in a tree than alone"
+)
 
 
 @dataclass
@@ -186,10 +191,8 @@ class SpeculativeDecoder:
         if not pipeline.row_invariant:
             if self.config.mode != Mode.AUTO:
                 raise ValueError(
-                    f"decode mode '{self.config.mode}' would not reproduce sequential decoding here: a part of the "
-                    "split runs PyTorch's kernels (the float32 exact mode, float16, or no splitllm kernel variant on "
-                    "this CPU), whose rows round differently in a tree than alone; use --decode sequential or auto, "
-                    "or bfloat16 where splitllm's kernels run"
+                    f"decode mode '{self.config.mode}' would not reproduce sequential decoding here: "
+                    f"{_NOT_ROW_INVARIANT}; use --decode sequential or auto, or bfloat16 where splitllm's kernels run"
                 )
             _say_auto_is_sequential()
             yield from decode_sequential(pipeline, prompt, max_new_tokens, frozenset(stop_ids), sampler, keep)
@@ -206,10 +209,8 @@ class SpeculativeDecoder:
 @functools.cache
 def _say_auto_is_sequential() -> None:
     """Said once per process: `auto` keeps its promise of sequential decoding's output by not speculating."""
-    log.warning(
-        "auto decodes sequentially here: a part of the split runs PyTorch's kernels (the float32 exact mode, "
-        "float16, or no splitllm kernel variant on this CPU), where speculation would not reproduce it bit for bit"
-    )
+    log.warning("auto decodes sequentially here: %s, so speculation would not reproduce it bit for bit",
+                _NOT_ROW_INVARIANT)
 
 
 def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], list[ScoredTreeProposer]]:
@@ -456,8 +457,8 @@ class _Generation:
         grows = free[0] if free else None
         if budget.cost is not None:
             gates = {i: self.gates.draft(self.drafters[i].name) for i in free}
-            offers = {i: saved for i,
-                      gate in gates.items() if (saved := gate.offer(budget.cost, self.gates.step)) is not None}
+            offers = {i: saved for i, gate in gates.items()
+                      if (saved := gate.offer(budget.cost, self.gates.step)) is not None}
             grows = max(offers, key=offers.__getitem__) if offers else None
         for i, drafter in enumerate(self.drafters):
             candidates += drafter.propose(self.history, budget if i == grows else replace(budget, max_nodes=0))

@@ -130,13 +130,20 @@ def fastest(device: str = "cpu") -> Precision:
     On a CPU where splitllm's kernels load: bfloat16 compute with `mixed` weights, the fastest setting
     every kernel variant runs (`splitllm bench kernels`), and closer to float32 than int8 (`bench
     quality`): the weights a GGUF ships in 4-bit blocks stay exact in int4, at half of int8's bytes, and
-    the others are int8 (figures in `docs/precision.md`). Elsewhere the exact mode: without the kernels a
-    16-bit row's bits depend on its batch, so speculation would no longer give sequential decoding's
-    output, and other devices are not verified.
+    the others are int8 (figures in `docs/precision.md`). Elsewhere the exact mode: PyTorch's 16-bit
+    kernels are no faster there and no more exact (neither speculates), and other devices are not verified.
     """
     if device == "cpu" and cpu_kernels.load() is not None:
         return Precision(torch.bfloat16, "mixed", device)
     return Precision(device=device)
+
+
+def asked(dtype: torch.dtype | None, quant: str | None, device: str = "cpu") -> Precision:
+    """A side's precision from its dtype and quantization, None where not given: neither given is the
+    fastest here; one given alone takes the exact mode's other (the rule of every command and record)."""
+    if dtype is None and quant is None:
+        return fastest(device)
+    return Precision(dtype or EXACT.dtype, quant or EXACT.quant, device)
 
 
 @functools.cache
@@ -144,5 +151,5 @@ def _warn_without_kernels(name: str) -> None:
     """Said once per setting and process: the 16-bit settings are only bit-exact in splitllm's kernels."""
     log.warning(
         "%s runs in PyTorch's kernels (splitllm's do not run here): slower, and speculative decoding is not "
-        "bit-exact against sequential decoding (use --exact for that)", name,
+        "bit-exact against sequential decoding there, so auto decodes sequentially", name,
     )

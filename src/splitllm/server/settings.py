@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 import torch
 
-from splitllm.model.precision import EXACT, Precision, fastest
+from splitllm.model.precision import Precision, asked
 from splitllm.options import SERVE, Split, option, options_of
 from splitllm.server.setting_fields import fields_of
 
@@ -58,6 +58,4 @@ class ServerSettings:
 
     @property
     def precision(self) -> Precision:
-        if self.dtype is None and self.quant is None:
-            return fastest(self.device)
-        return Precision(self.dtype or EXACT.dtype, self.quant or EXACT.quant, self.device)
+        return asked(self.dtype, self.quant, self.device)

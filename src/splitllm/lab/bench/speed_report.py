@@ -36,8 +36,8 @@ def met(result: dict[str, Any]) -> dict[str, bool | None]:
         "sequential_tok_s_at_0ms": seq.get("0", {}).get("tok_s"),
         "sequential_tok_s_at_80ms": seq.get("80", {}).get("tok_s"),
     }
-    ratios = [min(v["tokens"]["1"]["floor_ratio"] for k,
-                  v in fwd.items() if k.startswith(s + " ")) for s in result["settings"]]
+    ratios = [min(v["tokens"]["1"]["floor_ratio"] for k, v in fwd.items() if k.startswith(s + " "))
+              for s in result["settings"]]
     if "0" in seq and "0" in exact:
         figures["speedup_over_float32_at_0ms"] = seq["0"]["tok_s"] / exact["0"]["tok_s"]
     out: dict[str, bool | None] = {}

@@ -256,13 +256,13 @@ def _phases(build: _Build, tok, start: Drafter | None) -> tuple[Drafter, _Produc
     target = train.Target(ends)
     ts = build.train_settings
     splits = {name: _split(train.prepare(f), ts.validation_share, ts.seed) for name, f in feats.items()}
-    splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val]) for name,
-              (tr, val) in splits.items()}
+    splits = {name: (tr, [replace(s, greedy=target.greedy(s.feats)) for s in val])
+              for name, (tr, val) in splits.items()}
     drafter, history = _train(build, ends, target, [s for tr, _ in splits.values() for s in tr], start)
     t3 = time.perf_counter()
     validation = {
-        name: asdict(train.validate(drafter, target, val, ts.validation_depth)) for name,
-        (_, val) in splits.items() if val
+        name: asdict(train.validate(drafter, target, val, ts.validation_depth))
+        for name, (_, val) in splits.items() if val
     }
     t4 = time.perf_counter()
     seconds = {

@@ -99,8 +99,8 @@ def _step(
     """One batched step at position t of several sequences (each: tokens that see only its committed
     prefix and themselves) through consecutive stages; their entries are left pending."""
     for i, stage in enumerate(stages):
-        hidden = stage.forward_many([(c[i], Step(h, torch.full((len(h),), t), roots(len(h)))) for c,
-                                     h in zip(caches, hidden)])
+        hidden = stage.forward_many([(c[i], Step(h, torch.full((len(h),), t), roots(len(h))))
+                                     for c, h in zip(caches, hidden)])
     return hidden
 
 
