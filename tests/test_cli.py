@@ -21,13 +21,16 @@ from typer.testing import CliRunner
 
 from splitllm import options as table
 from splitllm.cli import app
+from splitllm.client.connection import TOKEN_ENV
 from splitllm.commands.wiring import need_extra, resolve_precision
 from splitllm.lab import results
 from splitllm.model.precision import EXACT, fastest
 from splitllm.decoding.mode_names import DEFAULT_DECODE
 from splitllm.decoding.modes import DECODERS
+from splitllm.kernels.cpu_kernels import SWITCH
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "splitllm"
+WIDE = {"COLUMNS": "400"}  # rich wraps nothing, so an error's words stay on one line
 COMMAND_FILES = [*sorted((SRC / "commands").glob("*.py")), SRC / "cli.py",
                  *sorted((SRC / "lab").rglob("*_commands.py"))]
 
@@ -130,12 +133,29 @@ def test_an_explicit_dtype_fills_the_rest_from_the_exact_mode() -> None:
     assert resolve_precision(None, "int8", "cpu", False, "p").name == "float32-int8"
 
 
-def test_every_option_reads_its_environment_variable() -> None:
-    text = _help(["serve"])
-    assert "SPLITLLM_SERVE_PORT" in text and "SPLITLLM_SERVE_THREADS" in text
-    result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent"], env={"SPLITLLM_SERVE_SLICE_ROWS": "0"})
+def test_an_option_reads_one_variable_in_every_runtime_command_and_none_in_the_lab() -> None:
+    """`SPLITLLM_<OPTION>` in whichever runtime command takes the option; a lab command reads none, since its
+    results record the command line that made them."""
+    assert "SPLITLLM_PORT" in _help(["serve"]) and "SPLITLLM_THREADS" in _help(["generate"])
+    for command in ("serve", "client-api"):
+        result = CliRunner().invoke(app, [command, "--model", "/nonexistent"], env={"SPLITLLM_PORT": "0", **WIDE})
+        assert result.exit_code == 2 and "Invalid value for '--port'" in result.output, command
+    result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent"], env={"SPLITLLM_SLICE_ROWS": "0", **WIDE})
     assert result.exit_code == 2 and "must be at least 1" in result.output
-    assert "SPLITLLM_BENCH_SPECULATION_RTT_MS" in _help(["bench", "speculation"])
+    assert "SPLITLLM_" not in _help(["bench", "speculation"])
+
+
+def test_one_variable_per_option_name_with_one_meaning() -> None:
+    """A name the runtime takes in several commands measures one thing in all of them, and no option's
+    variable is one the runtime reads for itself."""
+    runtime = [o for o in table.OPTIONS if set(o.commands) & set(table.RUNTIME)]
+    units: dict[str, set[str]] = {}
+    for o in runtime:
+        units.setdefault(o.name, set()).add(o.unit)
+    assert all(len(u) == 1 for u in units.values()), units
+    variables = {o.env for o in runtime}
+    assert len(variables) == len(units)
+    assert variables.isdisjoint({"SPLITLLM_CACHE", TOKEN_ENV, SWITCH, "SPLITLLM_TILES"})
 
 
 def test_a_missing_extra_names_what_is_missing_and_the_install_line(
@@ -176,7 +196,7 @@ def test_every_option_of_every_command_comes_from_the_table_with_its_environment
         assert sorted(cli) == sorted(o.name for o in table.options_of(path)), path
         for name, param in cli.items():
             option = table.option(path, name)
-            assert param.envvar == option.env(path) and param.opts[0] == option.flag.split("/")[0], (path, name)
+            assert param.envvar == option.env_in(path) and param.opts[0] == option.flag.split("/")[0], (path, name)
             taken.add((path, name))
     assert taken == {(c, o.name) for c in table.COMMANDS for o in table.options_of(c)}
     assert {c for c, _ in taken} == set(table.COMMANDS)
@@ -231,8 +251,8 @@ def test_help_and_a_mistyped_flag_answer_without_loading_torch_or_transformers()
     assert [code for code, _ in runs] == [0, 0, 0, 2]
     (_, root), (_, generate), (_, serve), (_, bogus) = runs
     assert all(name in root for name in ("generate", "serve", "attest", "bench", "privacy", "drafter"))
-    assert "|".join(DECODERS) in generate and "SPLITLLM_GENERATE_DECODE" in generate
-    assert "SPLITLLM_SERVE_MAX_KV_GIB" in serve and "No such option: --bogus" in bogus
+    assert "|".join(DECODERS) in generate and "SPLITLLM_DECODE" in generate
+    assert "SPLITLLM_MAX_KV_GIB" in serve and "No such option: --bogus" in bogus
     assert not heavy & {"torch", "transformers", "numpy"}, heavy
 
 

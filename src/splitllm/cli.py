@@ -2,7 +2,7 @@
 
 Every option is declared once, in splitllm.options, and follows one vocabulary (docs/cli.md): durations
 and sizes carry their unit (`--rtt-ms`, `--session-ttl-s`, `--max-kv-gib`), several values are
-comma-separated, `--out` is a folder; every option also reads `SPLITLLM_<COMMAND>_<OPTION>` from the
+comma-separated, `--out` is a folder; a runtime command's option also reads `SPLITLLM_<OPTION>` from the
 environment.
 
 Registering a command imports no model code (each command imports what it runs), and the lab's commands

@@ -4,10 +4,14 @@ An `Option` says its name (the flag is `--name` with `-` for `_` unless `flags` 
 default (and where a command's differs), help, unit, bounds, the commands that take it and the record
 (`group`) a command may take it in. From this table come each command's typer options
 (`commands.wiring.command`), the defaults of the records the options fill (`Split`,
-`server.settings.ServerSettings`, `commands.client_commands.ClientSettings`), every option's environment variable
-(`SPLITLLM_<COMMAND>_<OPTION>`, as llama.cpp's server reads `LLAMA_ARG_*`) and docs/cli.md's option lists
-(`markdown`). A flag's name may mean something else in another command (`--first` is one split point in
-`serve`, a list of them in `privacy audit`); a command never takes two options of one name.
+`server.settings.ServerSettings`, `commands.client_commands.ClientSettings`), the environment variables
+and docs/cli.md's option lists (`markdown`).
+
+An option has one environment variable, `SPLITLLM_<OPTION>`, as llama.cpp's server reads `LLAMA_ARG_*`; every
+runtime command that takes the option reads it, so one `SPLITLLM_FIRST` splits a server and its clients alike.
+The lab's commands read none: a result records the command line that made it, and that line must reproduce it.
+A name means one thing everywhere; a lab command that sweeps an option takes several of its values
+(`--first 1,2,4` in `privacy audit`). A command never takes two options of one name.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ BENCH_KERNELS = "bench kernels"
 PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE = "privacy audit", "privacy private-first-stage"
 DRAFTER_TRAIN, DRAFTER_COMPARE = "drafter train", "drafter compare"
 CLIENTS = (GENERATE, CHAT, CLIENT_API)
+RUNTIME = (SERVE, *CLIENTS, ATTEST_SIM_INIT, ATTEST_WEIGHTS)  # the commands that read environment variables
 LINKED_BENCHES = (BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED)
 REPORTING = (
     BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP, *LINKED_BENCHES, BENCH_EXACTNESS, BENCH_DEFAULTS,
@@ -74,9 +79,15 @@ class Option:
     def default_for(self, command: str) -> Any:
         return self.defaults.get(command, self.default)
 
-    def env(self, command: str) -> str:
-        """The environment variable the option reads in `command` when the command line does not give it."""
-        return "_".join((ENV_PREFIX, command, self.name)).upper().replace(" ", "_").replace("-", "_")
+    @property
+    def env(self) -> str:
+        """The environment variable a runtime command reads for this option when its command line does not
+        give it."""
+        return f"{ENV_PREFIX}_{self.name.upper()}"
+
+    def env_in(self, command: str) -> str | None:
+        """The variable `command` reads for this option: None in the lab's commands."""
+        return self.env if command in RUNTIME else None
 
 
 def _choices(names: Any) -> Any:
@@ -460,9 +471,13 @@ def markdown() -> str:
     """Every command's options as Markdown tables: docs/cli.md's generated part (a test keeps them equal)."""
     sections = []
     for command in COMMANDS:
-        rows = [f"| `{o.flag}` | {_form(o)} | {_default(o, command)} | `{o.env(command)}` | {o.help} |"
-                for o in options_of(command)]
-        header = [f"### `splitllm {command}`", "", "| option | unit | default | environment variable | help |",
-                  "| --- | --- | --- | --- | --- |"]
+        if command in RUNTIME:
+            header = ["| option | unit | default | environment variable | help |", "| --- | --- | --- | --- | --- |"]
+            rows = [f"| `{o.flag}` | {_form(o)} | {_default(o, command)} | `{o.env}` | {o.help} |"
+                    for o in options_of(command)]
+        else:
+            header = ["| option | unit | default | help |", "| --- | --- | --- | --- |"]
+            rows = [f"| `{o.flag}` | {_form(o)} | {_default(o, command)} | {o.help} |" for o in options_of(command)]
+        header = [f"### `splitllm {command}`", "", *header]
         sections.append("\n".join(header + rows) + "\n")
     return "\n".join(sections)

@@ -2,9 +2,10 @@
 wiring uses.
 
 `command` registers a function as a command: its typer signature is generated from the table's options
-for that command, each with its environment variable (`SPLITLLM_<COMMAND>_<OPTION>`, shown in `--help`).
-The function takes a few records (`Split`, `AskedPrecision`, `ClientSettings`, ...) built from the options
-of their group, the rest of its options by name, and its positional arguments (`typer.Argument`).
+for that command, each reading its environment variable in a runtime command (`SPLITLLM_<OPTION>`, shown
+in `--help`). The function takes a few records (`Split`, `AskedPrecision`, `ClientSettings`, ...) built
+from the options of their group, the rest of its options by name, and its positional arguments
+(`typer.Argument`).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class Values:
 
 def _parameter(option: Option, command: str, panel: str | None) -> inspect.Parameter:
     """The typer option of `option` in `command`."""
-    info = typer.Option(*option.flags, help=option.help, envvar=option.env(command), min=option.min, max=option.max,
+    info = typer.Option(*option.flags, help=option.help, envvar=option.env_in(command), min=option.min, max=option.max,
                         rich_help_panel=panel)
     default = option.default_for(command)
     return inspect.Parameter(
