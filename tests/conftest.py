@@ -4,7 +4,7 @@ use, servers on loopback.
 Tiny models are built from transformers configs with a fixed seed and a wide initializer so greedy
 margins stay far above float32 rounding; their norms and biases are randomized too (HF initializes
 them to ones and zeros, which would hide mistakes in how we load them). They have no tokenizer:
-tests drive them with token ids.
+tests drive them with token ids; `tiny_chat` adds one, with a chat template, for the public API.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from protocol_client import greedy
+from tiny_tokenizer import VOCAB as TINY_CHAT_VOCAB
+from tiny_tokenizer import save_tiny_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -55,6 +57,8 @@ DEFAULT_SPLIT = (2, 2)
 """(first, last): the split the server tests of the packaged models use, two client layers on each side."""
 DEFAULT_MODEL_CASE = pytest.param("default", marks=pytest.mark.slow)
 """The packaged default model as one case of a test parametrized by model name: slow, as every test that needs it."""
+CHAT_CASES = ("tiny-chat", DEFAULT_MODEL_CASE)
+"""The models the public API runs end to end on: the tiny one with a tokenizer (`tiny_chat`), and the default."""
 
 TINY_VOCAB = 512
 _TINY_COMMON = dict(
@@ -95,9 +99,16 @@ TINY_CONFIGS = {
 }
 
 
+# The public API's tiny model (`tiny_chat`): heads of 64, so its 16-bit runs take the CPU kernels and speculate.
+# Its tokens are single characters, so its context is longer: a chat with tools runs to about 600 of them.
+TINY_CHAT_CONFIG = LlamaConfig(**{**_TINY_COMMON, "vocab_size": TINY_CHAT_VOCAB, "max_position_embeddings": 2048},
+                               num_hidden_layers=4, head_dim=64, tie_word_embeddings=False)
+
+
 def _build_tiny(name: str, folder: Path) -> Path:
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name], dtype=torch.float32)
+    config = TINY_CHAT_CONFIG if name == "chat" else TINY_CONFIGS[name]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
@@ -159,6 +170,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     gemma3 (alternating sliding and full layers, and Gemma's norms, scales and activation)."""
     root = tmp_path_factory.mktemp("tiny-models")
     return {name: _build_tiny(name, root / name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama with a tiny tokenizer whose chat template takes tools (tests/tiny_tokenizer.py): the
+    public API end to end in the fast tier."""
+    folder = _build_tiny("chat", tmp_path_factory.mktemp("tiny-chat"))
+    save_tiny_tokenizer(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def chat_split(tiny_chat: str) -> Callable[[str], tuple[str | None, int, int]]:
+    """(model, first, last) of a case of CHAT_CASES."""
+    return lambda case: (tiny_chat, *TINY_SPLIT) if case == "tiny-chat" else (None, *DEFAULT_SPLIT)
 
 
 @pytest.fixture(scope="session")

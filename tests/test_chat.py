@@ -13,7 +13,8 @@ from rich.console import Console
 from splitllm.api.terminal_chat import run_chat
 from splitllm.client.client import SplitClient
 
-pytestmark = pytest.mark.slow
+from conftest import CHAT_CASES
+
 TURNS = ["My name is Ada.", "What is my name?", "Say it backwards."]
 
 
@@ -31,12 +32,18 @@ class PositionLog:
         return getattr(self.stage, name)
 
 
-def test_turns_send_the_server_only_new_positions(server,  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=CHAT_CASES)
+def split(request, chat_split) -> tuple[str | None, int, int]:  # type: ignore[no-untyped-def]
+    """(model, first, last) of the model the chat runs on."""
+    return chat_split(request.param)
+
+
+def test_turns_send_the_server_only_new_positions(server, split,  # type: ignore[no-untyped-def]
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    thread = server(None, 2, 2)
+    thread = server(*split)
     log = PositionLog(thread.server.stage)
     monkeypatch.setattr(thread.server.steps, "stage", log)  # where the server runs its forwards
-    client = SplitClient(None, thread.url, first=2, last=2)
+    client = SplitClient(split[0], thread.url, first=split[1], last=split[2])
     with client.conversation() as conv:
         for question in TURNS:
             before, first_step = len(conv.ids), len(log.steps)
@@ -54,9 +61,9 @@ def test_turns_send_the_server_only_new_positions(server,  # type: ignore[no-unt
 
 
 @pytest.fixture(scope="module")
-def client() -> SplitClient:
-    """The default model with its middle layers in-process."""
-    return SplitClient(None, first=2, last=2)
+def client(split: tuple[str | None, int, int]) -> SplitClient:
+    """The model with its middle layers in-process."""
+    return SplitClient(split[0], first=split[1], last=split[2])
 
 
 @pytest.mark.parametrize("decode", ["sequential", "auto"])

@@ -26,11 +26,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 from websockets.sync.server import ServerConnection, serve
 
-from conftest import DEFAULT_SPLIT, TINY_SPLIT
+from conftest import CHAT_CASES, DEFAULT_SPLIT, TINY_SPLIT
 from protocol_client import greedy
 from typer.testing import CliRunner
 
 from splitllm.cli import app
+from splitllm.client.client import SplitClient
 from splitllm.client.client_model import ClientModel
 from splitllm.model.precision import Precision
 from splitllm.protocol import wire
@@ -51,7 +52,6 @@ from splitllm.testing.launch import ServerThread
 from splitllm.weights.conversions import StoredWeights
 from splitllm.weights.sources import ModelFiles
 
-pytestmark = pytest.mark.slow
 FIRST, LAST = DEFAULT_SPLIT
 PROMPT = "My name is Alice Smith and my bank PIN is 4921."
 NEW_TOKENS = 8
@@ -164,6 +164,7 @@ def _run(client_model, url: str, prompt: list[int],  # type: ignore[no-untyped-d
     return greedy(client_model, middle, prompt, NEW_TOKENS)
 
 
+@pytest.mark.slow
 def test_an_attested_server_gives_the_plain_output_and_the_wire_carries_only_ciphertext(
     server, load_client_model, relay, vendor, prompt, attacker, default_files
 ) -> None:  # type: ignore[no-untyped-def]
@@ -193,6 +194,7 @@ def _with_intruders_key(index: int, reply: bytes) -> bytes:
     return wire.encode({**frame.header, "key": _raw(X25519PrivateKey.generate().public_key())}) if index == 0 else reply
 
 
+@pytest.mark.slow
 def test_every_failed_check_sends_no_state(
     server, load_client_model, relay, vendor, prompt, attacker, default_files, tiny_models, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -241,6 +243,7 @@ def _flip_one_byte(path: Path, tensor: str) -> None:
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["float32-none", "bfloat16-int8"])
 def test_a_server_whose_loaded_weights_differ_by_one_byte_is_refused(
     setting, tiny_models, vendor, relay, random_ids, tmp_path, monkeypatch
@@ -291,6 +294,7 @@ def test_a_server_whose_loaded_weights_differ_by_one_byte_is_refused(
     assert (steps, opened, len(tampered.sessions)) == (0, 0, 0)  # the server saw no session and no step
 
 
+@pytest.mark.slow
 def test_tampered_and_replayed_frames_are_refused(  # type: ignore[no-untyped-def]
     server, load_client_model, relay, vendor, prompt
 ) -> None:
@@ -320,6 +324,7 @@ def test_tampered_and_replayed_frames_are_refused(  # type: ignore[no-untyped-de
     assert mitm.connections == 2 and [_op(m) for m in mitm.received].count("attest") == 2  # attested afresh
 
 
+@pytest.mark.slow
 def test_the_commands_refuse_without_evidence(server, tmp_path, vendor) -> None:  # type: ignore[no-untyped-def]
     cli = [sys.executable, "-m", "splitllm.cli"]
     out = subprocess.run([*cli, "serve", "--attestation", "sev-snp"], capture_output=True, text=True, timeout=120)
@@ -340,14 +345,21 @@ def test_the_commands_refuse_without_evidence(server, tmp_path, vendor) -> None:
     assert "SIMULATED vendor" in out.stderr
 
 
-def test_the_python_apis_take_a_policy(server, vendor) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("case", CHAT_CASES)
+def test_the_python_apis_take_a_policy(server, vendor, chat_split, case) -> None:  # type: ignore[no-untyped-def]
+    """The attested handshake and sealed steps end to end through both Python APIs: the plain output."""
     from splitllm.api.hf import SplitModelForCausalLM
 
-    sealed = server(None, FIRST, LAST, attestation="simulated", attestation_sim=str(vendor)).url
-    plain = server(None, FIRST, LAST).url
-    ids = [[1, 504, 3458, 314]]
-    want = SplitModelForCausalLM.from_pretrained(None, plain).generate(ids, max_new_tokens=6)
-    model = SplitModelForCausalLM.from_pretrained(None, sealed, attestation_policy=vendor / "policy.json")
-    assert torch.equal(model.generate(ids, max_new_tokens=6), want)
+    model, first, last = chat_split(case)
+    sealed = server(model, first, last, attestation="simulated", attestation_sim=str(vendor)).url
+    plain = server(model, first, last).url
+    policy = vendor / "policy.json"
+    want = SplitClient(model, plain, first, last).generate(PROMPT, NEW_TOKENS)
+    attested_client = SplitClient(model, sealed, first, last, attestation_policy=policy)
+    assert attested_client.generate(PROMPT, NEW_TOKENS).ids == want.ids
+    ids = [want.prompt_ids]
+    hf = SplitModelForCausalLM.from_pretrained(model, plain, first, last).generate(ids, max_new_tokens=6)
+    attested = SplitModelForCausalLM.from_pretrained(model, sealed, first, last, attestation_policy=policy)
+    assert torch.equal(attested.generate(ids, max_new_tokens=6), hf)
     with pytest.raises(ValueError, match="needs a server URL"):
-        SplitModelForCausalLM.from_pretrained(None, None, attestation_policy=vendor / "policy.json")
+        SplitModelForCausalLM.from_pretrained(model, None, first, last, attestation_policy=policy)
