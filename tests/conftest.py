@@ -183,8 +183,8 @@ def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def chat_split(tiny_chat: str) -> Callable[[str], tuple[str | None, int, int]]:
-    """(model, first, last) of a case of CHAT_CASES."""
-    return lambda case: (tiny_chat, *TINY_SPLIT) if case == "tiny-chat" else (None, *DEFAULT_SPLIT)
+    """(model, first, last) of "tiny-chat" or a packaged model's name."""
+    return lambda case: (tiny_chat, *TINY_SPLIT) if case == "tiny-chat" else (case, *DEFAULT_SPLIT)
 
 
 @pytest.fixture(scope="session")

@@ -38,14 +38,14 @@ CITY = {
     "required": ["city", "country", "landmarks"],
     "additionalProperties": False,
 }
-QWEN = pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)
 
 
-@pytest.fixture(scope="module", params=["tiny-chat", QWEN, DEFAULT_MODEL_CASE])
+@pytest.fixture(scope="module", params=["tiny-chat", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow),
+                                        DEFAULT_MODEL_CASE])
 def api(request: pytest.FixtureRequest, server, chat_split) -> Iterator[tuple[str, openai.OpenAI]]:  # type: ignore[no-untyped-def]
     """An OpenAI client on `client-api`'s app over a real server thread: the tiny model and the smaller Qwen
     (their templates take tools), and the default model (its template does not)."""
-    model, first, last = chat_split(request.param) if request.param != QWEN.values[0] else (QWEN.values[0], 2, 2)
+    model, first, last = chat_split(request.param)
     client = SplitClient(model, server(model, first, last).url, first=first, last=last)
     with serve_http(create_app(client, "m")) as url:
         yield request.param, openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
