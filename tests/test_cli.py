@@ -6,6 +6,7 @@ help and parsing that load neither the model code nor the lab."""
 from __future__ import annotations
 
 import ast
+import inspect
 import importlib.metadata
 import json
 import subprocess
@@ -200,6 +201,24 @@ def test_every_option_of_every_command_comes_from_the_table_with_its_environment
             taken.add((path, name))
     assert taken == {(c, o.name) for c in table.COMMANDS for o in table.options_of(c)}
     assert {c for c, _ in taken} == set(table.COMMANDS)
+
+
+def test_the_python_apis_defaults_are_the_client_commands() -> None:
+    """What a library user gets without an argument is what `splitllm generate` runs without its option."""
+    from splitllm.api.hf import GenerationConfig, SplitModelForCausalLM
+    from splitllm.client.client import Conversation, SplitClient
+
+    generate = table.defaults_of(table.GENERATE)
+    apis = (SplitClient, SplitClient.generate, SplitClient.stream, Conversation.stream,
+            SplitModelForCausalLM.from_pretrained, GenerationConfig)
+    checked = set()
+    for api in apis:
+        for name, parameter in inspect.signature(api).parameters.items():
+            if name in generate and name != "model" and parameter.default is not inspect.Parameter.empty:
+                want = generate[name]
+                assert parameter.default == want or not (parameter.default or want), (api, name)  # () is no stop
+                checked.add(name)
+    assert {"first", "last", "wire_dtype", "max_new_tokens", "max_context"} <= checked
 
 
 def test_no_command_takes_two_options_of_one_name_and_units_are_in_the_names() -> None:

@@ -15,6 +15,7 @@ import torch
 from splitllm.client.client import SplitClient
 from splitllm.decoding.mode_names import DEFAULT_DECODE
 from splitllm.decoding.sampling import SamplingParams
+from splitllm.options import GENERATE, Split, option
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class GenerationConfig:
     (`do_sample`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`) make `sampling`, with
     transformers' defaults (top_k 50); `decode` is splitllm's decoding mode."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = option(GENERATE, "max_new_tokens").default
     sampling: SamplingParams = SamplingParams(top_k=50)
     decode: str = DEFAULT_DECODE
     stop_strings: str | Sequence[str] | None = None
@@ -55,7 +56,8 @@ class SplitModelForCausalLM:
 
     @classmethod
     def from_pretrained(
-        cls, model: str | None = "default", server: str | None = None, first: int = 2, last: int = 2, **kwargs: Any
+        cls, model: str | None = "default", server: str | None = None, first: int = Split.first, last: int = Split.last,
+        **kwargs: Any
     ) -> SplitModelForCausalLM:
         """`model`: 'default', an HF folder or a .gguf file; `server`: ws(s)://host:port, None runs the
         middle in-process; other keyword arguments go to `SplitClient` (wire_dtype, connection, ...)."""

@@ -27,11 +27,13 @@ from splitllm.decoding.step import StepOutput
 from splitllm.model.kv import KVCache
 from splitllm.model.precision import Precision, fastest
 from splitllm.model.stage import Stage
+from splitllm.options import GENERATE, Split, defaults_of
 from splitllm.weights.sources import ModelFiles
 from splitllm.decoding.sizing.latency import tokens_per_second
 from splitllm.stats import SpeculationMetrics, StepStats, mean_stats
 
 __all__ = ["DECODERS", "Conversation", "Decoder", "Generation", "SplitClient"]
+_DEFAULTS = defaults_of(GENERATE)  # the Python API's defaults are the client commands' (splitllm.options)
 
 log = logging.getLogger("splitllm.client")
 
@@ -93,9 +95,9 @@ class SplitClient:
         self,
         model: str | None = None,
         server: str | None = None,
-        first: int = 2,
-        last: int = 2,
-        wire_dtype: str = "float16",
+        first: int = Split.first,
+        last: int = Split.last,
+        wire_dtype: str = _DEFAULTS["wire_dtype"],
         max_context: int | None = None,
         precision: Precision | torch.dtype | None = None,
         connection: ConnectionOptions | None = None,
@@ -170,7 +172,7 @@ class SplitClient:
     def stream(
         self,
         prompt: str | list[int],
-        max_new_tokens: int = 128,
+        max_new_tokens: int = _DEFAULTS["max_new_tokens"],
         decode: str | Decoder = DEFAULT_DECODE,
         chat: bool = True,
         sampling: SamplingParams | None = None,
@@ -183,7 +185,7 @@ class SplitClient:
     def generate(
         self,
         prompt: str | list[int],
-        max_new_tokens: int = 128,
+        max_new_tokens: int = _DEFAULTS["max_new_tokens"],
         decode: str | Decoder = DEFAULT_DECODE,
         chat: bool = True,
         sampling: SamplingParams | None = None,
@@ -273,7 +275,7 @@ class Conversation:
     def stream(
         self,
         new_ids: list[int],
-        max_new_tokens: int = 128,
+        max_new_tokens: int = _DEFAULTS["max_new_tokens"],
         decode: str | Decoder = DEFAULT_DECODE,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
@@ -351,7 +353,7 @@ class Conversation:
     def say(
         self,
         user: str,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = _DEFAULTS["max_new_tokens"],
         decode: str | Decoder = DEFAULT_DECODE,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),

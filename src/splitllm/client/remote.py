@@ -24,6 +24,7 @@ from typing import TypeVar, cast
 import torch
 from websockets.sync.client import ClientConnection
 
+from splitllm.options import GENERATE, SERVE, option
 from splitllm.protocol import messages, wire
 from splitllm.protocol.messages import (
     PROTOCOL_VERSION, CloseMessage, ClosedMessage, ErrorMessage, OpenedMessage, OpenMessage, Reply, ResultMessage,
@@ -95,8 +96,8 @@ class RemoteMiddle:
         url: str,
         fingerprint: str,
         layers: tuple[int, int],
-        wire_dtype: str = "float16",
-        max_context: int = 4096,
+        wire_dtype: str = option(GENERATE, "wire_dtype").default,
+        max_context: int = option(SERVE, "max_context").default,
         options: ConnectionOptions | None = None,
     ) -> None:
         if wire_dtype not in wire.WIRE_DTYPES:

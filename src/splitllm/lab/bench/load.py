@@ -47,6 +47,7 @@ from splitllm.client.client import SplitClient
 from splitllm.lab.bench.load_clients import Call, ClientRun, Solo, decode, replay, solo_runs
 from splitllm.lab.bench.load_report import markdown, plot, prefill_markdown, scaling, summary
 from splitllm.lab.data.workload import workload
+from splitllm.options import BENCH_LOAD, GENERATE, Split, defaults_of, option
 from splitllm.testing.launch import ServerProcess, free_port
 from splitllm.threads import set_compute_threads
 
@@ -132,19 +133,22 @@ class ServerKind:
         return ["--batch-window-ms", str(self.batch_window_ms), *extra]
 
 
+_LOAD = defaults_of(BENCH_LOAD)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadSettings:
-    max_new_tokens: int = 32
-    rtt_ms: float = 80.0
-    prompts: int = 8
-    context: int = 256
-    max_kv_gib: float = 1.0
-    first: int = 2
-    last: int = 2
-    wire_dtype: str = "float16"
+    max_new_tokens: int = _LOAD["max_new_tokens"]
+    rtt_ms: float = _LOAD["rtt_ms"]
+    prompts: int = _LOAD["prompts"]
+    context: int = _LOAD["max_context"]
+    max_kv_gib: float = _LOAD["max_kv_gib"]
+    first: int = Split.first
+    last: int = Split.last
+    wire_dtype: str = option(GENERATE, "wire_dtype").default
     # "device": each client replays its solo run's steps, its own compute a pause (as on its own
     # device); "real": every client computes here, all on this machine's cores.
-    clients_compute: str = "device"
+    clients_compute: str = _LOAD["clients_compute"]
 
 
 def _load_once(

@@ -61,10 +61,10 @@ def train(training: Values, out: str, model: str, max_new_tokens: int, work: str
 
 @command(app, DRAFTER_COMPARE)
 def compare(
-    drafter: list[str], model: str, per_kind: int, max_new_tokens: int, depth: int, out: str | None,
-    threads: int | None,
+    drafter: list[str], model: str, per_kind: int, max_new_tokens: int, depth: int, out: str, threads: int | None,
 ) -> None:
-    """Held-out acceptance per depth of drafters, on conversations and code no training prompt draws from."""
+    """Held-out acceptance per depth of drafters, on conversations and code no training prompt draws from;
+    the figures also go to drafter_compare.json in --out."""
     from splitllm.lab.training.build import DataSettings
     from splitllm.lab.training.evaluate import compare_drafters
 
@@ -74,9 +74,8 @@ def compare(
             model, [None if d == "shipped" else d for d in drafter], per_kind, depth,
             DataSettings(max_new_tokens=max_new_tokens),
         )
-    text = json.dumps(result, indent=1)
-    if out:
-        Path(out).write_text(text)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, "drafter_compare.json").write_text(json.dumps(result, indent=1))
     for name, kinds in result["drafters"].items():
         for kind in result["kinds"]:
             v = kinds[kind]
