@@ -24,7 +24,7 @@ from splitllm.attestation.sealing import SealedChannel, SealError
 from splitllm.attestation.simulation import SimulatedSnp, _der_int, sim_init
 from splitllm.attestation.snp import (
     HWID_OID, POLICY_DEBUG, POLICY_MIGRATE_MA, SIGNED_SIZE, SIGNING_KEY_VLEK, SPL_OIDS, TCB_FIELDS, SnpReport, Tcb,
-    pack_cert_table, parse_cert_table,
+    CERT_GUIDS, parse_cert_table,
 )
 from splitllm.attestation.verify import (
     AttestationError, verify_chain, verify_evidence, verify_report_signature, verify_vcek_binding,
@@ -532,11 +532,21 @@ def test_sealed_frames_refuse_replay_reordering_and_tampering() -> None:
     assert b"two" not in second and len(second) == len(b"two") + 24
 
 
+def _pack_cert_table(certs: dict[str, bytes]) -> bytes:
+    """A certificate table as the firmware lays it out (GUID, offset, length; an all-zero entry ends it)."""
+    by_role = {role: guid for guid, role in CERT_GUIDS.items()}
+    offset, entries, blobs = 24 * (len(certs) + 1), b"", b""
+    for role, der in certs.items():
+        entries += struct.pack("<16sII", by_role[role].bytes_le, offset, len(der))
+        blobs, offset = blobs + der, offset + len(der)
+    return entries + bytes(24) + blobs
+
+
 def test_the_certificate_table_round_trips() -> None:
     certs = {"vcek": b"v" * 10, "ask": b"a" * 3, "ark": b"r" * 5}
-    assert parse_cert_table(pack_cert_table(certs)) == certs
+    assert parse_cert_table(_pack_cert_table(certs)) == certs
     with pytest.raises(ValueError, match="points past its end"):
-        parse_cert_table(pack_cert_table(certs)[:-1])
+        parse_cert_table(_pack_cert_table(certs)[:-1])
     with pytest.raises(ValueError, match="no terminating entry"):
         parse_cert_table(b"\x01" * 16 + bytes(8))  # one entry, of nothing, and no zero entry after it
 

@@ -6,6 +6,7 @@ ships and any client of the cluster can call a replica's methods (docs/confident
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,11 +21,29 @@ from splitllm.server.settings import ServerSettings
 
 ray = pytest.importorskip("ray")
 ray_deployment = pytest.importorskip("splitllm.server.ray_deployment")
+serve = pytest.importorskip("ray.serve")
 
 pytestmark = pytest.mark.slow
 FIRST, LAST = DEFAULT_SPLIT
 CLIENTS, NEW = 8, 24
 MAX_NODES = 16  # the replicas' positions per step: the longer prompts go as several steps
+
+
+def _replica_actor_names() -> list[str]:
+    """Names of the application's live replica actors (in Ray's `serve` namespace)."""
+    prefix = f"SERVE_REPLICA::{ray_deployment.APP_NAME}#{ray_deployment.DEPLOYMENT}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def _wait_replicas(count: int, timeout_s: float = 120.0) -> None:
+    """Block until the application runs `count` healthy replicas again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(ray_deployment.APP_NAME)
+        if status is not None and status.status == "RUNNING" and len(_replica_actor_names()) == count:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the application did not get back to {count} running replicas in {timeout_s:.0f} s")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +92,7 @@ def _run_clients(  # type: ignore[no-untyped-def]
 def test_two_replicas_serve_eight_concurrent_clients(  # type: ignore[no-untyped-def]
     ray_url, default_files, load_client_model, prompts, expected
 ) -> None:
-    assert len(ray_deployment.replica_actor_names()) == 2
+    assert len(_replica_actor_names()) == 2
     got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST),
                                 prompts)
     assert got == expected
@@ -83,7 +102,7 @@ def test_two_replicas_serve_eight_concurrent_clients(  # type: ignore[no-untyped
 def test_a_replica_killed_mid_generation_loses_no_output(  # type: ignore[no-untyped-def]
     ray_url, default_files, load_client_model, prompts, expected
 ) -> None:
-    victim = ray_deployment.replica_actor_names()[0]
+    victim = _replica_actor_names()[0]
     killed = threading.Event()
     lock = threading.Lock()
 
@@ -92,7 +111,7 @@ def test_a_replica_killed_mid_generation_loses_no_output(  # type: ignore[no-unt
         if count == 8:
             with lock:
                 if not killed.is_set():
-                    ray_deployment.kill_replica(victim)
+                    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)  # as a crash would
                     killed.set()
 
     got, middles = _run_clients(ray_url, default_files, load_client_model(str(default_files.path), FIRST, LAST),
@@ -101,8 +120,8 @@ def test_a_replica_killed_mid_generation_loses_no_output(  # type: ignore[no-unt
     assert got == expected
     # Connections spread over both replicas, so the victim held some clients' sessions: they came back.
     assert sum(m.reconnects for m in middles) >= 1
-    ray_deployment.wait_replicas(2)
-    assert victim not in ray_deployment.replica_actor_names()
+    _wait_replicas(2)
+    assert victim not in _replica_actor_names()
 
 
 def test_a_prompt_three_times_max_nodes_on_ray(  # type: ignore[no-untyped-def]

@@ -195,15 +195,3 @@ def parse_cert_table(table: bytes) -> dict[str, bytes]:
         if role is not None:
             certs[role] = table[offset : offset + length]
     raise ValueError("the certificate table has no terminating entry")
-
-
-def pack_cert_table(certs: dict[str, bytes]) -> bytes:
-    """The inverse of `parse_cert_table` (for the simulation and tests)."""
-    by_role = {role: guid for guid, role in CERT_GUIDS.items()}
-    header = _ENTRY.size * (len(certs) + 1)
-    entries, blobs, offset = b"", b"", header
-    for role, der in certs.items():
-        entries += _ENTRY.pack(by_role[role].bytes_le, offset, len(der))
-        blobs += der
-        offset += len(der)
-    return entries + bytes(_ENTRY.size) + blobs

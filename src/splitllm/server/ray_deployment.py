@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, cast, get_type_hints
 
@@ -186,28 +185,6 @@ def start(
         http |= {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
     serve.start(http_options=http)
     serve.run(application(spec, replicas, cpus_per_replica), name=APP_NAME, route_prefix="/")
-
-
-def replica_actor_names() -> list[str]:
-    """Names of this application's live replica actors (in Ray's `serve` namespace)."""
-    prefix = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT}#"
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
-
-
-def kill_replica(name: str) -> None:
-    """Kill one replica abruptly, as a crash would (Serve starts a replacement)."""
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-
-
-def wait_replicas(count: int, timeout_s: float = 120.0) -> None:
-    """Block until the application runs `count` healthy replicas again."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(APP_NAME)
-        if status is not None and status.status == "RUNNING" and len(replica_actor_names()) == count:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{APP_NAME} did not get back to {count} running replicas in {timeout_s:.0f} s")
 
 
 def shutdown() -> None:
