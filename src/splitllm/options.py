@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Optional, get_args, get_origin
 
 from splitllm.decoding.mode_names import DEFAULT_DECODE, Mode
+from splitllm.decoding.proposers.suffix import MAX_TOKENS as SUFFIX_TOKENS
 from splitllm.protocol.wire_dtypes import WIRE_DTYPE_NAMES
 from splitllm.weights.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 
@@ -245,6 +246,8 @@ ANSWERS = (
            "(0: none)", (CLIENT_API,), "conversations", min=0),
     Option("max_conversation_gib", float, 2.0, "client memory the kept conversations' caches may hold",
            (CLIENT_API,), "GiB", min=0),
+    Option("suffix_tokens", int, SUFFIX_TOKENS, "tokens of each API key's earlier requests kept to draft from, "
+           "so repeated structure across requests speculates (0: none)", (CLIENT_API,), "tokens", min=0),
     Option("api_keys", Optional[Path], None, "file of API keys, one a line: every /v1 request must then carry one "
            "(Authorization: Bearer KEY), and each key's conversations are kept apart", (CLIENT_API,), "file"),
 )

@@ -22,6 +22,7 @@ from splitllm.client.remote import RemoteMiddle
 from splitllm.client.stopping import StopRule, stop_ids
 from splitllm.decoding.mode_names import DEFAULT_DECODE
 from splitllm.decoding.modes import DECODERS, Decoder, check_mode
+from splitllm.decoding.proposers.suffix import SuffixCache
 from splitllm.decoding.sampling import Sampler, SamplingParams
 from splitllm.decoding.step import StepOutput
 from splitllm.model.kv import KVCache
@@ -87,6 +88,8 @@ class SplitClient:
     `AttestationPolicy`): the server must prove it runs in a confidential VM that meets it before any
     hidden state leaves this process, and every frame is sealed (docs/confidential.md). Without one, the
     server's operator can read the hidden states, which are as good as the text (docs/privacy.md).
+    `suffixes`: a `SuffixCache` its generations add their tokens to and draft from (one user's: what one
+    principal wrote must not draft for another); None drafts from each generation's own history alone.
     Generate inside `threads.compute_threads_pinned()`, as the client commands do, so that the thread
     pool keeps a core per thread across the round trips' waits.
     """
@@ -105,6 +108,7 @@ class SplitClient:
         drafter: str | Path | None = None,
         draft_model: str | Path | None = None,
         attestation_policy: str | os.PathLike | AttestationPolicy | None = None,
+        suffixes: SuffixCache | None = None,
     ) -> None:
         self.connection = _with_policy(connection, attestation_policy, server)  # before any model work
         self.files = ModelFiles(model)
@@ -117,6 +121,7 @@ class SplitClient:
         self.dtype = self.precision.dtype
         self._in_process_middle: Stage | None = None
         self.stop_ids = stop_ids(self.tokenizer, self.files.hf_config)
+        self.suffixes = suffixes
 
     def _context(self, wanted: int | None) -> int:
         """Positions a conversation may hold: `wanted`, or the model's own limit (a server may grant fewer).
@@ -160,9 +165,10 @@ class SplitClient:
             self.server, self.files.fingerprint, (start, end), self.wire_dtype, self.max_context, self.connection
         )
 
-    def conversation(self, system: str | None = None) -> Conversation:
-        """A conversation whose turns reuse one server session and the KV caches of earlier turns."""
-        return Conversation(self, system)
+    def conversation(self, system: str | None = None, suffixes: SuffixCache | None = None) -> Conversation:
+        """A conversation whose turns reuse one server session and the KV caches of earlier turns, drafting
+        from `suffixes` too (None: the client's)."""
+        return Conversation(self, system, self.suffixes if suffixes is None else suffixes)
 
     def check_chat(self) -> None:
         """Chat turns go through the tokenizer's chat template; a base model has none."""
@@ -238,9 +244,10 @@ class Conversation:
     position twice, and a chat turn costs its own tokens, not the whole history.
     """
 
-    def __init__(self, client: SplitClient, system: str | None = None) -> None:
+    def __init__(self, client: SplitClient, system: str | None = None, suffixes: SuffixCache | None = None) -> None:
         self.client = client
         self.system = system
+        self.suffixes = suffixes  # earlier generations to draft from, which this one's tokens join
         self.ids: list[int] = []  # every token so far; the last one is not fed yet
         self.keep: list[int] = []  # the last step's entries on the sequence: the next step commits them
         self.messages: list[dict[str, str]] = []  # the chat as the model saw it (see `say`)
@@ -321,6 +328,8 @@ class Conversation:
             raise
         finally:
             decoder.close()
+            if self.suffixes is not None and self.ids:  # kept unless the generation failed
+                self.suffixes.add(gen.prompt_ids + gen.ids)
 
     def _check_fits(self, new: int, max_new_tokens: int, limit: int, what: str) -> None:
         """A ValueError unless the tokens so far, `new` more and `max_new_tokens` fit in `limit` (`what` it is)."""
@@ -331,7 +340,7 @@ class Conversation:
         """A mode's decoder, one per conversation (its policy state carries over between turns)."""
         if isinstance(decode, str):
             if decode not in self._decoders:
-                self._decoders[decode] = DECODERS[decode]()
+                self._decoders[decode] = DECODERS[decode](suffixes=self.suffixes)
             return self._decoders[decode]
         return decode
 

@@ -9,7 +9,8 @@ output), a conversation whose text is a prefix also goes on: a model's own token
 differ from how the tokenizer would split the same text (forced tool calls often do), and the
 conversation then keeps the model's own. Kept conversations are bounded in count and bytes
 and dropped least recently used first, or after `idle_s` unused (their server sessions close too).
-Where requests carry API keys, a conversation goes on only for the key that started it.
+Where requests carry API keys, a conversation goes on only for the key that started it, and each key's
+earlier requests draft for its later ones (a `SuffixCache` per key, `suffix_tokens` long), never another's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import cast
 
 from splitllm.client.client import Conversation, Generation, SplitClient
 from splitllm.decoding.modes import Decoder
+from splitllm.decoding.proposers.suffix import MAX_TOKENS, SuffixCache
 from splitllm.decoding.sampling import SamplingParams
 from splitllm.decoding.step import StepOutput
 
@@ -36,11 +38,13 @@ class _Kept:
 
 @dataclass(frozen=True)
 class ReuseLimits:
-    """How many conversations stay open, how much client memory their caches may hold, and for how long."""
+    """How many conversations stay open, how much client memory their caches may hold, and for how long; and
+    how many tokens of each owner's earlier requests stay to draft from."""
 
     max_conversations: int = 8
     max_bytes: int = 2 << 30
     idle_s: float = 600.0  # the server's default session lifetime: a longer wait would replay anyway
+    suffix_tokens: int = MAX_TOKENS  # each owner's earlier requests' tokens kept to draft from (0: none)
 
 
 class ConversationCache:
@@ -50,6 +54,7 @@ class ConversationCache:
         self.client, self.limits = client, limits
         self._kept: OrderedDict[int, _Kept] = OrderedDict()  # least recently used first
         self._ids = 0
+        self._suffixes: dict[str | None, SuffixCache] = {}  # by owner: one principal's requests draft for them alone
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -73,7 +78,14 @@ class ConversationCache:
                 kept = self._kept.pop(max(found)[1])
                 rest = self.client.tokenizer(text[len(kept.text) :], add_special_tokens=False)["input_ids"]
                 return kept.conversation, rest, len(kept.conversation.ids)
-        return self.client.conversation(), list(prompt), 0
+        return self.client.conversation(suffixes=self._suffixes_of(owner)), list(prompt), 0
+
+    def _suffixes_of(self, owner: str | None) -> SuffixCache | None:
+        if not self.limits.suffix_tokens:
+            return None
+        if owner not in self._suffixes:
+            self._suffixes[owner] = SuffixCache(self.limits.suffix_tokens)
+        return self._suffixes[owner]
 
     def _keep(self, conv: Conversation, owner: str | None) -> None:
         if not conv.ids:  # closed after a failure: nothing to continue

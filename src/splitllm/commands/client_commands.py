@@ -132,7 +132,8 @@ def chat(
 
 def client_api(
     split: Split, client: ClientSettings, precision: AskedPrecision, host: str, port: int, decode: str,
-    served_model_name: str | None, max_conversations: int, max_conversation_gib: float, api_keys: Path | None,
+    served_model_name: str | None, max_conversations: int, max_conversation_gib: float, suffix_tokens: int,
+    api_keys: Path | None,
 ) -> None:
     """A local web chat at / and an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
     /v1/models) over the split; a request's 'decode' overrides --decode."""
@@ -146,7 +147,7 @@ def client_api(
     where = split_client.server or "in-process middle"
     typer.echo(f"web chat on http://{host}:{port}/ and OpenAI-compatible endpoint on http://{host}:{port}/v1 ({where})",
                err=True)
-    reuse = ReuseLimits(max_conversations, int(max_conversation_gib * (1 << 30)))
+    reuse = ReuseLimits(max_conversations, int(max_conversation_gib * (1 << 30)), suffix_tokens=suffix_tokens)
     keys: frozenset[str] = frozenset()
     if api_keys is not None:
         with reported(OSError):

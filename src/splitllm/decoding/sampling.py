@@ -41,6 +41,12 @@ class SamplingParams:
     seed: int | None = None
     grammar: Grammar | None = None
 
+    @property
+    def seeded(self) -> bool:
+        """A seeded sample repeats only if every step's tree does: nothing about the trees may follow the clock
+        or what was asked before."""
+        return self.do_sample and self.seed is not None
+
     def __post_init__(self) -> None:
         if self.do_sample and not self.temperature > 0:
             raise ValueError("temperature must be positive when sampling (use do_sample=False for greedy)")

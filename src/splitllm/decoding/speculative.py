@@ -44,6 +44,8 @@ from splitllm.decoding.proposers import Candidate, Proposer
 from splitllm.drafting.draft_model_proposer import DraftModelProposer
 from splitllm.drafting.drafter_proposer import DrafterProposer
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
+from splitllm.decoding.proposers.lookup import ContextLookup
+from splitllm.decoding.proposers.suffix import SuffixCache, SuffixLookup
 from splitllm.drafting.scored_tree import ScoredTreeProposer
 from splitllm.decoding.mode_names import Mode
 from splitllm.decoding.sampling import Sampler
@@ -164,8 +166,9 @@ class SpeculativeDecoder:
     and so do the drafters' gates (what drafting and sending ahead yielded so far).
     """
 
-    def __init__(self, config: SpeculationConfig = SpeculationConfig()) -> None:
+    def __init__(self, config: SpeculationConfig = SpeculationConfig(), suffixes: SuffixCache | None = None) -> None:
         self.config = config
+        self.suffixes = suffixes  # earlier requests' tokens to draft from, beside the context lookup (None: none)
         self.policy = config.policy if config.policy is not None else StaticPolicy(config.static_budget(False))
         self.drafter_policy = config.drafter_policy
         self.draft_model_proposer: DraftModelProposer | None = None
@@ -213,7 +216,9 @@ def _say_auto_is_sequential() -> None:
                 _NOT_ROW_INVARIANT)
 
 
-def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Proposer], list[ScoredTreeProposer]]:
+def _proposers(
+    decoder: SpeculativeDecoder, pipeline: Scorer, sampler: Sampler
+) -> tuple[list[Proposer], list[ScoredTreeProposer]]:
     """A generation's own proposers (they index its history): n-gram ones, and its drafters' when it
     drafts: a draft model's first (kept from the decoder's last generation), then the learned drafter's."""
     config, drafting = decoder.config, decoder.config.drafting
@@ -240,7 +245,11 @@ def _proposers(decoder: SpeculativeDecoder, pipeline: Scorer) -> tuple[list[Prop
             "`splitllm drafter train --model <model> --out <folder>` and pass --drafter <folder>, or pass "
             "--draft-model <a smaller model with its tokenizer>"
         )
-    return config.proposers() if config.proposers else [make() for make in ngrams], drafters
+    proposers = config.proposers() if config.proposers else [make() for make in ngrams]
+    # Earlier requests draft beside the context lookup, but not for a seeded sample (`SamplingParams.seeded`).
+    if decoder.suffixes is not None and ContextLookup in ngrams and not sampler.params.seeded:
+        proposers.append(SuffixLookup(decoder.suffixes))
+    return proposers, drafters
 
 
 class _Generation:
@@ -258,7 +267,7 @@ class _Generation:
     ) -> None:
         self.pipeline, self.stop_ids, self.sampler, self.config = pipeline, stop_ids, sampler, decoder.config
         self.history = sampler.history
-        self.proposers, self.drafters = _proposers(decoder, pipeline)
+        self.proposers, self.drafters = _proposers(decoder, pipeline, sampler)
         self.window = next((p for p in self.proposers if isinstance(p, LookaheadWindow)), None)
         self.policy = self._policy(decoder)
         self.gates = decoder.gates
@@ -278,14 +287,9 @@ class _Generation:
     def done(self) -> bool:
         return self.stopped or self.remaining <= 0
 
-    @property
-    def _seeded(self) -> bool:
-        """A seeded sample repeats only if every step's tree does: nothing about them may follow the clock."""
-        return self.sampler.params.do_sample and self.sampler.params.seed is not None
-
     def _policy(self, decoder: SpeculativeDecoder) -> BudgetPolicy:
         """Who sizes this generation's steps: the drafter's policy when it drafts, the decoder's otherwise."""
-        if self._seeded:
+        if self.sampler.params.seeded:
             return StaticPolicy(decoder.config.static_budget(bool(self.drafters)))
         drafter_policy = decoder.drafter_policy if self.drafters else None
         return decoder.policy if drafter_policy is None else drafter_policy
@@ -396,7 +400,7 @@ class _Generation:
         as the next step; timed into `overlap_ms`. The drafter keeps what it prepared (`prepared`) for its
         next propose, or what it sent (`sent`) until the step sent ahead is taken up or dropped."""
         drafter = self.drafters[flight.grew] if flight.grew is not None else None
-        if drafter is None or not self.pipeline.overlaps or not self.config.prepare or self._seeded:
+        if drafter is None or not self.pipeline.overlaps or not self.config.prepare or self.sampler.params.seeded:
             return
         likely, reached = drafter.likely_path(lambda tokens: flight.walk(tokens) is not None, flight.entry != ROOT)
         path = flight.walk(likely) or []

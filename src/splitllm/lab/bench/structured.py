@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from splitllm.api.openai import create_app
+from splitllm.client.conversations import ReuseLimits
 from splitllm.api.tools import takes_tools
 from splitllm.client.client import SplitClient
 from splitllm.decoding.grammar import JSON_STYLE, Grammar, grammar_tokenizer
@@ -216,7 +217,8 @@ def measure_model(model: str, rtt_ms: float, max_tokens: int, core_layout: str,
             + ", ".join(f"{m['library']} {m.get('mean_ms', float('nan')):.3f} ms" for m in row["masks"])
         )
         chat = bool(client.tokenizer.chat_template)
-        with serve_http(create_app(client, "m", compute=linked.compute)) as url:
+        # Each ask runs in both modes and as a warm-up: drafting from those earlier runs would flatter auto.
+        with serve_http(create_app(client, "m", compute=linked.compute, reuse=ReuseLimits(suffix_tokens=0))) as url:
             api = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
             _schema_runs(api, chat, 16)  # warms both sides up
             row["schema"] = _schema_runs(api, chat, max_tokens)
