@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from splitllm.lab import results
-from splitllm.lab.bench import confidential, conversation, kernels, speculation, structured
+from splitllm.lab.bench import confidential, conversation, kernels, speculation, structured, suffix
 
 PUBLISHED: dict[str, tuple[str, Callable[[dict], str]]] = {  # result -> (the doc showing it, its renderer)
     "confidential": ("confidential.md", confidential.markdown),
@@ -18,6 +18,7 @@ PUBLISHED: dict[str, tuple[str, Callable[[dict], str]]] = {  # result -> (the do
     "structured": ("usage.md", structured.markdown),
     "speculation": ("drafting.md", speculation.report),
     "kernels": ("precision.md", kernels.markdown),
+    "suffix": ("drafting.md", suffix.markdown),
 }
 
 

@@ -42,12 +42,12 @@ BENCH_STREAMING, BENCH_SWEEP = "bench streaming", "bench sweep"
 BENCH_SPECULATION, BENCH_CONFIDENTIAL = "bench speculation", "bench confidential"
 BENCH_CONVERSATION, BENCH_STRUCTURED = "bench conversation", "bench structured"
 BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD = "bench exactness", "bench defaults", "bench load"
-BENCH_KERNELS = "bench kernels"
+BENCH_KERNELS, BENCH_SUFFIX = "bench kernels", "bench suffix"
 PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE = "privacy audit", "privacy private-first-stage"
 DRAFTER_TRAIN, DRAFTER_COMPARE = "drafter train", "drafter compare"
 CLIENTS = (GENERATE, CHAT, CLIENT_API)
 RUNTIME = (SERVE, *CLIENTS, ATTEST_SIM_INIT, ATTEST_WEIGHTS)  # the commands that read environment variables
-LINKED_BENCHES = (BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED)
+LINKED_BENCHES = (BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_SUFFIX)
 REPORTING = (
     BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP, *LINKED_BENCHES, BENCH_EXACTNESS, BENCH_DEFAULTS,
     BENCH_LOAD, BENCH_KERNELS, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN, DRAFTER_COMPARE,
@@ -230,8 +230,8 @@ ANSWERS = (
            "greedy output is the same in all", (*CLIENTS, DEMO)),
     Option("max_new_tokens", int, 128, "the most tokens of an answer",
            (GENERATE, CHAT, DEMO, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING, BENCH_SWEEP, BENCH_SPECULATION,
-            BENCH_CONFIDENTIAL, BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD, BENCH_KERNELS, DRAFTER_TRAIN,
-            DRAFTER_COMPARE),
+            BENCH_CONFIDENTIAL, BENCH_SUFFIX, BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD, BENCH_KERNELS,
+            DRAFTER_TRAIN, DRAFTER_COMPARE),
            "tokens",
            defaults={CHAT: 256, DEMO: 96, BENCH_SPEED: 64, BENCH_STREAMING: 2000, BENCH_SWEEP: 64,
                      BENCH_SPECULATION: 200, BENCH_CONFIDENTIAL: 64, BENCH_DEFAULTS: 64, BENCH_LOAD: 32,
@@ -257,7 +257,8 @@ LAB = (
            f"or float32-none (exact) (default: the fastest here; {COSTS})",
            (DEMO, BENCH_SWEEP, BENCH_SPECULATION, BENCH_EXACTNESS)),
     Option("rtt_ms", float, 80.0, "emulated round-trip time",
-           (DEMO, NETEM, BENCH_SPECULATION, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_DEFAULTS, BENCH_LOAD), "ms",
+           (DEMO, NETEM, BENCH_SPECULATION, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_SUFFIX, BENCH_DEFAULTS,
+            BENCH_LOAD), "ms",
            defaults={BENCH_DEFAULTS: 0.0}),
     Option("listen", str, REQUIRED, "HOST:PORT to listen on (a bare PORT listens on 127.0.0.1)", (NETEM,)),
     Option("target", str, REQUIRED, "HOST:PORT to forward to", (NETEM,)),
@@ -281,8 +282,9 @@ LAB = (
     Option("publish", bool, False, "also write the result under docs/results/ and regenerate the doc table made "
            "from it (the command's help names them)", (*LINKED_BENCHES, BENCH_KERNELS)),
     Option("model", str, "default,qwen2.5-coder-1.5b", "comma-separated models",
-           (BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_KERNELS),
-           defaults={BENCH_STRUCTURED: "default,gemma3,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"}),
+           (BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_SUFFIX, BENCH_KERNELS),
+           defaults={BENCH_STRUCTURED: "default,gemma3,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b",
+                     BENCH_SUFFIX: "default"}),
 )
 BENCH = (
     Option("dtype_prompts_per_category", int, 2, "workload prompts per category for the wire dtype check",
@@ -417,9 +419,9 @@ OPTIONS: tuple[Option, ...] = (
 )
 COMMANDS = (
     SERVE, *CLIENTS, DEMO, NETEM, ATTEST_SIM_INIT, ATTEST_WEIGHTS, BENCH_SPEED, BENCH_QUALITY, BENCH_STREAMING,
-    BENCH_SWEEP,
-    BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_EXACTNESS, BENCH_DEFAULTS,
-    BENCH_LOAD, BENCH_KERNELS, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE, DRAFTER_TRAIN, DRAFTER_COMPARE,
+    BENCH_SWEEP, BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_STRUCTURED, BENCH_SUFFIX,
+    BENCH_EXACTNESS, BENCH_DEFAULTS, BENCH_LOAD, BENCH_KERNELS, PRIVACY_AUDIT, PRIVACY_PRIVATE_FIRST_STAGE,
+    DRAFTER_TRAIN, DRAFTER_COMPARE,
 )
 
 

@@ -12,7 +12,7 @@ import typer
 from splitllm.commands.wiring import Values, command, fail, need_extra, numbers, parse_setting, sampling
 from splitllm.options import (
     BENCH_CONFIDENTIAL, BENCH_CONVERSATION, BENCH_DEFAULTS, BENCH_EXACTNESS, BENCH_KERNELS, BENCH_LOAD, BENCH_QUALITY,
-    BENCH_SPECULATION, BENCH_SPEED, BENCH_STREAMING, BENCH_STRUCTURED, BENCH_SWEEP,
+    BENCH_SPECULATION, BENCH_SPEED, BENCH_STREAMING, BENCH_STRUCTURED, BENCH_SUFFIX, BENCH_SWEEP,
 )
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks over the real client, server and WAN proxy.")
@@ -195,6 +195,18 @@ def conversation(
     result = {"provenance": _provenance()}
     result |= run_conversation(_models(model), rtt_ms, first_turn_tokens, chats, _core_layout(cores), _progress)
     _write(result, "conversation", markdown(result), out, "usage.md" if publish else None)
+
+
+@command(app, BENCH_SUFFIX)
+def suffix(model: str, rtt_ms: float, max_new_tokens: int, cores: str, out: str, publish: bool) -> None:
+    """A coding session's requests, then the same again, with drafting from earlier requests on and off: tokens
+    per step, tok/s and client CPU per token; writes suffix.json and suffix.md into --out (--publish: also
+    docs/results/ and docs/drafting.md's table)."""
+    from splitllm.lab.bench.suffix import markdown, run_suffix
+
+    result = {"provenance": _provenance()}
+    result |= run_suffix(_models(model), rtt_ms, max_new_tokens, _core_layout(cores), _progress)
+    _write(result, "suffix", markdown(result), out, "drafting.md" if publish else None)
 
 
 @command(app, BENCH_STRUCTURED)
