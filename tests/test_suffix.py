@@ -40,9 +40,10 @@ def test_the_lookup_proposes_within_its_budget() -> None:
     for tail in (7, 8, 9):
         cache.add([1, 2, 3, tail, tail + 1])
     lookup = SuffixLookup(cache)
-    candidates = lookup.propose([5, 2, 3], SpecBudget(guesses=2, depth=1))
+    candidates = lookup.propose([5, 1, 2, 3], SpecBudget(guesses=2, depth=1))
     assert [c.tokens for c in candidates] == [(9,), (8,)] and {c.source for c in candidates} == {"suffix"}
-    assert lookup.propose([5, 2, 3], SpecBudget(guesses=0, depth=4)) == []
+    assert lookup.propose([5, 1, 2, 3], SpecBudget(guesses=0, depth=4)) == []
+    assert lookup.propose([5, 9, 2, 3], SpecBudget(guesses=2, depth=1)) == []  # two tokens match: too few
 
 
 def test_a_repeated_request_drafts_from_the_first_and_gives_its_tokens(tiny_chat: str) -> None:

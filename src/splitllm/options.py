@@ -273,8 +273,9 @@ LAB = (
                                PRIVACY_AUDIT: "results/privacy", PRIVACY_PRIVATE_FIRST_STAGE: "results/privacy",
                                DRAFTER_TRAIN: REQUIRED}),
     Option("prompts_per_category", int, 1, "workload prompts per category (1-8; 8: the 32-prompt suite)",
-           (BENCH_SPEED, BENCH_QUALITY, BENCH_SWEEP, BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_EXACTNESS,
-            BENCH_DEFAULTS), "prompts", defaults={BENCH_QUALITY: 8, BENCH_SPECULATION: 3, BENCH_EXACTNESS: 8}),
+           (BENCH_SPEED, BENCH_QUALITY, BENCH_SWEEP, BENCH_SPECULATION, BENCH_CONFIDENTIAL, BENCH_SUFFIX,
+            BENCH_EXACTNESS, BENCH_DEFAULTS), "prompts",
+           defaults={BENCH_QUALITY: 8, BENCH_SPECULATION: 3, BENCH_SUFFIX: 8, BENCH_EXACTNESS: 8}),
     Option("rtt_ms", str, "0,80", "comma-separated emulated RTTs", (BENCH_SPEED, BENCH_CONFIDENTIAL), "ms"),
     Option("cores", str, "halves", "halves: each side pinned to half the cores (two machines of half this size); "
            "alternate: both sides on every core, computing in turn (two machines of this size); llama.cpp's RPC peer "

@@ -25,7 +25,9 @@ class SuffixCache:
     """Earlier generations' token sequences, the oldest dropped past `max_tokens`, indexed by every n-gram
     (min_ngram <= n <= max_ngram) to the places it ended; a lookup reads an n-gram's `recent` newest places."""
 
-    def __init__(self, max_tokens: int = MAX_TOKENS, max_ngram: int = 4, min_ngram: int = 2, recent: int = 16) -> None:
+    # Three tokens at least: across unrelated requests two-token matches ("of the") mostly propose what is
+    # rejected, which costs the server rows.
+    def __init__(self, max_tokens: int = MAX_TOKENS, max_ngram: int = 4, min_ngram: int = 3, recent: int = 16) -> None:
         if max_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("a suffix cache holds at least one token and looks up n-grams of 1 <= min <= max")
         self.max_tokens, self.max_ngram, self.min_ngram, self.recent = max_tokens, max_ngram, min_ngram, recent

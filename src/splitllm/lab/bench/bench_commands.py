@@ -198,14 +198,16 @@ def conversation(
 
 
 @command(app, BENCH_SUFFIX)
-def suffix(model: str, rtt_ms: float, max_new_tokens: int, cores: str, out: str, publish: bool) -> None:
-    """A coding session's requests, then the same again, with drafting from earlier requests on and off: tokens
-    per step, tok/s and client CPU per token; writes suffix.json and suffix.md into --out (--publish: also
-    docs/results/ and docs/drafting.md's table)."""
+def suffix(
+    model: str, rtt_ms: float, max_new_tokens: int, prompts_per_category: int, cores: str, out: str, publish: bool
+) -> None:
+    """A coding session's requests, the same again, and the workload's prompts, with drafting from earlier
+    requests off and on: tokens per step, tok/s and client CPU per token; writes suffix.json and suffix.md
+    into --out (--publish: also docs/results/ and docs/drafting.md's table)."""
     from splitllm.lab.bench.suffix import markdown, run_suffix
 
     result = {"provenance": _provenance()}
-    result |= run_suffix(_models(model), rtt_ms, max_new_tokens, _core_layout(cores), _progress)
+    result |= run_suffix(_models(model), rtt_ms, max_new_tokens, prompts_per_category, _core_layout(cores), _progress)
     _write(result, "suffix", markdown(result), out, "drafting.md" if publish else None)
 
 
