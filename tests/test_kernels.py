@@ -466,17 +466,24 @@ def test_a_stages_weights_share_one_huge_page_mapping(tiny_models) -> None:  # t
 
 
 def test_the_kernels_report_sets_each_variant_beside_its_own_llama_cpp_build() -> None:
-    """`bench kernels`: the AVX2 kernels are compared with llama.cpp kept to AVX2, a missing build said so."""
+    """`bench kernels`: the AVX2 kernels are compared with llama.cpp kept to AVX2 on a wider CPU and with the
+    native build on an AVX2-only one; a missing build said so."""
+    from splitllm.lab import peers
     from splitllm.lab.bench.kernels import _ratios, markdown
+
+    here = [v.name for v in cpu_kernels.runnable()]
+    assert peers.matching("avx2") == ("avx2" if here[:1] == ["avx512"] else "native")
+    assert peers.matching("avx512") == peers.matching("neon") == "native"
 
     settings = ("bfloat16-mixed", "bfloat16-int8", "bfloat16-int4")
     splitllm = {"avx512": dict(zip(settings, ({"tokens_per_second": t} for t in (220.0, 200.0, 240.0)))),
                 "avx2": dict(zip(settings, ({"tokens_per_second": t} for t in (140.0, 150.0, 160.0))))}
     llama = {"native": {"tokens_per_second": 160.0}, "avx2": {"skipped": "no llama.cpp build"}}
-    ratios = _ratios(splitllm, llama)
+    builds = {"avx512": "native", "avx2": "avx2"}  # as on a CPU with AVX-512
+    ratios = _ratios(splitllm, llama, builds)
     assert ratios["avx512"] == {"fastest_setting": "bfloat16-int4", "default": 1.375, "fastest": 1.5}  # default: mixed
     assert ratios["avx2"] == {"fastest_setting": "bfloat16-int4", "default": None, "fastest": None}
-    result = {"settings": {"settings": list(settings), "max_new_tokens": 64},
+    result = {"settings": {"settings": list(settings), "max_new_tokens": 64, "llama_cpp_builds": builds},
               "models": {"default": {"splitllm": splitllm, "llama_cpp": llama, "against_llama_cpp": ratios}}}
     table = markdown(result)
     assert "| avx512 | 220.00 | 200.00 | 240.00 | 160.00 (native) | 1.38x |" in table

@@ -91,6 +91,12 @@ def cpu_features() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX-512 BF16, AMX, ARM's BF16): elsewhere
+    PyTorch's bfloat16 products are emulated, several times slower than float32's."""
+    return bool(cpu_features() & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def runnable() -> list[Variant]:
     """The variants this CPU runs, widest first."""
     features, machine = cpu_features(), platform.machine()

@@ -45,11 +45,14 @@ ISA_FLAGS = {  # the instructions ggml is built for: this CPU's, or x86-64-v3's 
 }
 
 
-def matching() -> str:
-    """The llama.cpp build to weigh this process against: `avx2` where it runs splitllm's AVX2 kernels on a
-    CPU that has wider ones (SPLITLLM_KERNELS=avx2), else `native`."""
-    variant, here = cpu_kernels.chosen(), cpu_kernels.runnable()
-    return "avx2" if variant is not None and variant.name == "avx2" and here and here[0] != variant else "native"
+def matching(variant: str | None = None) -> str:
+    """The llama.cpp build to weigh a kernel variant against (None: this process's): `avx2` where splitllm
+    runs its AVX2 kernels on a CPU that has wider ones (SPLITLLM_KERNELS=avx2), else `native`."""
+    if variant is None:
+        chosen = cpu_kernels.chosen()
+        variant = None if chosen is None else chosen.name
+    here = cpu_kernels.runnable()
+    return "avx2" if variant == "avx2" and here and here[0].name != "avx2" else "native"
 
 
 def install_dir(isa: str = "native") -> Path:

@@ -2,7 +2,9 @@
 
 A published result is JSON with its provenance (date, commit, CPU, command); a doc shows it only in a
 block between `<!-- results:NAME -->` and `<!-- /results:NAME -->`, regenerated from that JSON, so a
-figure in the docs always traces back to a run (a test fails when the two drift apart).
+figure in the docs always traces back to a run (a test fails when the two drift apart). A result
+measured on a CPU without AVX-512 is published beside the AVX-512 one, named for its CPU kind
+(`published_name`), so neither kind's figures overwrite the other's.
 """
 
 from __future__ import annotations
@@ -49,6 +51,16 @@ def provenance(command: str) -> dict:
         "torch": metadata.version("torch"),
         "command": command,
     }
+
+
+def published_name(name: str) -> str:
+    """Where a result measured here is published: NAME on a CPU that runs the AVX-512 kernels, NAME-KIND
+    on a narrower one (`kernels-avx2`), so each CPU kind's figures sit beside the others'."""
+    from splitllm.kernels import cpu_kernels
+
+    here = cpu_kernels.runnable()
+    kind = here[0].name if here else "generic"
+    return name if kind == "avx512" else f"{name}-{kind}"
 
 
 def _block(name: str) -> re.Pattern[str]:

@@ -46,18 +46,25 @@ def _provenance() -> dict:
 
 
 def _write(result: dict, name: str, table: str, out: str, doc: str | None) -> None:
-    """NAME.json and NAME.md into `out`; with `doc`, also published under docs/results/ and into docs/DOC's block."""
+    """NAME.json and NAME.md into `out`; with `doc`, also published under docs/results/ and into docs/DOC's
+    block, both under this CPU kind's name (`results.published_name`)."""
     import json
 
     from splitllm.lab import results
 
-    for folder in (Path(out), results.RESULTS) if doc else (Path(out),):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (folder / f"{name}.md").write_text(table)
-    if doc:
-        results.update_doc(results.CHECKOUT / "docs" / doc, name, table)
+    (folder := Path(out)).mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (folder / f"{name}.md").write_text(table)
     typer.echo(table)
+    if doc:
+        name = results.published_name(name)
+        (results.RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (results.RESULTS / f"{name}.md").write_text(table)
+        try:
+            results.update_doc(results.CHECKOUT / "docs" / doc, name, table)
+        except ValueError:
+            fail(f"published docs/results/{name}.json, but docs/{doc} has no <!-- results:{name} --> block to show "
+                 "it: add one and render the JSON into it (lab.results.update_doc)", code=2)
 
 
 @command(app, BENCH_SPEED, speed=Values)
@@ -137,8 +144,8 @@ def speculation(
     out: str, setting: str | None, model: str, cores: str, publish: bool,
 ) -> None:
     """Tokens per round trip and speedup of each decoding mode through a server behind the WAN proxy; writes
-    speculation.json and speculation.md into --out (--publish: the summary to docs/results/speculation.json
-    and docs/drafting.md's table)."""
+    speculation.json and speculation.md into --out (--publish: the summary to docs/results/speculation.json,
+    speculation-avx2.json on an AVX2-only CPU, and docs/drafting.md's table)."""
     from splitllm.decoding.modes import DECODERS
     from splitllm.lab.bench.speculation import EXTRA_DECODERS, SpeculationBench, report, run_speculation
 
@@ -228,8 +235,8 @@ def kernels(
     model: str, max_new_tokens: int, settings: str | None, variants: str | None, prompts: int, out: str, publish: bool
 ) -> None:
     """The whole model in one process on one core per CPU kernel variant and setting, beside llama.cpp built
-    for the same instructions; writes kernels.json and kernels.md into --out (--publish: also docs/results/
-    and docs/precision.md's table)."""
+    for the same instructions; writes kernels.json and kernels.md into --out (--publish: also docs/results/,
+    as kernels-avx2.json on an AVX2-only CPU, and docs/precision.md's table)."""
     from splitllm.lab.bench.kernels import SETTINGS, KernelsBench, markdown, run_kernels
 
     bench = KernelsBench(_models(model), _models(variants or ""), _models(settings) if settings else SETTINGS, prompts,

@@ -3,8 +3,8 @@ beside llama.cpp on one thread on the same GGUF and core, in one run.
 
 It answers two questions per machine: which setting is fastest on each kernel variant (the rule
 `model.precision.fastest` applies: bfloat16-mixed wherever a variant runs), and how each variant
-compares with llama.cpp built for the same instructions (`native`, and `avx2` where that build exists:
-x86-64-v3 alone, the peer of splitllm's AVX2 kernels on a wider CPU). Every figure decodes sequentially in
+compares with llama.cpp built for the same instructions (`native`, or on a CPU wider than AVX2 the `avx2`
+build, x86-64-v3 alone, as the AVX2 kernels' peer: `peers.matching`). Every figure decodes sequentially in
 a fresh process (a process loads one variant, `SPLITLLM_KERNELS`) pinned to the same core with one
 compute thread; the prompts' first step and the load are left out.
 """
@@ -29,7 +29,6 @@ from splitllm.weights.sources import packaged_gguf_path
 Progress = Callable[[str], None]
 SETTINGS = ("bfloat16-mixed", "bfloat16-int8", "bfloat16-int4", "bfloat16-none", "float32-none")
 DEFAULT = "bfloat16-mixed"  # what `model.precision.fastest` picks wherever a variant runs
-PEER_ISAS = {"avx512": "native", "avx2": "avx2", "neon": "native"}  # each variant's llama.cpp build
 
 
 @dataclass(frozen=True)
@@ -76,6 +75,7 @@ def run_kernels(bench: KernelsBench, progress: Progress) -> dict[str, Any]:
                 f"kernel variant {name!r} does not run on this CPU (it runs {', '.join(runnable) or 'none'})"
             )
     core = max(os.sched_getaffinity(0))
+    builds = {variant: peers.matching(variant) for variant in variants}
     models: dict[str, Any] = {}
     for model in bench.models:
         splitllm: dict[str, dict[str, Any]] = {}
@@ -85,7 +85,7 @@ def run_kernels(bench: KernelsBench, progress: Progress) -> dict[str, Any]:
                 splitllm.setdefault(variant, {})[setting] = figure
                 progress(f"{model} {variant} {setting}: {figure['tokens_per_second']:.2f} tok/s")
         llama: dict[str, Any] = {}
-        for isa in sorted({PEER_ISAS[v] for v in variants}):
+        for isa in sorted(set(builds.values())):
             if model not in PACKAGED_MODELS:
                 llama[isa] = {"skipped": "llama.cpp needs the model's GGUF: only packaged models have one here"}
             elif peers.find(isa) is None:
@@ -93,18 +93,22 @@ def run_kernels(bench: KernelsBench, progress: Progress) -> dict[str, Any]:
             else:
                 llama[isa] = peers.whole_model(packaged_gguf_path(model), 1, bench.tokens, {core}, isa).as_dict()
                 progress(f"{model} llama.cpp {isa}: {llama[isa]['tokens_per_second']:.2f} tok/s")
-        models[model] = {"splitllm": splitllm, "llama_cpp": llama, "against_llama_cpp": _ratios(splitllm, llama)}
+        models[model] = {"splitllm": splitllm, "llama_cpp": llama,
+                         "against_llama_cpp": _ratios(splitllm, llama, builds)}
     return {"settings": {"models": list(bench.models), "variants": list(variants), "settings": list(bench.settings),
-                         "prompts": bench.prompts, "max_new_tokens": bench.tokens, "threads": 1},
+                         "prompts": bench.prompts, "max_new_tokens": bench.tokens, "threads": 1,
+                         "llama_cpp_builds": builds},
             "models": models}
 
 
-def _ratios(splitllm: dict[str, dict[str, Any]], llama: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _ratios(
+    splitllm: dict[str, dict[str, Any]], llama: dict[str, Any], builds: dict[str, str]
+) -> dict[str, dict[str, Any]]:
     """Per variant: its fastest setting, and that setting's and the default's speed over its llama.cpp build's."""
     out = {}
     for variant, figures in splitllm.items():
         fastest = max(figures, key=lambda s: figures[s]["tokens_per_second"])
-        peer = llama.get(PEER_ISAS[variant], {}).get("tokens_per_second")
+        peer = llama.get(builds[variant], {}).get("tokens_per_second")
         default = figures.get(DEFAULT, {}).get("tokens_per_second")
         out[variant] = {"fastest_setting": fastest,
                         "default": None if not (peer and default) else default / peer,
@@ -114,7 +118,7 @@ def _ratios(splitllm: dict[str, dict[str, Any]], llama: dict[str, Any]) -> dict[
 
 def markdown(result: dict[str, Any]) -> str:
     """One table per model: tok/s per variant and setting, llama.cpp's builds, and the ratios."""
-    settings = result["settings"]["settings"]
+    settings, builds = result["settings"]["settings"], result["settings"]["llama_cpp_builds"]
     lines = []
     for model, figures in result["models"].items():
         lines += [f"**{model}**, one core, one thread, tok/s "
@@ -122,11 +126,11 @@ def markdown(result: dict[str, Any]) -> str:
                   "| kernels | " + " | ".join(settings) + " | llama.cpp (same instructions) | default / llama.cpp |",
                   "| --- |" + " --- |" * (len(settings) + 2)]
         for variant, row in figures["splitllm"].items():
-            peer = figures["llama_cpp"].get(PEER_ISAS[variant], {})
+            peer = figures["llama_cpp"].get(builds[variant], {})
             ratio = figures["against_llama_cpp"][variant]["default"]
             cells = [f"{row[s]['tokens_per_second']:.2f}" for s in settings]
             peer_cell = (
-                f"{peer['tokens_per_second']:.2f} ({PEER_ISAS[variant]})"
+                f"{peer['tokens_per_second']:.2f} ({builds[variant]})"
                 if "tokens_per_second" in peer
                 else "not built"
             )

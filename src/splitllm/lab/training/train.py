@@ -21,12 +21,13 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from splitllm.kernels import cpu_kernels
 from splitllm.lab.training.data import Features
 from splitllm.drafting.drafter import Drafter, drafter_config
 from splitllm.model.blocks import Segment, rms_norm
@@ -49,8 +50,9 @@ class TrainSettings:
     pass_decay: float = 0.8  # loss weight of pass k is decay**k
     validation_share: float = 0.06
     validation_depth: int = 5
-    # matrix products under bfloat16 autocast (several times faster than float32 on AVX512-BF16), float32 master weights
-    bfloat16: bool = True
+    # matrix products under bfloat16 autocast where the CPU multiplies bfloat16 in hardware (several times faster
+    # than float32 there, several times slower where it is emulated), float32 master weights
+    bfloat16: bool = field(default_factory=cpu_kernels.native_bfloat16)
     seed: int = 0
 
     def __post_init__(self) -> None:
