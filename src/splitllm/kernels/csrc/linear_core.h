@@ -133,31 +133,43 @@ inline Int16Inputs int16_inputs(const uint16_t* x, int64_t rows, int64_t k) {
 // One block of int4 weights: w holds (pairs, 32) bytes, sz (groups, 2, 32) float16 scales and minimums, x the
 // rows' int16 inputs (ldx apart) and units, sums their (Rows, groups) units and sums. Per group, the nibbles'
 // integer dot products (at most 32 x 15 x 32640, under 2^24: exact in float32), then
-// acc = (dot * (scale * unit) + acc) + min * sum, each fused.
+// acc = (dot * (scale * unit) + acc) + min * sum, each fused. A pass over a group sums `Vectors` of the
+// block's 16-output vectors from `first` on (the backend's kInt4PassVectors when several rows share it): an
+// integer sum is exact in any order, and each output still adds its groups in order, so a row's bits do not
+// depend on the passes.
+template <int Rows, int Vectors>
+void group_int4(const uint8_t* w, const uint16_t* sz, const int16_t* x, int64_t ldx, const float* units,
+                const float* sums, int64_t groups, int64_t g, int first, Vec* acc) {
+  IVec dots[Rows * Vectors];
+  for (int i = 0; i < Rows * Vectors; ++i) dots[i] = izero();
+  for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; ++p) {
+    IPairs wv[Vectors];
+    for (int j = 0; j < Vectors; ++j) wv[j] = int4_ipairs(w + p * kBlock, first + j);
+    for (int r = 0; r < Rows; ++r) {
+      const XIPair xv = broadcast_ipair(x + r * ldx + 2 * p);
+      for (int j = 0; j < Vectors; ++j) dots[r * Vectors + j] = idot(dots[r * Vectors + j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < Vectors; ++j) {
+    const int o = (first + j) * 16;
+    const Vec scale = load_half(sz + (g * 2) * kBlock + o), minimum = load_half(sz + (g * 2 + 1) * kBlock + o);
+    for (int r = 0; r < Rows; ++r) {
+      const int i = r * kVectors + first + j;
+      const Vec step = mul(scale, set1(units[r * groups + g]));
+      acc[i] = fmadd(minimum, set1(sums[r * groups + g]), fmadd(to_float(dots[r * Vectors + j]), step, acc[i]));
+    }
+  }
+}
+
 template <int Rows>
 void block_int4(const uint8_t* w, const uint16_t* sz, const int16_t* x, int64_t ldx, const float* units,
                 const float* sums, int64_t groups, Vec* acc) {
+  constexpr int pass = Rows == 1 ? kVectors : kInt4PassVectors;
+  static_assert(kVectors % pass == 0, "passes take the block's vectors in equal parts");
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     prefetch_ahead(w + g * kGroupPairs * kBlock, kGroupPairs * kBlock);
-    IVec dots[Rows * kVectors];
-    for (int i = 0; i < Rows * kVectors; ++i) dots[i] = izero();
-    for (int64_t p = g * kGroupPairs; p < (g + 1) * kGroupPairs; ++p) {
-      IPairs wv[kVectors];
-      int4_ipairs(w + p * kBlock, wv);
-      for (int r = 0; r < Rows; ++r) {
-        const XIPair xv = broadcast_ipair(x + r * ldx + 2 * p);
-        for (int j = 0; j < kVectors; ++j) dots[r * kVectors + j] = idot(dots[r * kVectors + j], xv, wv[j]);
-      }
-    }
-    for (int j = 0; j < kVectors; ++j) {
-      const Vec scale = load_half(sz + (g * 2) * kBlock + j * 16), minimum = load_half(sz + (g * 2 + 1) * kBlock + j * 16);
-      for (int r = 0; r < Rows; ++r) {
-        const int i = r * kVectors + j;
-        const Vec step = mul(scale, set1(units[r * groups + g]));
-        acc[i] = fmadd(minimum, set1(sums[r * groups + g]), fmadd(to_float(dots[i]), step, acc[i]));
-      }
-    }
+    for (int first = 0; first < kVectors; first += pass) group_int4<Rows, pass>(w, sz, x, ldx, units, sums, groups, g, first, acc);
   }
 }
 

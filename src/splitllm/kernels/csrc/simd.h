@@ -21,8 +21,8 @@
 //   pairs from bfloat16 (64 bytes) and int8 (64 bytes in `int8_slot` order) weights;
 //   and for int4, exact integer arithmetic: IVec (16 int32 lanes), izero(), to_float(v) (exact below 2^24),
 //   IPairs (16 outputs' nibble pairs as int16), XIPair, broadcast_ipair(x) (a row's int16 pair),
-//   idot(acc, xpair, pairs) = acc + x0 w0 + x1 w1, and int4_ipairs(w, pairs) (32 bytes: the first 16 outputs
-//   in the low nibbles).
+//   idot(acc, xpair, pairs) = acc + x0 w0 + x1 w1, and int4_ipairs(w, vector) (one 16-output vector's pairs of
+//   32 bytes: vector 0 in the low nibbles, 1 in the high).
 // The one place backends may differ: VDPBF16PS flushes float32 subnormals (below 1.2e-38) to zero, the
 // fused multiply-adds of the other backends keep them; bfloat16 stores flush them on every backend.
 //

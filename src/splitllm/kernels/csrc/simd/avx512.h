@@ -60,6 +60,7 @@ using Pairs = __m512bh;
 using XPair = __m512bh;
 constexpr int kRowTile = 6;      // rows per pass over a block (24 of the 32 registers accumulate)
 constexpr int kInt4RowTile = 4;  // 8 accumulators and 16 group sums
+constexpr int kInt4PassVectors = 2;
 
 inline XPair broadcast_pair(const uint16_t* p) {  // copied out as one int32 (no aliasing through int32*)
   int32_t pair;
@@ -118,10 +119,9 @@ inline XIPair broadcast_ipair(const int16_t* p) {
   return _mm512_set1_epi32(pair);
 }
 inline IVec idot(IVec acc, XIPair x, IPairs w) { return _mm512_dpwssd_epi32(acc, x, w); }
-inline void int4_ipairs(const uint8_t* w, IPairs* v) {
+inline IPairs int4_ipairs(const uint8_t* w, int vector) {
   const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-  v[0] = _mm512_and_si512(bytes, _mm512_set1_epi16(0x000F));
-  v[1] = _mm512_srli_epi16(bytes, 4);
+  return vector == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi16(0x000F)) : _mm512_srli_epi16(bytes, 4);
 }
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }

@@ -126,6 +126,7 @@ struct XPair {
 };
 constexpr int kRowTile = 2;
 constexpr int kInt4RowTile = 2;
+constexpr int kInt4PassVectors = 2;
 
 inline XPair broadcast_pair(const uint16_t* p) {  // one 32-bit broadcast, then each half under a zero half
   uint32_t pair;
@@ -190,12 +191,13 @@ inline IVec idot(IVec acc, XIPair x, const IPairs& w) {
   }
   return out;
 }
-inline void int4_ipairs(const uint8_t* w, IPairs* v) {
+inline IPairs int4_ipairs(const uint8_t* w, int vector) {
+  IPairs v;
   for (int h = 0; h < 4; ++h) {  // 8 bytes: 4 outputs' pairs of the low half, 4 of the high half
     const uint16x8_t bytes = vmovl_u8(vld1_u8(w + 8 * h));
-    v[0].q[h] = vreinterpretq_s16_u16(vandq_u16(bytes, vdupq_n_u16(0x000F)));
-    v[1].q[h] = vreinterpretq_s16_u16(vshrq_n_u16(bytes, 4));
+    v.q[h] = vreinterpretq_s16_u16(vector == 0 ? vandq_u16(bytes, vdupq_n_u16(0x000F)) : vshrq_n_u16(bytes, 4));
   }
+  return v;
 }
 
 inline void prefetch(const void* p) { __builtin_prefetch(p); }

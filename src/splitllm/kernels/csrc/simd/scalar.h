@@ -75,6 +75,7 @@ struct XPair {
 };
 constexpr int kRowTile = 1;
 constexpr int kInt4RowTile = 1;
+constexpr int kInt4PassVectors = 2;
 
 inline XPair broadcast_pair(const uint16_t* p) { return {bfloat16_value(p[0]), bfloat16_value(p[1])}; }
 inline Vec dot(Vec acc, XPair x, const Pairs& w) {
@@ -114,11 +115,10 @@ inline IVec idot(IVec acc, XIPair x, const IPairs& w) {
   for (int j = 0; j < 16; ++j) acc.i[j] += int32_t{x.x0} * w.w[2 * j] + int32_t{x.x1} * w.w[2 * j + 1];
   return acc;
 }
-inline void int4_ipairs(const uint8_t* w, IPairs* v) {
-  for (int b = 0; b < 32; ++b) {
-    v[0].w[b] = static_cast<int16_t>(w[b] & 15);
-    v[1].w[b] = static_cast<int16_t>(w[b] >> 4);
-  }
+inline IPairs int4_ipairs(const uint8_t* w, int vector) {
+  IPairs v;
+  for (int b = 0; b < 32; ++b) v.w[b] = static_cast<int16_t>(vector == 0 ? w[b] & 15 : w[b] >> 4);
+  return v;
 }
 
 inline void prefetch(const void*) {}
