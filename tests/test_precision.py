@@ -19,7 +19,9 @@ from splitllm.decoding.speculation_config import SPECULATIVE_MODES, SpeculationC
 from splitllm.decoding.speculative import SpeculativeDecoder
 from splitllm.kernels import cpu_kernels
 from splitllm.model.precision import Precision
-from splitllm.model.quant import BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear, fuse, int4_values
+from splitllm.model.quant import (
+    WEIGHT_KINDS, BlockedLinear, Int4Linear, Int8Linear, Linear, PackedLinear, fuse, int4_values
+)
 from splitllm.model.stage import Stage, Step
 from splitllm.weights.conversions import StoredWeights
 from splitllm.weights.sources import ModelFiles, cache_root
@@ -183,7 +185,8 @@ def test_speculation_is_exact_against_sequential_in_the_same_precision(
     # On AMX's tiles a tree's logits come from one LM-head call, on the dot-product path a few rows at once
     # (as many as share a read of the weights); every row the bits it gets alone.
     variant = cpu_kernels.chosen()
-    dot_rows = variant.shared_rows[precision.quant != "none"] if variant else 1
+    head = client_model.lm_head
+    dot_rows = variant.shared_rows[WEIGHT_KINDS.get(head.packed.dtype, 0)] if isinstance(head, BlockedLinear) else 1
     assert client_model.shared_logit_rows == (1 if kernels is None else 32 if kernels.tiles_available() else dot_rows)
 
 

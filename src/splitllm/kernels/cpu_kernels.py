@@ -43,16 +43,18 @@ COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-Werror=missing-declara
 class Variant:
     """The kernels compiled for one instruction set: `features` are the CPU flags it needs (as Linux's
     /proc/cpuinfo names them), `path` what benchmark records call its linear kernel, and `shared_rows` how
-    many rows one pass over bfloat16 and over quantized weights takes for about the cost of one (rows share
-    each weight load while the memory's bandwidth bounds the pass; AVX2's and NEON's multiply-adds do a
-    quarter of VDPBF16PS's work per instruction, so their extra rows cost more)."""
+    many rows one pass over bfloat16, int8 and int4 weights takes for about the cost of one (rows share each
+    weight load while the memory's bandwidth bounds the pass; AVX2's and NEON's multiply-adds do a quarter
+    of VDPBF16PS's work per instruction, so their extra rows cost more: on a Zen 3, a 1.5B's int8 LM head
+    took 1.25x one row's time for two rows and its bfloat16 form about one row's for four, while two rows of
+    int4 weights, read at half the bytes, took 1.9x)."""
 
     name: str
     machines: tuple[str, ...]
     features: frozenset[str]
     flags: tuple[str, ...]
     path: str
-    shared_rows: tuple[int, int]
+    shared_rows: tuple[int, int, int]
 
     @functools.cached_property
     def module(self) -> str:
@@ -70,11 +72,11 @@ _X86 = ("x86_64", "AMD64")
 VARIANTS = (  # widest first: a process takes the first its CPU runs
     Variant("avx512", _X86, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni"}),
             ("-DSPLITLLM_SIMD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
-             "-mavx512vnni", "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", (4, 2)),
+             "-mavx512vnni", "-mamx-tile", "-mamx-bf16"), "avx512-dot-products", (4, 2, 2)),
     Variant("avx2", _X86, frozenset({"avx2", "fma", "f16c"}), ("-DSPLITLLM_SIMD_AVX2", "-mavx2", "-mfma", "-mf16c"),
-            "avx2-fma", (2, 1)),
+            "avx2-fma", (4, 2, 1)),
     # NEON unpacks nibbles and multiplies as AVX2 does (not measured on ARM here): taken as AVX2's.
-    Variant("neon", ("aarch64", "arm64"), frozenset({"asimd"}), ("-DSPLITLLM_SIMD_NEON",), "neon-fma", (2, 1)),
+    Variant("neon", ("aarch64", "arm64"), frozenset({"asimd"}), ("-DSPLITLLM_SIMD_NEON",), "neon-fma", (4, 2, 1)),
 )
 
 
@@ -103,6 +105,11 @@ def runnable() -> list[Variant]:
     return [v for v in VARIANTS if machine in v.machines and v.features <= features]
 
 
+def widest() -> Variant | None:
+    """The widest variant this CPU runs (None: none), whatever `SPLITLLM_KERNELS` picks: the CPU's kind."""
+    return next(iter(runnable()), None)
+
+
 def _switch() -> str:
     """`SPLITLLM_KERNELS` as given, `auto` when unset or empty."""
     return os.environ.get(SWITCH, "").strip().lower() or "auto"
@@ -117,11 +124,10 @@ def chosen() -> Variant | None:
         raise ValueError(f"{SWITCH} must be auto, off or one of {', '.join(names)}; got {wanted!r}")
     if wanted == "off":
         return None
-    here = runnable()
     if wanted == "auto":
-        return here[0] if here else None
+        return widest()
     variant = next(v for v in VARIANTS if v.name == wanted)
-    if variant not in here:
+    if variant not in runnable():
         raise ValueError(f"{SWITCH}={wanted}: this CPU lacks {', '.join(sorted(variant.features - cpu_features()))}")
     return variant
 

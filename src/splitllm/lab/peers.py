@@ -51,8 +51,8 @@ def matching(variant: str | None = None) -> str:
     if variant is None:
         chosen = cpu_kernels.chosen()
         variant = None if chosen is None else chosen.name
-    here = cpu_kernels.runnable()
-    return "avx2" if variant == "avx2" and here and here[0].name != "avx2" else "native"
+    widest = cpu_kernels.widest()
+    return "avx2" if variant == "avx2" and widest is not None and widest.name != "avx2" else "native"
 
 
 def install_dir(isa: str = "native") -> Path:

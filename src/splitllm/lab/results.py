@@ -58,8 +58,8 @@ def published_name(name: str) -> str:
     on a narrower one (`kernels-avx2`), so each CPU kind's figures sit beside the others'."""
     from splitllm.kernels import cpu_kernels
 
-    here = cpu_kernels.runnable()
-    kind = here[0].name if here else "generic"
+    widest = cpu_kernels.widest()
+    kind = "generic" if widest is None else widest.name
     return name if kind == "avx512" else f"{name}-{kind}"
 
 

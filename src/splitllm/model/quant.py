@@ -21,6 +21,8 @@ from splitllm.kernels import cpu_kernels
 
 # The packed kernels take bfloat16 activations on CPU (float32 / float16 inputs run many times slower there).
 KERNEL_DTYPE = torch.bfloat16
+# A weight's index in `Variant.shared_rows` by its dtype (any other: bfloat16, 0).
+WEIGHT_KINDS = {torch.int8: 1, torch.uint8: 2}
 INT4_GROUP = 32  # inputs per int4 scale: gpt-fast's smallest group, the most accurate
 
 
@@ -111,7 +113,7 @@ class BlockedLinear(nn.Module):
         # weight block once for a few rows, so while bandwidth bounds it they come almost free.
         variant = cpu_kernels.chosen()
         assert variant is not None  # the kernels loaded
-        self._dot_rows = variant.shared_rows[weight.dtype in (torch.int8, torch.uint8)]
+        self._dot_rows = variant.shared_rows[WEIGHT_KINDS.get(weight.dtype, 0)]
         if weight.dtype == torch.uint8:
             assert scales is not None  # int4 weights come with their scales and minimums
             packed, scales = kernels.pack_int4(weight.contiguous(), scales.to(torch.float16).contiguous())

@@ -52,13 +52,14 @@ def _write(result: dict, name: str, table: str, out: str, doc: str | None) -> No
 
     from splitllm.lab import results
 
+    text = json.dumps(result, indent=1) + "\n"
     (folder := Path(out)).mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (folder / f"{name}.json").write_text(text)
     (folder / f"{name}.md").write_text(table)
     typer.echo(table)
     if doc:
         name = results.published_name(name)
-        (results.RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (results.RESULTS / f"{name}.json").write_text(text)
         (results.RESULTS / f"{name}.md").write_text(table)
         try:
             results.update_doc(results.CHECKOUT / "docs" / doc, name, table)
