@@ -303,33 +303,6 @@ def test_a_draft_model_takes_the_leanest_weights_the_kernels_run_beside_quantize
     assert drafting_precision(Precision(torch.bfloat16, "int8")) == Precision(torch.bfloat16, "int8")
 
 
-def test_a_draft_model_cut_to_a_draft_vocabulary_proposes_from_it_alone_and_stays_exact(  # type: ignore[no-untyped-def]
-    vocab16_model, vocab16_draft_model
-) -> None:
-    """A draft model cut to a draft vocabulary reads only those LM head rows: its guesses lie in it, their
-    probabilities are over it, and decoding still gives sequential decoding's tokens (test_qwen.py: the
-    1.5B's 0.5B takes its drafter's). A vocabulary outside the model's ids is refused."""
-    files, draft_files = ModelFiles(str(vocab16_model)), ModelFiles(str(vocab16_draft_model))
-    vocab = torch.tensor([9, 3, 14, 0, 7, 11])
-    draft = DraftModel(draft_files, torch.float64, vocab=vocab)
-    hidden = torch.randn(3, draft.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    probs, ids = draft.top(hidden, 4)
-    assert set(ids.flatten().tolist()) <= set(vocab.tolist()) and ids.shape == probs.shape == (3, 4)
-    whole = torch.softmax(draft.logits(hidden)[:, vocab].float(), dim=-1)  # the whole head's rows of `vocab`
-    torch.testing.assert_close(probs, whole.gather(-1, (ids[..., None] == vocab).float().argmax(-1)))
-    client_model = ClientModel(files, 1, 1, torch.float64)
-    client_model.draft_model = draft
-    split = (client_model, Stage.load(files, 1, 2, torch.float64))
-    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2)).tolist()
-    expected, _ = _ids(decode_sequential, _pipeline(split), prompt, 30)
-    ids_out, outs = _ids(SpeculativeDecoder(SpeculationConfig(Mode.DRAFTER, drafter_policy=StaticPolicy(BIG))),
-                         _pipeline(split), prompt, 30)
-    assert ids_out == expected
-    for bad in (torch.tensor([3, VOCAB]), torch.tensor([], dtype=torch.long)):
-        with pytest.raises(ValueError, match="draft vocabulary holds ids"):
-            DraftModel(draft_files, torch.float64, vocab=bad)
-
-
 def test_the_likely_path_of_a_step_taken_up_begins_at_its_entry(  # type: ignore[no-untyped-def]
     draft_model_split
 ) -> None:

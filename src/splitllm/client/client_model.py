@@ -117,14 +117,12 @@ class ClientModel(ModelEnds):
 
     @cached_property
     def draft_model(self) -> DraftModel | None:
-        """The draft model `draft_model_name` names, beside the client's precisions (`DraftModel.for_target`)
-        and proposing from the drafter's draft vocabulary where there is a drafter, or None. Loaded on first
-        use (a default one too: sequential decoding never loads it); assign to swap it."""
+        """The draft model `draft_model_name` names, beside the client's precisions (`DraftModel.for_target`),
+        or None. Loaded on first use (a default one too: sequential decoding never loads it); assign to swap it."""
         if self.draft_model_name in (None, NO_DRAFT_MODEL):
             return None
-        vocab = None if self.drafter is None else self.drafter.vocab
         return DraftModel.for_target(self.files, ModelFiles(self.draft_model_name), self.precision,
-                                     self.lm_head_precision, vocab)
+                                     self.lm_head_precision)
 
     def new_caches(self, max_context: int) -> ClientCaches:
         return ClientCaches(self.first.new_cache(max_context), self.last.new_cache(max_context) if self.last else None)

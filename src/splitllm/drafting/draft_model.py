@@ -8,11 +8,6 @@ drafts from the committed tokens alone (no target features), so nothing about it
 the client holds it whole, embedding to LM head. What it costs is client time, one pass of all its
 layers per tree depth, which `auto`'s gate weighs against what it gains; its guesses are only ever
 verified, so beside quantized client layers its own layers keep int4 weights (`drafting_precision`).
-
-Its LM head is a third of its weights (136M of the 0.5B's) and nearly all of its rows are tokens the
-target seldom picks, so beside the target's shipped drafter it reads only the rows of that drafter's draft
-vocabulary (the target's most frequent tokens, measured on the target's own answers: FR-Spec's cut). A
-proposal outside it is lost, never a wrong output: every guess is verified.
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from torch import nn
 from transformers import AutoTokenizer
 
 from splitllm.model.kv import KVCache
@@ -67,33 +61,21 @@ class DraftModel(ModelEnds):
 
     def __init__(
         self, files: ModelFiles, precision: Precision | torch.dtype,
-        lm_head_precision: Precision | torch.dtype | None = None, vocab: torch.Tensor | None = None
+        lm_head_precision: Precision | torch.dtype | None = None
     ) -> None:
-        """`vocab`: the token ids it may propose (None: every token), its LM head cut to their rows."""
         self.precision = Precision.of(precision)
         super().__init__(files, self.precision if lm_head_precision is None else lm_head_precision)
         self.stage = Stage.load(files, 0, files.config.num_layers, self.precision)
-        self.vocab = vocab
-        self._vocab_head: nn.Module | None = None
-        if vocab is not None:
-            if not len(vocab) or int(vocab.min()) < 0 or int(vocab.max()) >= self.cfg.vocab_size:
-                raise ValueError(f"a draft vocabulary holds ids in [0, {self.cfg.vocab_size}), at least one")
-            # A tied head's rows are the embedding's, read directly (reading them back from a quantized
-            # head would run all of it).
-            rows = self.embed_weight[vocab] if self.head_is_embedding else self.lm_head_rows(vocab)
-            hp = self.lm_head_precision
-            self._vocab_head = hp.linear(hp.store_linear(rows))
 
     @classmethod
     def for_target(
-        cls, target: ModelFiles, draft: ModelFiles, precision: Precision, lm_head_precision: Precision | None = None,
-        vocab: torch.Tensor | None = None,
+        cls, target: ModelFiles, draft: ModelFiles, precision: Precision, lm_head_precision: Precision | None = None
     ) -> DraftModel:
         """`draft` loaded to draft for `target` beside client layers of `precision` and a client LM head of
-        `lm_head_precision` (its layers and LM head in their `drafting_precision`), proposing from `vocab`
-        (None: every token), refused with a clear error if it names tokens differently."""
+        `lm_head_precision` (its layers and LM head in their `drafting_precision`), refused with a clear
+        error if it names tokens differently."""
         check_same_tokenizer(target, draft)
-        return cls(draft, drafting_precision(precision), drafting_precision(lm_head_precision or precision), vocab)
+        return cls(draft, drafting_precision(precision), drafting_precision(lm_head_precision or precision))
 
     @property
     def max_position(self) -> int:
@@ -107,11 +89,6 @@ class DraftModel(ModelEnds):
         return self.stage.extend(cache, self.embed(tokens), positions, sees)
 
     @torch.inference_mode()
-    def top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `k` likeliest next tokens after each of the given last-layer outputs, as (probabilities,
-        token ids), the probabilities over its vocabulary."""
-        if self._vocab_head is None or self.vocab is None:
-            return torch.softmax(self.approx_logits(hidden), dim=-1).topk(k, dim=-1)
-        logits = self._softcap(self._vocab_head(self.normed(hidden)).float().cpu())
-        probs, at = torch.softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-        return probs, self.vocab[at]
+    def probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token distributions over the whole vocabulary after the given last-layer outputs."""
+        return torch.softmax(self.approx_logits(hidden), dim=-1)

@@ -83,4 +83,4 @@ class DraftModelProposer(ScoredTreeProposer):
         return self.model.grow(self.cache, tokens, positions, sees)
 
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.top(outputs, k)
+        return self.model.probs(outputs).topk(k, dim=-1)

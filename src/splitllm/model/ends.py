@@ -38,8 +38,7 @@ class ModelEnds:
         # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as transformers does.
         scale = torch.tensor(cfg.embed_scale).to(self.embed_weight.device, self.embed_weight.dtype)
         self.embed_scale = scale if cfg.embed_scale != 1.0 else None
-        self.head_is_embedding = head_name == embed_name
-        self._tied_dense = self.head_is_embedding and self.lm_head_precision.quant == "none"
+        self._tied_dense = head_name == embed_name and self.lm_head_precision.quant == "none"
         self.lm_head = (
             self.lm_head_precision.linear({"weight": self.embed_weight}) if self._tied_dense
             else weights.linear([head_name])
