@@ -45,9 +45,9 @@ class Variant:
     /proc/cpuinfo names them), `path` what benchmark records call its linear kernel, and `shared_rows` how
     many rows one pass over bfloat16, int8 and int4 weights takes for about the cost of one (rows share each
     weight load while the memory's bandwidth bounds the pass; AVX2's and NEON's multiply-adds do a quarter
-    of VDPBF16PS's work per instruction, so their extra rows cost more: on a Zen 3, a 1.5B's int8 LM head
-    took 1.25x one row's time for two rows and its bfloat16 form about one row's for four, while two rows of
-    int4 weights, read at half the bytes, took 1.9x)."""
+    of VDPBF16PS's work per instruction, so their extra rows cost more: there a bfloat16 pass still reads
+    about as long as four rows' products take, an int8 pass two rows', while int4 weights, read at half
+    the bytes, leave each row's products to pay)."""
 
     name: str
     machines: tuple[str, ...]

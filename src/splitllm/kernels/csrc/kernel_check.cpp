@@ -317,7 +317,8 @@ void check_layer(Checks& c, Random& rng) {
       widen(slots.data(), int8_pairs);
       IVec sums[2] = {izero(), izero()};
       for (int s = 0; s < 2; ++s) {
-        for (int j = 0; j < 2; ++j) sums[j] = idot(sums[j], broadcast_ipair(xi[s].data()), int4_ipairs(nibbles[s].data(), j));
+        for (int j = 0; j < 2; ++j)
+          sums[j] = idot(sums[j], broadcast_ipair(xi[s].data()), int4_ipairs(nibbles[s].data(), j));
       }
       const XPair xv = broadcast_pair(x.data());
       for (int j = 0; j < 2; ++j) {

@@ -169,7 +169,8 @@ void block_int4(const uint8_t* w, const uint16_t* sz, const int16_t* x, int64_t 
   for (int i = 0; i < Rows * kVectors; ++i) acc[i] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     prefetch_ahead(w + g * kGroupPairs * kBlock, kGroupPairs * kBlock);
-    for (int first = 0; first < kVectors; first += pass) group_int4<Rows, pass>(w, sz, x, ldx, units, sums, groups, g, first, acc);
+    for (int first = 0; first < kVectors; first += pass)
+      group_int4<Rows, pass>(w, sz, x, ldx, units, sums, groups, g, first, acc);
   }
 }
 

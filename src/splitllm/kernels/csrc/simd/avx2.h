@@ -128,9 +128,8 @@ struct XPair {
 };
 constexpr int kRowTile = 4;      // rows per pass over a block (some accumulators spill, yet 3-8 rows ran 15-30% faster than 2)
 // int4 tiles of several rows take one 16-output vector per pass over a block's group (8 accumulators): with
-// both vectors, 16 registers spill an accumulator, each pair waits on a store and a reload, and 4 rows took
-// 1.45x the time they take this way (8960 x 1536, Zen 3); a lone row keeps both vectors and reads its
-// weights at the bandwidth.
+// both vectors, 16 registers spill an accumulator and each input pair waits on a store and a reload, which
+// made several rows markedly slower; a lone row keeps both vectors and reads its weights at the bandwidth.
 constexpr int kInt4RowTile = 4;
 constexpr int kInt4PassVectors = 1;
 
