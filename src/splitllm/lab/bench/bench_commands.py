@@ -53,19 +53,18 @@ def _write(result: dict, name: str, table: str, out: str, doc: str | None) -> No
     from splitllm.lab import results
 
     text = json.dumps(result, indent=1) + "\n"
-    (folder := Path(out)).mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(text)
-    (folder / f"{name}.md").write_text(table)
+    published = results.published_name(name)
+    for folder, stem in [(Path(out), name)] + ([(results.RESULTS, published)] if doc else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{stem}.json").write_text(text)
+        (folder / f"{stem}.md").write_text(table)
     typer.echo(table)
     if doc:
-        name = results.published_name(name)
-        (results.RESULTS / f"{name}.json").write_text(text)
-        (results.RESULTS / f"{name}.md").write_text(table)
         try:
-            results.update_doc(results.CHECKOUT / "docs" / doc, name, table)
+            results.update_doc(results.CHECKOUT / "docs" / doc, published, table)
         except ValueError:
-            fail(f"published docs/results/{name}.json, but docs/{doc} has no <!-- results:{name} --> block to show "
-                 "it: add one and render the JSON into it (lab.results.update_doc)", code=2)
+            fail(f"published docs/results/{published}.json, but docs/{doc} has no <!-- results:{published} --> "
+                 "block to show it: add one and render the JSON into it (lab.results.update_doc)", code=2)
 
 
 @command(app, BENCH_SPEED, speed=Values)
