@@ -44,6 +44,11 @@ from splitllm.server.app import MiddleServer
 from splitllm.server.settings import ServerSettings
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-traces", action="store_true",
+                     help="write this CPU kind's step traces (tests/test_step_traces.py) instead of checking them")
+
+
 def pytest_configure() -> None:
     """One compute thread: client, server threads and transformers share two cores, and OpenMP's
     spinning barriers degrade many-fold when oversubscribed (transformers' greedy decoding of the

@@ -10,7 +10,7 @@ from splitllm.decoding.sizing.calibration import CandidateRates
 from splitllm.decoding.proposers import Candidate
 from splitllm.decoding.proposers.lookahead import LookaheadWindow
 from splitllm.decoding.proposers.lookup import ContextLookup
-from splitllm.decoding.speculative import plan_step
+from splitllm.decoding.layout import plan_step
 from splitllm.decoding.tree import ROOT, CandidateTree
 from splitllm.decoding.verifier import verify
 

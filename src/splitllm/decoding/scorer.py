@@ -1,7 +1,9 @@
 """What a decoder needs from the model: score a step's nodes in one round trip.
 
 Decoders own this interface so they depend on no client code; the client's `SplitPipeline`
-(over a server or an in-process middle) is the implementation.
+(over a server or an in-process middle) is the implementation. It comes in three parts, named by who
+calls them: `Scoring` (every decoder), `SendingAhead` (besides, steps sent ahead of the one in flight:
+decoding/ahead.py) and `Tapping` (what the drafters read besides the tokens).
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ from splitllm.stats import StepTiming
 from splitllm.model.stage import Step
 
 
-class Scorer(Protocol):
-    """One generation's model state: its caches and the middle session behind them."""
-
-    client_model: DraftingClient  # what the drafter drafts with
+class Scoring(Protocol):
+    """A generation's caches and the middle session behind them, scored a step at a time."""
 
     @property
     def committed(self) -> int:
@@ -29,11 +29,6 @@ class Scorer(Protocol):
     @property
     def max_context(self) -> int:
         """Positions every cache holds, within the model's maximum position."""
-        ...
-
-    @property
-    def overlaps(self) -> bool:
-        """Whether the client's core is free while a step is in flight (the middle runs elsewhere)."""
         ...
 
     @property
@@ -60,6 +55,29 @@ class Scorer(Protocol):
         ...
 
     @property
+    def shared_logit_rows(self) -> int:
+        """How many rows' logits one call gives for about the cost of one row's (their bits the same as alone)."""
+        ...
+
+    def logits(self, hidden: torch.Tensor, timing: StepTiming) -> torch.Tensor:
+        """LM head over `hidden`'s rows."""
+        ...
+
+    def approx_logits(self, hidden: torch.Tensor, timing: StepTiming) -> torch.Tensor:
+        """An approximate LM head over `hidden`'s rows, for guesses that are never committed unverified."""
+        ...
+
+
+class SendingAhead(Scoring, Protocol):
+    """A scorer that also takes steps sent ahead of the one in flight (decoding/ahead.py), and runs work
+    meanwhile."""
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the client's core is free while a step is in flight (the middle runs elsewhere)."""
+        ...
+
+    @property
     def ahead_ready(self) -> bool:
         """Whether a step may go ahead of the one in flight now (from a piece of `while_waiting`)."""
         ...
@@ -76,19 +94,16 @@ class Scorer(Protocol):
         """Give up the step sent ahead; the next step's keep picks from the step before it, as if it never went."""
         ...
 
+
+class Tapping(Protocol):
+    """What the drafters read from the model besides the tokens."""
+
+    client_model: DraftingClient  # what the drafters draft with
+
     def tapped(self, layers: Sequence[int]) -> torch.Tensor:
         """The last step's outputs of the client's first stage and the middle, by layer count, side by side."""
         ...
 
-    @property
-    def shared_logit_rows(self) -> int:
-        """How many rows' logits one call gives for about the cost of one row's (their bits the same as alone)."""
-        ...
 
-    def logits(self, hidden: torch.Tensor, timing: StepTiming) -> torch.Tensor:
-        """LM head over `hidden`'s rows."""
-        ...
-
-    def approx_logits(self, hidden: torch.Tensor, timing: StepTiming) -> torch.Tensor:
-        """An approximate LM head over `hidden`'s rows, for guesses that are never committed unverified."""
-        ...
+class Scorer(SendingAhead, Tapping, Protocol):
+    """All a speculative decoder calls of the model."""

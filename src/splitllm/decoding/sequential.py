@@ -7,7 +7,7 @@ from collections.abc import Generator, Sequence
 import torch
 
 from splitllm.decoding.sampling import Sampler
-from splitllm.decoding.scorer import Scorer
+from splitllm.decoding.scorer import Scoring
 from splitllm.decoding.step import StepOutput
 from splitllm.model.stage import Step
 from splitllm.model.visibility import Visibility
@@ -15,7 +15,7 @@ from splitllm.stats import StepSpeculation, StepStats
 
 
 def decode_sequential(
-    pipeline: Scorer,
+    pipeline: Scoring,
     prompt: list[int],
     max_new_tokens: int,
     stop_ids: frozenset[int],

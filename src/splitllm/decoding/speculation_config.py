@@ -78,7 +78,7 @@ class SpeculationConfig:
     tree: how wide the drafters' trees grow (the budgets bound their nodes and depth).
     prepare: whether a draft model drafts the next step's tree while a step is in flight (speculative.py).
     send_ahead: whether that prepared tree goes to the server at once, as the next step built on the step in
-        flight's likeliest outcome, so two steps are on the wire (speculative.py).
+        flight's likeliest outcome, so two steps are on the wire (ahead.py).
     """
 
     mode: Mode = Mode.AUTO

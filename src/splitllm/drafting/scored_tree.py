@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -84,7 +84,7 @@ class _Prepared:
 
 
 class ScoredTreeProposer(ABC):
-    """A Proposer whose candidates are single scored nodes of a tree (see `Candidate.score`).
+    """A `TreeDrafter`: a Proposer whose candidates are single scored nodes of a tree (see `Candidate.score`).
 
     Subclasses say how the drafting model catches up with the committed sequence (`_sync`), runs a
     depth of nodes (`_expand`) and turns outputs into token probabilities (`_top`).
@@ -132,6 +132,11 @@ class ScoredTreeProposer(ABC):
     @abstractmethod
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely next tokens after each output: probabilities and target token ids."""
+
+    def catch_up(self, history: Sequence[int]) -> Iterator[object]:
+        """Nothing to read beside a round trip unless it `reads_tokens`: a drafter over the target's
+        features catches up as it next drafts."""
+        return iter(())
 
     def take_draft_ms(self) -> float:
         ms, self.draft_ms = self.draft_ms, 0.0

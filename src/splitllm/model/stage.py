@@ -78,7 +78,7 @@ class Step:
     (n,): their absolute positions; `vis`: which new entries each one sees; `keep`: the previous
     step's entries to commit first, in order (the rest are dropped). `crop`, before that: the committed
     length to cut the cache back to, dropping what is pending too (so `keep` is empty): a step sent
-    ahead on a guess that failed is undone this way (decoding/speculative.py).
+    ahead on a guess that failed is undone this way (decoding/ahead.py).
     """
 
     inputs: torch.Tensor
