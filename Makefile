@@ -62,11 +62,16 @@ lint: $(STAMP)  # ruff, as configured in pyproject.toml
 typecheck: $(STAMP)  # the runtime's types (pyproject's [tool.mypy]: src/splitllm but the lab)
 	$(PY) -m mypy
 
+# The suite on every core (up to four: each worker loads its own models), a test file per worker so its
+# module's fixtures load once; `make test PYTEST_WORKERS=0` runs it in this process alone.
+PYTEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile
+
 test: lint typecheck $(KERNELS) $(MODELS) browser arm-check-tools
-	$(PY) -m pytest
+	$(PYTEST)
 
 test-fast: lint typecheck $(KERNELS) arm-check-tools  # the inner loop: unit and tiny-model tests, no packaged model, no browser
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache src/splitllm/kernels/compiled
