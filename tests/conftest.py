@@ -127,13 +127,16 @@ def _build_tiny(name: str, folder: Path) -> Path:
 class Distant(InProcessMiddle):
     """A simulation of a middle on another machine, `flight_ms` away: this in-process middle computes, then the
     client's core is free (the piece of client work runs, and may send a step ahead) until the reply would
-    be back. `ahead` False: no step goes ahead."""
+    be back. `ahead` False: no step goes ahead. `wait` False: the reply comes as soon as that work is done,
+    its round trip reported as `flight_ms` all the same, so the decoder's choices that follow the clock
+    (preparing a tree until the reply is due, sending it ahead) come out alike however loaded the machine."""
 
     overlaps = True
 
-    def __init__(self, stage: Stage, max_context: int, ahead: bool = True, flight_ms: float = 30.0) -> None:
+    def __init__(self, stage: Stage, max_context: int, ahead: bool = True, flight_ms: float = 30.0,
+                 wait: bool = True) -> None:
         super().__init__(stage, max_context)
-        self.ahead, self.flight_ms = ahead, flight_ms
+        self.ahead, self.flight_ms, self.wait = ahead, flight_ms, wait
 
     @property
     def ahead_ready(self) -> bool:
@@ -146,8 +149,9 @@ class Distant(InProcessMiddle):
         self._in_step = True
         next(while_waiting or iter(()), None)
         self._in_step = False
-        time.sleep(max(0.0, t0 + self.flight_ms / 1000 - time.perf_counter()))
-        timing.round_trip_ms += (time.perf_counter() - t0) * 1000
+        if self.wait:
+            time.sleep(max(0.0, t0 + self.flight_ms / 1000 - time.perf_counter()))
+        timing.round_trip_ms += max((time.perf_counter() - t0) * 1000, 0.0 if self.wait else self.flight_ms)
         return out
 
 

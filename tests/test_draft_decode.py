@@ -334,7 +334,8 @@ def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, 
     class Watched(InProcessMiddle):
         def step(self, step, timing, while_waiting=None):  # type: ignore[no-untyped-def]
             out = super().step(step, timing, while_waiting)
-            waited.append(decoder.draft_model_proposer.committed)  # what it had read when the middle returned
+            # what it had read when the middle returned
+            waited.append(decoder.tree_drafters.draft_model_proposer.committed)
             return out
 
     client_model, stage = draft_model_split
@@ -344,7 +345,7 @@ def test_a_draft_model_reads_a_prefill_while_it_is_in_flight(draft_model_split, 
     expected, _ = _ids(decode_sequential, _pipeline(draft_model_split), prompt, 12)
     first = decoder(pipeline, prompt, 12, frozenset())
     out = next(first)
-    proposer = decoder.draft_model_proposer
+    proposer = decoder.tree_drafters.draft_model_proposer
     assert proposer is not None and proposer.committed == len(prompt) and proposer.tokens == prompt
     assert out.stats.timing.overlap_ms > 0 and not any("draft-model" in s for s in out.stats.speculation.sources)
     assert waited == [4]  # one pass beside the middle's compute, the other two after it
@@ -403,7 +404,7 @@ def test_a_draft_model_prepares_the_next_tree_while_a_step_is_in_flight(  # type
         prepared += sum(o.stats.speculation.prepared for o in outs)
         adopted += sum(o.stats.speculation.adopted for o in outs)
         # its cache may hold guesses: drafting after the real history drops them
-        proposer = decoder.draft_model_proposer
+        proposer = decoder.tree_drafters.draft_model_proposer
         fresh = DraftModelProposer(client_model.draft_model, CONTEXT)
         fresh.calibration = proposer.calibration
         proposer.prepared = None  # (a tree prepared for the sequence's end would be taken instead)

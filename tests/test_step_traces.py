@@ -120,7 +120,7 @@ def record(vocab16_model: Path, vocab16_draft_model: Path) -> dict[str, Events]:
         return SplitPipeline(client_model, InProcessMiddle(stage, CONTEXT), CONTEXT)
 
     def distant(client_model: ClientModel) -> SplitPipeline:  # the client's core free while a step is in flight
-        return SplitPipeline(client_model, Distant(stage, CONTEXT, ahead=True, flight_ms=50.0), CONTEXT)
+        return SplitPipeline(client_model, Distant(stage, CONTEXT, flight_ms=1000.0, wait=False), CONTEXT)
 
     for mode in (Mode.LOOKUP, Mode.LOOKAHEAD, Mode.AUTO, Mode.DRAFTER):
         events = traces.setdefault(f"in-process {mode}", [])

@@ -268,8 +268,8 @@ class Conversation:
         caches = self._pipeline.caches
         total = caches.first.nbytes + (caches.last.nbytes if caches.last is not None else 0)
         for decoder in self._decoders.values():
-            proposer = getattr(decoder, "draft_model_proposer", None)
-            total += proposer.cache.nbytes if proposer is not None else 0
+            drafters = getattr(decoder, "tree_drafters", None)  # a speculative decoder's (sequential has none)
+            total += drafters.nbytes if drafters is not None else 0
         return total
 
     def close(self) -> None:

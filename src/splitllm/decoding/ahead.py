@@ -70,8 +70,7 @@ class StepAhead:
         plan = plan_step([], start, tree, None)
         timing = StepTiming()
         scorer.send_ahead(plan.step(keep), timing)
-        return cls(SentStep(tree, None, plan, [], start, budget, flight.grew, graft=graft, timing=timing),
-                   drafter, scorer)
+        return cls(SentStep(tree, None, plan, [], start, budget, flight.grew, timing, graft=graft), drafter, scorer)
 
     @property
     def graft(self) -> Graft:
@@ -93,7 +92,7 @@ class StepAhead:
 
     def receive(self, while_waiting: Iterator[object]) -> torch.Tensor:
         """A TAKEN step's hidden states, timed into `sent.timing`; `while_waiting` runs meanwhile."""
-        assert self.state is AheadState.TAKEN and self.sent.timing is not None
+        assert self.state is AheadState.TAKEN
         return self.scorer.receive_ahead(self.sent.timing, while_waiting)
 
     def drop(self) -> None:

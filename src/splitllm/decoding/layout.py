@@ -68,10 +68,9 @@ def fit_window(budget: SpecBudget, room: int) -> SpecBudget:
 @dataclass
 class SentStep:
     """A step sent: its tree and window, their layout after `chain` (the committed tokens it feeds) from
-    absolute position `start`, the budget that sized it and the drafter that grew it (None: none).
-    A step sent ahead hangs from `graft`, a node of the step before it, and feeds no chain; once taken
-    up, `entry` is its first-level node the model chose (the walk starts there) and `timing` its record
-    since it was sent."""
+    absolute position `start`, the budget that sized it, the drafter that grew it (None: none) and its
+    timing since it was sent. A step sent ahead hangs from `graft`, a node of the step before it, and
+    feeds no chain; once taken up, `entry` is its first-level node the model chose (the walk starts there)."""
 
     tree: CandidateTree
     layout: WindowLayout | None
@@ -80,9 +79,9 @@ class SentStep:
     start: int
     budget: SpecBudget
     grew: int | None
+    timing: StepTiming
     graft: int = ROOT
     entry: int = ROOT
-    timing: StepTiming | None = None
 
     def walk(self, tokens: Sequence[int]) -> list[int] | None:
         """The tree's nodes along `tokens` from the walk's start (a taken-up step's tokens begin with its

@@ -29,6 +29,7 @@ import torch
 from splitllm.decoding.ahead import AheadState, StepAhead
 from splitllm.decoding.layout import SentStep, fit_window, plan_step, speculation_of
 from splitllm.decoding.mode_names import Mode
+from splitllm.decoding.proposers import TreeDrafter
 from splitllm.decoding.proposers.lookahead import LookaheadWindow, WindowLayout
 from splitllm.decoding.proposers.suffix import SuffixCache
 from splitllm.decoding.proposing import Proposing
@@ -42,7 +43,6 @@ from splitllm.decoding.speculation_config import SpeculationConfig
 from splitllm.decoding.step import StepOutput
 from splitllm.decoding.tree import ROOT, CandidateTree
 from splitllm.decoding.verifier import Verdict, verify
-from splitllm.drafting.draft_model_proposer import DraftModelProposer
 from splitllm.drafting.tree_drafters import TreeDrafters
 from splitllm.stats import StepStats, StepTiming
 
@@ -71,11 +71,6 @@ class SpeculativeDecoder:
         self.gates = DrafterGates(config.gate)
         if self.drafter_policy is None and config.drafting.ngrams is None:  # the mode needs the drafter
             self.drafter_policy = StaticPolicy(config.static_budget(True))
-
-    @property
-    def draft_model_proposer(self) -> DraftModelProposer | None:
-        """The draft model's proposer kept from the last generation (None: none drafted with one yet)."""
-        return self.tree_drafters.draft_model_proposer
 
     def __call__(
         self,
@@ -138,7 +133,6 @@ class _Generation:
         drafts = decoder.drafter_policy is not None and decoder.config.drafting.drafter_ngrams is not None
         drafters = decoder.tree_drafters.for_generation(pipeline.client_model, pipeline.max_context) if drafts else []
         self.proposing = Proposing(decoder.config, drafters, decoder.gates, sampler, decoder.suffixes)
-        self.drafters = drafters
         self.policy = self._policy(decoder)
         self.chain, self.keep = list(prompt), list(keep)
         self.start = pipeline.committed + len(self.keep)
@@ -150,6 +144,10 @@ class _Generation:
         self.link_ms = float("inf")
         # The step sent ahead: SENT while the step in flight is, TAKEN between that step and the next.
         self.ahead: StepAhead | None = None
+
+    @property
+    def drafters(self) -> list[TreeDrafter]:
+        return self.proposing.drafters
 
     @property
     def done(self) -> bool:
@@ -169,7 +167,7 @@ class _Generation:
         if taken is None:
             flight, hidden, timing = self._send()
         else:
-            flight, timing = taken.sent, taken.sent.timing or StepTiming()
+            flight, timing = taken.sent, taken.sent.timing
             hidden = taken.receive(self._in_flight(flight, timing))
         ahead, self.ahead = self.ahead, None  # sent while this step was in flight
         prepared = ahead is not None or any(d.prepared is not None for d in self.drafters)
@@ -199,8 +197,8 @@ class _Generation:
         tree = CandidateTree.build(candidates, min(budget.max_nodes, room), budget.depth, rates, budget.cost)
         layout = self._layout(budget, room - len(tree))
         plan = plan_step(self.chain, self.start, tree, layout)
-        flight = SentStep(tree, layout, plan, self.chain, self.start, budget, grew)
         timing = StepTiming()
+        flight = SentStep(tree, layout, plan, self.chain, self.start, budget, grew, timing)
         catching_up = self.proposing.catch_up(reading, timing)
         waiting = itertools.chain(catching_up, self._in_flight(flight, timing))
         hidden, timing = self.pipeline.forward(plan.step(self.keep), timing, waiting)

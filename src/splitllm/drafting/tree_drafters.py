@@ -18,6 +18,11 @@ class TreeDrafters:
         self.top_k, self.beam, self.calibration = top_k, beam, calibration
         self.draft_model_proposer: DraftModelProposer | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """Client memory the kept draft model proposer's cache holds."""
+        return self.draft_model_proposer.cache.nbytes if self.draft_model_proposer is not None else 0
+
     def for_generation(self, client_model: DraftingClient, max_context: int) -> list[TreeDrafter]:
         drafters: list[TreeDrafter] = []
         if client_model.draft_model is not None:
