@@ -1,5 +1,5 @@
 // The attention kernel (attention_core.h) for PyTorch tensors.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include "attention_core.h"
 #include "kernels.h"
@@ -12,9 +12,9 @@ void attention_rows(const float* qp, const float* kp, const float* vp, int64_t h
 
 // q: (1, H, n, D); k, v: (1, KV, L, D) with unit stride along D; mask: additive (1, 1, n, L) or None.
 // Returns (1, n, H * D) float32: the heads side by side, as the output projection takes them.
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask, double scale) {
-  TORCH_CHECK(is_cpu(q, torch::kFloat) && is_cpu(k, torch::kFloat) && is_cpu(v, torch::kFloat),
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(is_cpu(q, at::kFloat) && is_cpu(k, at::kFloat) && is_cpu(v, at::kFloat),
               "attention: float32 queries, keys and values on the CPU");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1,
               "attention: queries (1, heads, n, head size), keys and values (1, kv heads, length, head size); got ",
@@ -27,11 +27,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
               " for keys) must be one positive multiple of 64");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "attention: ", heads, " query heads are not a multiple of ", kv_heads,
               " key/value heads");
-  TORCH_CHECK(!mask || (is_cpu(*mask, torch::kFloat) && mask->dim() >= 2 && mask->numel() == n * length &&
+  TORCH_CHECK(!mask || (is_cpu(*mask, at::kFloat) && mask->dim() >= 2 && mask->numel() == n * length &&
                         mask->size(-2) == n && mask->size(-1) == length && mask->stride(-1) == 1),
               "attention: the mask must be float32 (n, length) = (", n, ", ", length, "), unit stride along keys");
   auto qc = q.contiguous();
-  auto out = torch::empty({1, n, heads * dim}, q.options());
+  auto out = at::empty({1, n, heads * dim}, q.options());
   attention_rows(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(1), k.stride(2), heads, kv_heads,
                  n, length, dim, mask ? mask->data_ptr<float>() : nullptr, mask ? mask->stride(-2) : 0,
                  static_cast<float>(scale), out.data_ptr<float>());

@@ -9,7 +9,7 @@
 //
 // The residual stream and the projections' inputs and outputs are bfloat16, as in PyTorch's bfloat16
 // layers; norms, rotary, activation and attention compute in float32 and round once.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <cmath>
 #include <vector>
 
@@ -21,7 +21,7 @@ using namespace simd;
 
 namespace {
 
-const float* data_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
+const float* data_or_null(const c10::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
 
 // Each row on its own, several rows per thread task: the row's bits never depend on the grouping.
 template <typename F>
@@ -42,8 +42,8 @@ void Projection::operator()(const uint16_t* x, int64_t rows, uint16_t* y) const 
   linear_rows(x, rows, packed, outputs, data_or_null(bias), scales, y);
 }
 
-Projection::Projection(torch::Tensor packed_, int64_t outputs_, c10::optional<torch::Tensor> bias_,
-                       c10::optional<torch::Tensor> scales_)
+Projection::Projection(at::Tensor packed_, int64_t outputs_, c10::optional<at::Tensor> bias_,
+                       c10::optional<at::Tensor> scales_)
     : packed(std::move(packed_)), outputs(outputs_), bias(std::move(bias_)), scales(std::move(scales_)) {
   inputs = packed.dim() >= 2 ? packed.size(1) * 2 : 0;
   check_linear(packed, outputs, inputs, bias, scales);
@@ -51,11 +51,11 @@ Projection::Projection(torch::Tensor packed_, int64_t outputs_, c10::optional<to
 
 namespace {
 
-torch::Tensor float_norm(const c10::optional<torch::Tensor>& w) {
-  return w ? w->to(torch::kCPU, torch::kFloat).contiguous() : torch::Tensor();
+at::Tensor float_norm(const c10::optional<at::Tensor>& w) {
+  return w ? w->to(at::kCPU, at::kFloat).contiguous() : at::Tensor();
 }
 
-const float* ptr(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+const float* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
 // That a layer's projections and norms have the sizes `shape` gives: it sizes the step's buffers and
 // loops, so a layer built for another shape would be run out of bounds.
@@ -67,7 +67,7 @@ void check_layer(const Shape& shape, const Layer& layer) {
               "decoder: projection shapes do not match the layer's shape (hidden ", d, ", heads ", shape.heads,
               ", kv heads ", shape.kv_heads, ", head size ", shape.head_dim, ", intermediate ", shape.intermediate, ")");
   const struct {
-    const torch::Tensor& w;
+    const at::Tensor& w;
     int64_t size;
     const char* name;
   } norms[] = {{layer.input_norm, d, "input"}, {layer.post_norm, d, "post-attention"},
@@ -81,9 +81,9 @@ void check_layer(const Shape& shape, const Layer& layer) {
 }  // namespace
 
 Layer::Layer(const Shape& shape, Projection qkv_, Projection o_, Projection gate_up_, Projection down_,
-             const torch::Tensor& input_norm_, const torch::Tensor& post_norm_, const c10::optional<torch::Tensor>& q_norm_,
-             const c10::optional<torch::Tensor>& k_norm_, const c10::optional<torch::Tensor>& attn_out_norm_,
-             const c10::optional<torch::Tensor>& mlp_out_norm_, int64_t kind_)
+             const at::Tensor& input_norm_, const at::Tensor& post_norm_, const c10::optional<at::Tensor>& q_norm_,
+             const c10::optional<at::Tensor>& k_norm_, const c10::optional<at::Tensor>& attn_out_norm_,
+             const c10::optional<at::Tensor>& mlp_out_norm_, int64_t kind_)
     : qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)), kind(kind_) {
   input_norm = float_norm(input_norm_);
   post_norm = float_norm(post_norm_);
@@ -102,7 +102,7 @@ namespace {
 void check_sequence(const Shape& shape, const Sequence& s, int64_t rows, size_t kinds, int64_t layers) {
   const int64_t dim = shape.head_dim, length = s.offset + s.count;
   TORCH_CHECK(s.row >= 0 && s.count >= 0 && s.row + s.count <= rows && s.offset >= 0, "decoder: sequence rows out of range");
-  TORCH_CHECK(is_cpu(s.k, torch::kFloat) && is_cpu(s.v, torch::kFloat) && s.k.is_contiguous() && s.v.is_contiguous() &&
+  TORCH_CHECK(is_cpu(s.k, at::kFloat) && is_cpu(s.v, at::kFloat) && s.k.is_contiguous() && s.v.is_contiguous() &&
               s.k.sizes() == s.v.sizes() && s.k.dim() == 5 && s.k.size(0) >= layers && s.k.size(1) == 1 &&
               s.k.size(2) == shape.kv_heads && s.k.size(3) >= length && s.k.size(4) == dim,
               "decoder: key and value caches must be contiguous float32 (layers, 1, kv heads, context, head size) of one "
@@ -110,17 +110,17 @@ void check_sequence(const Shape& shape, const Sequence& s, int64_t rows, size_t 
   TORCH_CHECK(s.cos.size() == kinds && s.sin.size() == kinds && s.masks.size() == kinds, "decoder: one rotary table and mask per layer kind");
   for (size_t i = 0; i < kinds; ++i) {
     for (const auto* t : {&s.cos[i], &s.sin[i]})
-      TORCH_CHECK(is_cpu(*t, torch::kFloat) && t->is_contiguous() && t->numel() == s.count * dim,
+      TORCH_CHECK(is_cpu(*t, at::kFloat) && t->is_contiguous() && t->numel() == s.count * dim,
                   "decoder: rotary tables must be float32 (count, head size)");
     const auto& m = s.masks[i];
-    TORCH_CHECK(!m || (is_cpu(*m, torch::kFloat) && m->dim() >= 2 && m->numel() == s.count * length &&
+    TORCH_CHECK(!m || (is_cpu(*m, at::kFloat) && m->dim() >= 2 && m->numel() == s.count * length &&
                        m->size(-2) == s.count && m->size(-1) == length && m->stride(-1) == 1),
                 "decoder: masks must be float32 (count, context)");
   }
 }
 
 // Layer `layer`'s entries of a cache.
-float* entries(const torch::Tensor& cache, int64_t layer) { return cache.data_ptr<float>() + layer * cache.stride(0); }
+float* entries(const at::Tensor& cache, int64_t layer) { return cache.data_ptr<float>() + layer * cache.stride(0); }
 
 // Queries and new keys normed and rotated, new keys and values written to layer `index`'s cache.
 void place(const Shape& shape, const Layer& layer, const Sequence& s, int64_t index, const uint16_t* qkv, float* queries) {
@@ -157,10 +157,10 @@ void attend_sequence(const Shape& shape, const Layer& layer, const Sequence& s, 
 
 }  // namespace
 
-torch::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const torch::Tensor& x,
+at::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const at::Tensor& x,
                      const std::vector<Sequence>& sequences) {
   const int64_t d = shape.hidden, dim = shape.head_dim, heads = shape.heads;
-  TORCH_CHECK(is_cpu(x, torch::kBFloat16) && x.dim() == 2 && x.size(1) == d, "decoder: a bfloat16 (rows, hidden) input on the CPU");
+  TORCH_CHECK(is_cpu(x, at::kBFloat16) && x.dim() == 2 && x.size(1) == d, "decoder: a bfloat16 (rows, hidden) input on the CPU");
   TORCH_CHECK(dim > 0 && dim % 64 == 0 && shape.kv_heads > 0 && heads % shape.kv_heads == 0,
               "decoder: the head size must be a positive multiple of 64 and the query heads a multiple of the key/value heads");
   for (const auto& layer : layers) check_layer(shape, layer);
@@ -177,15 +177,15 @@ torch::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const
 
   auto out = x.contiguous().clone();
   auto bf = x.options();
-  auto f32 = x.options().dtype(torch::kFloat);
+  auto f32 = x.options().dtype(at::kFloat);
   const int64_t q = heads * dim, kv = shape.kv_heads * dim, inter = shape.intermediate;
-  auto normed = torch::empty({rows, d}, bf), qkv = torch::empty({rows, q + 2 * kv}, bf);
-  auto attended = torch::empty({rows, q}, f32), attended16 = torch::empty({rows, q}, bf);
-  auto projected = torch::empty({rows, d}, bf), gate_up = torch::empty({rows, 2 * inter}, bf);
-  auto hidden = torch::empty({rows, inter}, bf);
+  auto normed = at::empty({rows, d}, bf), qkv = at::empty({rows, q + 2 * kv}, bf);
+  auto attended = at::empty({rows, q}, f32), attended16 = at::empty({rows, q}, bf);
+  auto projected = at::empty({rows, d}, bf), gate_up = at::empty({rows, 2 * inter}, bf);
+  auto hidden = at::empty({rows, inter}, bf);
   int64_t most = 0;
   for (const auto& s : sequences) most = std::max(most, s.count);
-  auto queries = torch::empty({heads * most * dim}, f32);
+  auto queries = at::empty({heads * most * dim}, f32);
 
   auto* xp = reinterpret_cast<uint16_t*>(out.data_ptr());
   auto* np = reinterpret_cast<uint16_t*>(normed.data_ptr());

@@ -3,12 +3,14 @@
 // (see cpu_kernels.py), so a definition whose signature drifts from its declaration here fails the
 // build instead of leaving an undefined symbol that only shows up as a module that will not load.
 #pragma once
-#include <torch/extension.h>
+// ATen alone: only bindings.cpp needs torch/extension.h (pybind11 and the C++ frontend), whose headers
+// would dominate each source's compile time, and the kernels compile at install.
+#include <ATen/ATen.h>
 #include <tuple>
 #include <vector>
 
 // Whether t can be read through a raw pointer as `type`: defined, in CPU memory, of that dtype.
-inline bool is_cpu(const torch::Tensor& t, torch::ScalarType type) {
+inline bool is_cpu(const at::Tensor& t, at::ScalarType type) {
   return t.defined() && t.device().is_cpu() && t.scalar_type() == type;
 }
 
@@ -17,21 +19,21 @@ inline bool is_cpu(const torch::Tensor& t, torch::ScalarType type) {
 // leaf 7), Linux granted the tile state (asked once per process; the grant covers every thread) and
 // SPLITLLM_TILES is not 0 (which runs the dot-product path, as on CPUs without tiles).
 bool tiles_available();
-torch::Tensor pack(const torch::Tensor& weight);
-std::tuple<torch::Tensor, torch::Tensor> pack_int4(const torch::Tensor& q, const torch::Tensor& scales_mins);
-torch::Tensor unpack(const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& scales);
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& scales);
+at::Tensor pack(const at::Tensor& weight);
+std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& q, const at::Tensor& scales_mins);
+at::Tensor unpack(const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& scales);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& scales);
 // That a packed weight, its bias and scales make a linear of n outputs over k inputs (throws if not).
-void check_linear(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
-                  const c10::optional<torch::Tensor>& scales);
+void check_linear(const at::Tensor& packed, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& scales);
 // y (rows, n) = x (rows, k) W^T (+ bias) on raw rows, for a weight check_linear accepted.
-void linear_rows(const uint16_t* x, int64_t rows, const torch::Tensor& packed, int64_t n, const float* bias,
-                 const c10::optional<torch::Tensor>& scales, uint16_t* y);
+void linear_rows(const uint16_t* x, int64_t rows, const at::Tensor& packed, int64_t n, const float* bias,
+                 const c10::optional<at::Tensor>& scales, uint16_t* y);
 
 // attention.cpp: a few query rows over a float32 cache.
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask, double scale);
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const c10::optional<at::Tensor>& mask, double scale);
 // On raw pointers, shapes already checked: queries (heads, n, dim) contiguous; one head's keys and
 // values at k + g * head_stride, key j at + j * key_stride; additive mask rows (n, length) `mask_row`
 // apart, or none. Writes (n, heads * dim).
@@ -50,10 +52,10 @@ struct Shape {
 
 // A packed linear weight (see linear.cpp) with its int8 or int4 scales: y = x W^T (+ bias), bfloat16 in and out.
 struct Projection {
-  torch::Tensor packed;
+  at::Tensor packed;
   int64_t outputs, inputs;
-  c10::optional<torch::Tensor> bias, scales;
-  Projection(torch::Tensor packed, int64_t outputs, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scales);
+  c10::optional<at::Tensor> bias, scales;
+  Projection(at::Tensor packed, int64_t outputs, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> scales);
   void operator()(const uint16_t* x, int64_t rows, uint16_t* y) const;
 };
 
@@ -61,12 +63,12 @@ struct Projection {
 // the step's rotary table and mask (layers differ by attention window and rotary base).
 struct Layer {
   Projection qkv, o, gate_up, down;
-  torch::Tensor input_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  at::Tensor input_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm;
   int64_t kind;
   Layer(const Shape& shape, Projection qkv, Projection o, Projection gate_up, Projection down,
-        const torch::Tensor& input_norm, const torch::Tensor& post_norm, const c10::optional<torch::Tensor>& q_norm,
-        const c10::optional<torch::Tensor>& k_norm, const c10::optional<torch::Tensor>& attn_out_norm,
-        const c10::optional<torch::Tensor>& mlp_out_norm, int64_t kind);
+        const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
+        const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& attn_out_norm,
+        const c10::optional<at::Tensor>& mlp_out_norm, int64_t kind);
 };
 
 // One sequence's rows [row, row + count) of a step: its cache (float32, (layers, 1, kv heads, context,
@@ -74,10 +76,10 @@ struct Layer {
 // additive mask (count, offset + count), or none.
 struct Sequence {
   int64_t row, count, offset;
-  torch::Tensor k, v;
-  std::vector<torch::Tensor> cos, sin;
-  std::vector<c10::optional<torch::Tensor>> masks;
+  at::Tensor k, v;
+  std::vector<at::Tensor> cos, sin;
+  std::vector<c10::optional<at::Tensor>> masks;
 };
 
-torch::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const torch::Tensor& x,
+at::Tensor decode(const Shape& shape, const std::vector<Layer>& layers, const at::Tensor& x,
                      const std::vector<Sequence>& sequences);
